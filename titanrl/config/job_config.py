@@ -1,0 +1,374 @@
+"""The job configuration: one dataclass per TOML section, a docstring under every field.
+
+Precedence is CLI > TOML > the defaults written here. Loading and validation live in
+`titanrl/config/manager.py`; cross-field checks live next to the section they concern, in its
+`validate()` method, so a reader finds the rule beside the field.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file with the job configuration; values given on the command line override it."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: metrics, checkpoints, exported models."""
+
+    description: str = "titanrl job"
+    """Free-text description, printed at start-up and stored with the metrics."""
+
+    seed: int = 0
+    """Seed for model init, data order and sampling; the same seed gives the same run."""
+
+    deterministic: bool = False
+    """Use deterministic kernels (`torch.use_deterministic_algorithms`); slower, bitwise repeatable."""
+
+    print_config: bool = False
+    """Print the resolved configuration as TOML on rank 0 at start-up."""
+
+    def validate(self) -> None:
+        if self.seed < 0:
+            raise ValueError(f"[job] seed must be >= 0, got {self.seed}")
+
+
+@dataclass
+class Model:
+    flavor: str = "debug"
+    """Named model shape from the registry (`titanrl.models.flavors`), e.g. 'debug', 'qwen3-0.6b'."""
+
+    hf_checkpoint: str = ""
+    """Hugging Face folder (config.json + safetensors) to load; empty trains the flavor from scratch."""
+
+    tokenizer: str = "byte"
+    """'byte' for the built-in byte tokenizer, or a folder holding a Hugging Face tokenizer.json."""
+
+    max_seq_len: int = 0
+    """Override of the flavor's maximum sequence length (RoPE table size); 0 keeps the flavor's."""
+
+    def validate(self) -> None:
+        if self.max_seq_len < 0:
+            raise ValueError(f"[model] max_seq_len must be >= 0 (0 = flavor default), got {self.max_seq_len}")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP outer dimension): each replica holds a full copy, sharded by dp_shard."""
+
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1 takes whatever the world size leaves after dp_replicate and tp."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallelism)."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2 resharding: 'default' reshards every block but the root, 'always'/'never' force it."""
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"[parallelism] dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Number of optimizer steps."""
+
+    batch_size: int = 16
+    """Global number of sequences per optimizer step, split across data-parallel ranks."""
+
+    seq_len: int = 128
+    """Maximum tokens per training sequence; longer samples are rejected with an error."""
+
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on each rank (gradient accumulation); 0 = the whole local batch."""
+
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
+
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of parameters in forward/backward under FSDP2 (master weights stay float32)."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter under FSDP2."""
+
+    warmup_sft_steps: int = 0
+    """Supervised steps on generated solutions before RL, so a model trained from scratch can start."""
+
+    def validate(self) -> None:
+        for name in ("steps", "warmup_sft_steps", "micro_batch_size"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[training] {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_norm < 0:
+            raise ValueError(f"[training] max_norm must be >= 0 (0 disables clipping), got {self.max_norm}")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer class from `torch.optim`."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1 (ignored by SGD)."""
+
+    beta2: float = 0.95
+    """Adam beta2 (ignored by SGD)."""
+
+    eps: float = 1e-8
+    """Adam epsilon (ignored by SGD)."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam, SGD)."""
+
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """Kernel style of the optimizer step; 'fused' needs a device that supports it."""
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"[optimizer] lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"[optimizer] {name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"[optimizer] weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr * 1/(warmup_steps+1) to lr."""
+
+    decay_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the decay after warm-up, down to lr * min_lr_factor at the last step."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak (for 'linear' and 'cosine')."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"[lr_scheduler] warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_factor <= 1.0:
+            raise ValueError(f"[lr_scheduler] min_lr_factor must be in [0, 1], got {self.min_lr_factor}")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """'full' recomputes each block in backward; 'selective' recomputes per `selective_ac_option`."""
+
+    selective_ac_option: str = "op"
+    """'op': save matmul/attention outputs and recompute the rest; an integer N: checkpoint every Nth block."""
+
+    def validate(self) -> None:
+        opt = self.selective_ac_option
+        if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            raise ValueError(
+                f"[activation_checkpoint] selective_ac_option must be 'op' or a positive integer, got '{opt}'"
+            )
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile each transformer block with `torch.compile(fullgraph=True)`."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """`torch.compile` backend; 'aot_eager' is a fast-to-compile debugging aid."""
+
+
+@dataclass
+class Generator:
+    block_size: int = 16
+    """Tokens per paged KV-cache block."""
+
+    kv_cache_memory_fraction: float = 0.3
+    """Fraction of free device memory given to the KV block pool while generating."""
+
+    max_num_seqs: int = 256
+    """Most sequences decoded together in one continuous batch."""
+
+    max_new_tokens: int = 64
+    """Most tokens generated per sample."""
+
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]; 1 disables it."""
+
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables it."""
+
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"[generator] temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"[generator] top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"[generator] top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass
+class Algorithm:
+    name: Literal["grpo"] = "grpo"
+    """RL algorithm; each lives in one file under `titanrl/algorithms/`."""
+
+    group_size: int = 8
+    """Samples generated per prompt; advantages are normalised within each group."""
+
+    clip_eps_low: float = 0.2
+    """Lower PPO clip range: ratios below 1 - clip_eps_low are clipped."""
+
+    clip_eps_high: float = 0.2
+    """Upper PPO clip range (clip-higher when larger than clip_eps_low)."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 skips the reference model."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3) used for the penalty."""
+
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number: over all tokens, per sequence then mean, or Dr.GRPO."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (off for Dr.GRPO)."""
+
+    def validate(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"[algorithm] group_size must be >= 1, got {self.group_size}")
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[algorithm] {name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class Reward:
+    timeout_s: float = 5.0
+    """Seconds a reward function may run on one sample before it counts as failed."""
+
+    failure_reward: float = 0.0
+    """Reward given to a sample whose reward function raised, hung or returned a non-finite value."""
+
+    num_workers: int = 2
+    """Worker processes that run reward functions."""
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"[reward] num_workers must be >= 1, got {self.num_workers}")
+
+
+@dataclass
+class Data:
+    task: str = "arithmetic"
+    """Embedded task name (e.g. 'arithmetic'), or 'jsonl' to read prompts from `path`."""
+
+    path: str = ""
+    """Prompt file for task 'jsonl': one JSON object per line with 'prompt' and 'answer'."""
+
+    num_eval_samples: int = 64
+    """Held-out prompts used by the periodic greedy evaluation."""
+
+    def validate(self) -> None:
+        if self.task == "jsonl" and not self.path:
+            raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl file of prompts)")
+        if self.num_eval_samples < 0:
+            raise ValueError(f"[data] num_eval_samples must be >= 0, got {self.num_eval_samples}")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save sharded checkpoints with `torch.distributed.checkpoint`."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 100
+    """Save every this many steps (and at the last step)."""
+
+    keep_latest_k: int = 2
+    """Keep this many most recent checkpoints; 0 keeps all."""
+
+    def validate(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"[checkpoint] interval must be >= 1, got {self.interval}")
+        if self.keep_latest_k < 0:
+            raise ValueError(f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print and record metrics every this many steps."""
+
+    eval_freq: int = 0
+    """Run the greedy evaluation every this many steps; 0 only at the start and the end."""
+
+    jsonl_file: str = "metrics.jsonl"
+    """Metrics file (one JSON object per step), relative to job.dump_folder; empty disables it."""
+
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (offline unless `wandb_mode` says otherwise)."""
+
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode when enabled; offline never needs a network."""
+
+    def validate(self) -> None:
+        if self.log_freq < 1:
+            raise ValueError(f"[metrics] log_freq must be >= 1, got {self.log_freq}")
+        if self.eval_freq < 0:
+            raise ValueError(f"[metrics] eval_freq must be >= 0, got {self.eval_freq}")
+
+
+@dataclass
+class JobConfig:
+    """All sections of a titanrl job. Field names here are the TOML section names."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    generator: Generator = field(default_factory=Generator)
+    algorithm: Algorithm = field(default_factory=Algorithm)
+    reward: Reward = field(default_factory=Reward)
+    data: Data = field(default_factory=Data)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def validate(self) -> None:
+        """Run every section's own checks, then the ones that span sections."""
+        for section_name in self.__dataclass_fields__:
+            section = getattr(self, section_name)
+            if hasattr(section, "validate"):
+                section.validate()
+        if self.training.micro_batch_size > self.training.batch_size:
+            raise ValueError(
+                f"[training] micro_batch_size ({self.training.micro_batch_size}) exceeds "
+                f"batch_size ({self.training.batch_size}); lower it or set 0 for the whole local batch"
+            )

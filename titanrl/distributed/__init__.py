@@ -1,0 +1,23 @@
+from titanrl.distributed.parallel_dims import ParallelDims, device_type
+from titanrl.distributed.parallelize import (
+    apply_ac,
+    apply_compile,
+    apply_fsdp,
+    apply_tp,
+    clip_grad_norm_,
+    parallelize_model,
+)
+from titanrl.distributed.utils import init_distributed, set_determinism
+
+__all__ = [
+    "ParallelDims",
+    "apply_ac",
+    "apply_compile",
+    "apply_fsdp",
+    "apply_tp",
+    "clip_grad_norm_",
+    "device_type",
+    "init_distributed",
+    "parallelize_model",
+    "set_determinism",
+]

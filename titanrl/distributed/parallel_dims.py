@@ -1,0 +1,87 @@
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of a job and the `DeviceMesh` they define.
+
+    The world mesh always has three named dims, ("dp_replicate", "dp_shard", "tp"), outermost
+    first; a degree of 1 is a size-1 dim. Views used by the rest of the code:
+      - world_mesh["tp"]: tensor parallelism (and the generator's TP shards).
+      - world_mesh["dp_shard"]: FSDP2 (or ("dp_replicate", "dp_shard") for HSDP).
+      - dp_mesh: dp_replicate x dp_shard flattened: ranks that see different data.
+    TP is innermost so that its frequent collectives stay within a node.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == -1:
+            rest, remainder = divmod(self.world_size, self.dp_replicate * self.tp)
+            if remainder or rest < 1:
+                raise ValueError(
+                    f"dp_replicate ({self.dp_replicate}) x tp ({self.tp}) = {self.dp_replicate * self.tp} "
+                    f"does not divide the world size {self.world_size}; change the degrees or the number of ranks"
+                )
+            self.dp_shard = rest
+        if self.dp_shard < 1:
+            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) = {product}, "
+                f"but the job runs on {self.world_size} ranks; set dp_shard = -1 or launch {product} ranks"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @cached_property
+    def world_mesh(self) -> DeviceMesh:
+        return init_device_mesh(
+            device_type(),
+            (self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+
+    @cached_property
+    def dp_mesh(self) -> DeviceMesh:
+        """dp_replicate x dp_shard flattened: the ranks that see different data."""
+        return self.world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2 mesh: 1-D over dp_shard, or 2-D (replicate, shard) for HSDP."""
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's data shard (ranks of one TP group share it)."""
+        if self.world_size == 1:
+            return 0
+        return self.dp_mesh.get_local_rank()
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,199 @@
+"""Apply TP, activation checkpointing, compile and FSDP2 to a `Transformer`, in that order.
+
+The order is TorchTitan's: TP first (it swaps parameters to DTensors on the tp mesh), then AC
+wraps blocks, then each block is compiled, then FSDP2 shards what TP left (2-D DTensors when
+both are on).
+"""
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titanrl.config.job_config import JobConfig
+from titanrl.distributed.parallel_dims import ParallelDims
+from titanrl.models.model import Transformer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.world_mesh["tp"])
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(model, job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option)
+    if job_config.compile.enable:
+        apply_compile(model, job_config.compile.backend)
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh,
+            param_dtype=_DTYPES[job_config.training.mixed_precision_param],
+            reduce_dtype=_DTYPES[job_config.training.mixed_precision_reduce],
+            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+    return model
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallelism on the norms.
+
+    Between blocks activations are sharded on the sequence dim (Shard(1)); attention and the MLP
+    all-gather it, shard heads / hidden units column-wise, and reduce-scatter back. The residual
+    stream stays a DTensor (use_local_output=False): with local tensors at block boundaries,
+    AOTAutograd (compile backends other than 'eager') fails in backward in torch 2.13.
+    """
+    tp = tp_mesh.size()
+    args = model.args
+    if args.n_heads % tp or args.n_kv_heads % tp or args.hidden_dim % tp or args.vocab_size % tp:
+        raise ValueError(
+            f"tp={tp} must divide n_heads ({args.n_heads}), n_kv_heads ({args.n_kv_heads}), "
+            f"hidden_dim ({args.hidden_dim}) and vocab_size ({args.vocab_size}); choose another tp degree"
+        )
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            "norm": SequenceParallel(),
+            # Replicated logits keep the loss code free of DTensors; the vocab shard of the
+            # weight is still 1/tp of the memory.
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    if args.tie_word_embeddings:
+        # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
+        model.output.weight = model.tok_embeddings.weight
+
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if args.qk_norm:
+        # q/k are [B, T, heads, head_dim] with heads sharded; the norm weight is replicated and
+        # its gradient all-reduced over tp by DTensor.
+        block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def _op_sac_policy():
+    # Save the outputs of matmuls and attention (expensive to recompute), recompute the rest.
+    save = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    }
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_ac(model: Transformer, mode: str, selective_option: str = "op") -> None:
+    """'full': recompute every block; 'selective' + 'op': keep matmul/attention outputs;
+    'selective' + N: recompute every Nth block fully."""
+    every_nth = int(selective_option) if mode == "selective" and selective_option != "op" else 0
+    for layer_id, block in model.layers.named_children():
+        if mode == "full":
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        elif every_nth:
+            if (int(layer_id) + 1) % every_nth:
+                continue
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            wrapped = checkpoint_wrapper(block, context_fn=_op_sac_policy(), preserve_rng_state=False)
+        model.layers.register_module(layer_id, wrapped)
+
+
+def apply_compile(model: Transformer, backend: str = "inductor") -> None:
+    """Compile each block separately: blocks share code, so one compiled graph serves all."""
+    for block in model.layers.values():
+        # nn.Module.compile keeps parameter names (no `_orig_mod.` prefix in state dicts).
+        block.compile(backend=backend, fullgraph=True)
+
+
+def apply_fsdp(
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: str = "default",
+) -> None:
+    """FSDP2: one unit per block, the root holds embeddings, final norm and output.
+
+    Gradients are summed, not averaged, over dp ranks: the loss must be normalised by the global
+    token count (see `titanrl.components.loss`), which keeps results identical to one rank
+    whatever the token split between ranks.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        if reshard_after_forward == "default":
+            # The last block's params are needed again right away in backward.
+            reshard = i < len(blocks) - 1
+        else:
+            reshard = reshard_after_forward == "always"
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # the setting is per FSDP unit
+            module.set_gradient_divide_factor(1.0)
+            # A plain SUM (no PREMUL_SUM with a factor of 1): also the only reduction gloo implements.
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip by the norm over all gradients, which may be DTensors on different meshes/placements.
+
+    `torch.nn.utils.clip_grad_norm_` cannot stack norms of DTensors that live on different meshes
+    (FSDP+TP, replicated norms), so norms are computed per (mesh, placements) group, made full,
+    and combined. Returns the total norm (before clipping); max_norm <= 0 only measures it.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+        groups[key].append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total

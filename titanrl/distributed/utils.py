@@ -1,0 +1,39 @@
+import os
+import random
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from titanrl.distributed.parallel_dims import device_type
+
+
+def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the torchrun process group (gloo on CPU, NCCL for CUDA tensors); returns (rank, world).
+
+    Outside torchrun (no WORLD_SIZE) this is a single-process job and no group is created.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1 and "RANK" not in os.environ:
+        return 0, 1
+    if device_type() == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        backend = "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    """Seed every RNG the same on all ranks (model init must agree before sharding)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if torch.cuda.is_available():
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False

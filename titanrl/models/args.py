@@ -1,0 +1,85 @@
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling ('rope_type': 'llama3' in HF configs)."""
+
+    factor: float = 8.0
+    """Wavelengths longer than original_max_position_embeddings / low_freq_factor are divided by this."""
+
+    low_freq_factor: float = 1.0
+    """Sets the wavelength above which frequencies are fully scaled."""
+
+    high_freq_factor: float = 4.0
+    """Sets the wavelength below which frequencies are left unchanged."""
+
+    original_max_position_embeddings: int = 8192
+    """Context length the model was pre-trained with."""
+
+
+@dataclass
+class TransformerModelArgs:
+    """Shape of a decoder-only transformer of the Llama-3 / Qwen2 / Qwen3 families."""
+
+    family: Literal["llama3", "qwen2", "qwen3"] = "llama3"
+    """Architecture family; decides the HF model_type on export."""
+
+    dim: int = 256
+    """Hidden size."""
+
+    n_layers: int = 4
+    """Number of transformer blocks."""
+
+    n_heads: int = 4
+    """Query heads."""
+
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention when fewer than n_heads)."""
+
+    head_dim: int = 0
+    """Per-head dimension; 0 means dim // n_heads (Qwen3 sets it explicitly)."""
+
+    hidden_dim: int = 768
+    """SwiGLU intermediate size."""
+
+    vocab_size: int = 320
+    """Embedding rows; must cover every token id the tokenizer produces."""
+
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+
+    rope_scaling: RopeScaling | None = None
+    """Llama-3.1 style long-context scaling of RoPE frequencies; None for plain RoPE."""
+
+    max_seq_len: int = 2048
+    """Positions covered by the precomputed RoPE table."""
+
+    qkv_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2)."""
+
+    o_bias: bool = False
+    """Bias on the attention output projection (Llama with attention_bias=True)."""
+
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+
+    tie_word_embeddings: bool = False
+    """Output projection shares the token-embedding matrix."""
+
+    depth_init: bool = True
+    """Scale each block's output-projection init std by its depth (TorchTitan's init)."""
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) or set head_dim")
+            self.head_dim = self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")

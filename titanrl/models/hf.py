@@ -1,0 +1,271 @@
+"""Hugging Face interop: config.json <-> model args, safetensors (sharded or not) <-> state dict.
+
+Supported `model_type`s: llama, qwen2, qwen3 (the `*ForCausalLM` layouts). Weight names map
+one-to-one; q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
+"""
+
+import json
+import os
+import re
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from titanrl.models.args import RopeScaling, TransformerModelArgs
+
+# family -> (HF model_type, HF architecture)
+_HF_FAMILIES = {
+    "llama3": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+_FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
+
+# HF name -> titanrl name; "{}" is the layer index.
+_HF_TO_TITAN = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
+    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
+    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
+    "model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+}
+_TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
+# Buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _map_name(name: str, table: dict[str, str]) -> str | None:
+    layer = re.search(r"\.(\d+)\.", name)
+    template = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
+    target = table.get(template)
+    if target is None:
+        return None
+    return target.format(layer.group(1)) if layer else target
+
+
+def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
+    """Model args from a parsed HF config.json (transformers 4.x or 5.x rope layout)."""
+    model_type = cfg.get("model_type")
+    if model_type not in _FAMILY_OF_MODEL_TYPE:
+        raise ValueError(
+            f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}"
+        )
+    family = _FAMILY_OF_MODEL_TYPE[model_type]
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
+    if cfg.get("mlp_bias", False):
+        raise ValueError("Unsupported mlp_bias=true; titanrl's SwiGLU has no biases")
+    if cfg.get("use_sliding_window", False):
+        raise ValueError("Unsupported use_sliding_window=true; titanrl implements full causal attention")
+    # transformers 5 nests RoPE settings in rope_parameters; 4.x has rope_theta + rope_scaling.
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        rope_scaling = None
+    elif rope_type == "llama3":
+        rope_scaling = RopeScaling(
+            factor=rope["factor"],
+            low_freq_factor=rope["low_freq_factor"],
+            high_freq_factor=rope["high_freq_factor"],
+            original_max_position_embeddings=rope["original_max_position_embeddings"],
+        )
+    else:
+        raise ValueError(f"Unsupported rope_type '{rope_type}'; supported: default, llama3")
+    attention_bias = cfg.get("attention_bias", False)
+    n_heads = cfg["num_attention_heads"]
+    return TransformerModelArgs(
+        family=family,
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+        hidden_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 use attention_bias for all four.
+        qkv_bias=True if family == "qwen2" else attention_bias,
+        o_bias=False if family == "qwen2" else attention_bias,
+        qk_norm=family == "qwen3",
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+    )
+
+
+def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json contents for `args`, readable by transformers 4.x and 5.x."""
+    model_type, architecture = _HF_FAMILIES[args.family]
+    if args.family == "qwen2" and not (args.qkv_bias and not args.o_bias):
+        raise ValueError("A qwen2 model exports only with qkv_bias=True and o_bias=False (the Qwen2 layout)")
+    if args.family != "qwen2" and args.qkv_bias != args.o_bias:
+        raise ValueError(f"A {args.family} model exports only with qkv_bias == o_bias (HF attention_bias)")
+    if args.qk_norm != (args.family == "qwen3"):
+        raise ValueError("qk_norm exports only as the qwen3 family")
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        rope.update(
+            rope_type="llama3",
+            factor=args.rope_scaling.factor,
+            low_freq_factor=args.rope_scaling.low_freq_factor,
+            high_freq_factor=args.rope_scaling.high_freq_factor,
+            original_max_position_embeddings=args.rope_scaling.original_max_position_embeddings,
+        )
+    cfg = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "rope_parameters": rope,
+        # Legacy (transformers 4.x) spelling of the same RoPE settings.
+        "rope_theta": args.rope_theta,
+        "rope_scaling": None if args.rope_scaling is None else dict(rope),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if args.family != "qwen2":
+        cfg["attention_bias"] = args.qkv_bias
+    return cfg
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """Rename HF weights to titanrl names; unknown names are errors, not silently dropped."""
+    sd = {}
+    for hf_name, tensor in hf_sd.items():
+        if _IGNORED_HF_KEYS.fullmatch(hf_name):
+            continue
+        name = _map_name(hf_name, _HF_TO_TITAN)
+        if name is None:
+            raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
+        sd[name] = tensor
+    if args.tie_word_embeddings:
+        # Tied checkpoints may or may not carry lm_head; the embedding is the one source of truth.
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    hf_sd = {}
+    for name, tensor in sd.items():
+        if name == "output.weight" and args.tie_word_embeddings:
+            continue
+        hf_name = _map_name(name, _TITAN_TO_HF)
+        if hf_name is None:
+            raise ValueError(f"titanrl weight '{name}' has no HF name (adapter table out of date)")
+        hf_sd[hf_name] = tensor
+    return hf_sd
+
+
+def load_safetensors_folder(folder: str) -> dict[str, torch.Tensor]:
+    """All tensors of `model.safetensors` or of the shards listed in `model.safetensors.index.json`."""
+    index_path = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        sd = {}
+        for shard in sorted(set(weight_map.values())):
+            sd.update(load_file(os.path.join(folder, shard)))
+        missing = set(weight_map) - set(sd)
+        if missing:
+            raise ValueError(f"{index_path} lists weights missing from its shards: {sorted(missing)[:5]}")
+        return sd
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(single):
+        raise ValueError(f"No model.safetensors or {SAFETENSORS_INDEX} in '{folder}'")
+    return load_file(single)
+
+
+def save_safetensors_folder(sd: dict[str, torch.Tensor], folder: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `sd` as one file, or as shards plus an index when it exceeds `max_shard_bytes`."""
+    os.makedirs(folder, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in sd.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor.detach().contiguous().clone()
+        shard_bytes += nbytes
+    metadata = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata=metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, filename), metadata=metadata)
+        weight_map.update({name: filename for name in shard})
+    total = sum(t.numel() * t.element_size() for t in sd.values())
+    with open(os.path.join(folder, SAFETENSORS_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def read_hf_config(folder: str) -> TransformerModelArgs:
+    path = os.path.join(folder, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"No config.json in '{folder}' (expected a Hugging Face model folder)")
+    with open(path) as f:
+        return args_from_hf_config(json.load(f))
+
+
+def load_hf_weights(model: nn.Module, folder: str) -> None:
+    """Load HF safetensors into `model`, which may be plain, FSDP2-sharded and/or TP-sharded.
+
+    Every rank reads the files (a shared filesystem is assumed) and keeps only its shard.
+    """
+    sd = from_hf_state_dict(load_safetensors_folder(folder), model.args)
+    expected = set(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
+    missing, unexpected = expected - set(sd), set(sd) - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"HF checkpoint '{folder}' does not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]} (is config.json from the same model?)"
+        )
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Gather the full model on rank 0 and write config.json + safetensors there.
+
+    Collective: every rank must call it.
+    """
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank != 0:
+        return
+    hf_sd = {k: v.to(dtype) for k, v in to_hf_state_dict(sd, model.args).items()}
+    save_safetensors_folder(hf_sd, folder, max_shard_bytes)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config_from_args(model.args, dtype), f, indent=2)

@@ -1,0 +1,200 @@
+"""Decoder-only transformer for the Llama-3, Qwen2 and Qwen3 families.
+
+One model code path serves the trainer and (later) the generator, so both compute the same
+numbers. Parameter names follow TorchTitan (`attention.wq`, `feed_forward.w1`, ...); the HF
+adapter maps them. RoPE uses the "rotate half" layout that HF checkpoints are stored in, so q/k
+weights load without permutation.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanrl.models.args import RopeScaling, TransformerModelArgs
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama-3.1: leave high frequencies alone, divide low ones by `factor`, interpolate between.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def precompute_rope_cache(args: TransformerModelArgs) -> torch.Tensor:
+    """[max_seq_len, 2 * head_dim] table of cos | sin in float32."""
+    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+    t = torch.arange(args.max_seq_len, dtype=torch.float32)
+    freqs_TD = torch.outer(t, inv_freq)
+    emb_TD = torch.cat([freqs_TD, freqs_TD], dim=-1)
+    return torch.cat([emb_TD.cos(), emb_TD.sin()], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(
+    q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, rope_BTD2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = rope_BTD2.unsqueeze(2).to(q_BTHD.dtype).chunk(2, dim=-1)
+    q = q_BTHD * cos + _rotate_half(q_BTHD) * sin
+    k = k_BTHD * cos + _rotate_half(k_BTHD) * sin
+    return q, k
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as HF Llama/Qwen do.
+        x_f32 = x.float()
+        x_f32 = x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_f32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
+        q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
+        v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = apply_rope(q, k, rope_BTD2)
+        out_BHTD = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        nn.init.trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for linear in (self.wq, self.wk, self.wv, self.wo):
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, mean=0.0, std=0.02)
+        for linear in (self.w2, self.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: TransformerModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        depth = (layer_id + 1) if args.depth_init else args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor) -> torch.Tensor:
+        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+
+class Transformer(nn.Module):
+    """Build on the meta device, parallelize, `to_empty(device=...)`, then `init_weights()`."""
+
+    def __init__(self, args: TransformerModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keeps layer names stable when blocks are wrapped (AC) or compiled.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """Fill parameters and buffers; call after `to_empty` (which also unties shared weights)."""
+        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        buffer_device = buffer_device or self.rope_cache.device
+        with torch.device(buffer_device):
+            self.rope_cache = precompute_rope_cache(self.args)
+        # A tied matrix is also the output projection, so it gets the small std of a linear layer.
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_word_embeddings else 1.0)
+        for block in self.layers.values():
+            block.init_weights()
+        self.norm.reset_parameters()
+        if not self.args.tie_word_embeddings:
+            final_std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
+
+    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab]. `positions_BT` defaults to 0..T-1 for every row."""
+        T = tokens_BT.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
+        if positions_BT is None:
+            rope_BTD2 = self.rope_cache[:T].unsqueeze(0)
+        else:
+            rope_BTD2 = self.rope_cache[positions_BT]
+        h = self.tok_embeddings(tokens_BT)
+        for block in self.layers.values():
+            h = block(h, rope_BTD2)
+        return self.output(self.norm(h))
