@@ -1,0 +1,163 @@
+"""Config loading: TOML + CLI precedence, strict validation, docstrings, round-trips."""
+
+import dataclasses
+import glob
+import os
+import typing
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.config.manager import field_docs, parse_cli_args
+
+from conftest import REPO_ROOT
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_validate():
+    config = load_config([])
+    assert config == JobConfig()
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = _write(tmp_path, "[training]\nsteps = 7\nbatch_size = 4\n[optimizer]\nlr = 0.5\n")
+    config = load_config(["--job.config_file", path, "--training.steps=9", "--optimizer.beta1", "0.8"])
+    assert config.training.steps == 9  # CLI wins
+    assert config.training.batch_size == 4  # from TOML
+    assert config.optimizer.lr == 0.5  # from TOML
+    assert config.optimizer.beta1 == 0.8  # CLI, space-separated form
+    assert config.training.seq_len == JobConfig().training.seq_len  # default
+
+
+def test_typo_key_in_toml_names_key_and_suggestion(tmp_path):
+    path = _write(tmp_path, "[training]\nstesp = 3\n")
+    with pytest.raises(ValueError, match=r"Unknown config key 'training.stesp' in .*job.toml\. Did you mean 'steps'\?"):
+        load_config([f"--job.config_file={path}"])
+
+
+def test_typo_section_and_cli_key():
+    with pytest.raises(ValueError, match=r"Unknown config section \[trainig\].*Did you mean 'training'"):
+        load_config(["--trainig.steps=3"])
+    with pytest.raises(ValueError, match=r"'optimizer.learning_rate'.*Valid keys of \[optimizer\]: name, lr"):
+        load_config(["--optimizer.learning_rate=3"])
+
+
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--training.steps=ten"], r"Invalid value 'ten' for 'training.steps': expected int"),
+        (["--compile.enable=maybe"], r"Invalid value 'maybe' for 'compile.enable': expected bool"),
+        (["--optimizer.name=adamw"], r"expected one of 'AdamW', 'Adam', 'SGD'\. Did you mean 'AdamW'"),
+        (["--optimizer.lr=0"], r"\[optimizer\] lr must be > 0, got 0.0"),
+        (["--parallelism.dp_shard=0"], r"dp_shard must be >= 1 or -1"),
+        (["--training.micro_batch_size=64", "--training.batch_size=8"], r"micro_batch_size \(64\) exceeds"),
+        (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=x"],
+         r"selective_ac_option must be 'op' or a positive integer"),
+        (["--data.task=jsonl"], r"task 'jsonl' needs data.path"),
+        (["training.steps=3"], r"Unexpected argument 'training.steps=3'"),
+        (["--steps=3"], r"must name a section and a key"),
+    ],
+)
+def test_invalid_values_are_clear_errors(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        load_config(args)
+
+
+def test_wrong_toml_type_and_malformed_toml(tmp_path):
+    path = _write(tmp_path, '[training]\nsteps = "3"\n')
+    with pytest.raises(ValueError, match=r"Invalid value '3' for 'training.steps': expected int"):
+        load_config([f"--job.config_file={path}"])
+    path = _write(tmp_path, "[training\nsteps = 3\n")
+    with pytest.raises(ValueError, match=r"is not valid TOML"):
+        load_config([f"--job.config_file={path}"])
+    with pytest.raises(ValueError, match=r"does not exist"):
+        load_config(["--job.config_file=/nonexistent/x.toml"])
+
+
+def test_bool_flag_without_value():
+    assert load_config(["--compile.enable", "--job.deterministic=false"]).compile.enable is True
+
+
+def test_every_field_has_a_docstring_and_help_lists_it():
+    text = help_text()
+    for section in dataclasses.fields(JobConfig):
+        cls = section.default_factory
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name, "").strip(), f"{section.name}.{f.name} has no docstring"
+            assert f"--{section.name}.{f.name} " in text
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "train_configs", "*.toml"))))
+def test_shipped_configs_load(path):
+    load_config([f"--job.config_file={path}"])
+
+
+# Property tests: any valid config survives TOML and CLI round-trips unchanged.
+def _value_strategy(tp):
+    if typing.get_origin(tp) is typing.Literal:
+        return st.sampled_from(typing.get_args(tp))
+    if tp is bool:
+        return st.booleans()
+    if tp is int:
+        return st.integers(min_value=1, max_value=10**6)
+    if tp is float:
+        return st.floats(min_value=1e-6, max_value=0.9, allow_nan=False)
+    if tp is str:
+        return st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=12)
+    raise AssertionError(tp)
+
+
+@st.composite
+def _configs(draw):
+    config = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        obj = getattr(config, section.name)
+        for name, tp in typing.get_type_hints(type(obj)).items():
+            if draw(st.booleans()):
+                setattr(obj, name, draw(_value_strategy(tp)))
+    config.job.config_file = ""  # naming a file would load it
+    return config
+
+
+def _is_valid(config: JobConfig) -> bool:
+    try:
+        config.validate()
+        return True
+    except ValueError:
+        return False
+
+
+@settings(max_examples=60, deadline=None)
+@given(_configs())
+def test_toml_roundtrip(tmp_path_factory, config):
+    if not _is_valid(config):
+        return
+    path = tmp_path_factory.mktemp("rt") / "c.toml"
+    path.write_text(to_toml(config), encoding="utf-8")
+    loaded = load_config([f"--job.config_file={path}"])
+    loaded.job.config_file = ""
+    assert loaded == config
+
+
+@settings(max_examples=60, deadline=None)
+@given(_configs())
+def test_cli_roundtrip(config):
+    if not _is_valid(config):
+        return
+    args = []
+    for section in dataclasses.fields(JobConfig):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            args.append(f"--{section.name}.{key}={value}")
+    assert load_config(args) == config
+
+
+def test_parse_cli_args_forms():
+    assert parse_cli_args(["--a.b=1", "--c.d", "2", "--e.f"]) == {"a": {"b": "1"}, "c": {"d": "2"}, "e": {"f": "true"}}

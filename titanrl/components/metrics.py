@@ -1,0 +1,69 @@
+"""Rank-0 metrics: console line, JSONL file, and (optionally) Weights & Biases.
+
+wandb is never required: it is imported only when enabled and runs offline unless configured.
+"""
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from titanrl.config.job_config import JobConfig
+
+
+class MetricsLogger:
+    def __init__(self, job_config: JobConfig, rank: int) -> None:
+        self.enabled = rank == 0
+        self.jsonl = None
+        self.wandb_run = None
+        if not self.enabled:
+            return
+        cfg = job_config.metrics
+        os.makedirs(job_config.job.dump_folder, exist_ok=True)
+        if cfg.jsonl_file:
+            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "a")
+        if cfg.enable_wandb:
+            import wandb
+
+            self.wandb_run = wandb.init(
+                project="titanrl",
+                name=job_config.job.description,
+                mode=cfg.wandb_mode,
+                dir=job_config.job.dump_folder,
+            )
+
+    def log(self, step: int, metrics: dict[str, Any], console_keys: list[str] | None = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=step)
+        keys = console_keys if console_keys is not None else list(metrics)
+        parts = [f"{k} {_fmt(record[k])}" for k in keys if k in record]
+        print(f"step {step:>4} | " + " | ".join(parts), flush=True)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isfinite(value) and value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
