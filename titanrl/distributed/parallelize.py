@@ -48,13 +48,14 @@ def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_confi
     return model
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style TP with sequence parallelism on the norms.
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Megatron-style TP: q/k/v and w1/w3 column-wise, wo and w2 row-wise, vocab-sharded embeddings.
 
-    Between blocks activations are sharded on the sequence dim (Shard(1)); attention and the MLP
-    all-gather it, shard heads / hidden units column-wise, and reduce-scatter back. The residual
-    stream stays a DTensor (use_local_output=False): with local tensors at block boundaries,
-    AOTAutograd (compile backends other than 'eager') fails in backward in torch 2.13.
+    With `sequence_parallel` (training), activations between blocks are sharded on the sequence
+    dim (Shard(1)) and the norms run on their shard; attention and the MLP all-gather the
+    sequence and reduce-scatter back. The residual stream stays a DTensor (use_local_output=False):
+    with local tensors at block boundaries AOTAutograd fails in backward in torch 2.13.
+    Without it (the generator), activations are replicated and norms stay plain modules.
     """
     tp = tp_mesh.size()
     args = model.args
@@ -63,43 +64,45 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh) -> None:
             f"tp={tp} must divide n_heads ({args.n_heads}), n_kv_heads ({args.n_kv_heads}), "
             f"hidden_dim ({args.hidden_dim}) and vocab_size ({args.vocab_size}); choose another tp degree"
         )
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-            ),
-            "norm": SequenceParallel(),
-            # Replicated logits keep the loss code free of DTensors; the vocab shard of the
-            # weight is still 1/tp of the memory.
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    residual = Shard(1) if sequence_parallel else Replicate()
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=residual, use_local_output=not sequence_parallel
+        ),
+        # Replicated logits keep the loss code free of DTensors; the vocab shard of the weight
+        # is still 1/tp of the memory.
+        "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        root_plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
     if args.tie_word_embeddings:
         # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
         model.output.weight = model.tok_embeddings.weight
 
     block_plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
         "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
         "feed_forward.w3": ColwiseParallel(),
     }
-    if args.qk_norm:
-        # q/k are [B, T, heads, head_dim] with heads sharded; the norm weight is replicated and
-        # its gradient all-reduced over tp by DTensor.
-        block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if sequence_parallel:
+        block_plan.update({
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        })
+        if args.qk_norm:
+            # q/k are [B, T, heads, head_dim] with heads sharded; the norm weight is replicated
+            # and its gradient all-reduced over tp by DTensor.
+            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
 

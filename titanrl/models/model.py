@@ -7,6 +7,7 @@ weights load without permutation.
 """
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,16 @@ def apply_rope(
     return q, k
 
 
+class AttentionBackend(Protocol):
+    """Replaces the causal self-attention core; the generator passes one over its paged KV cache.
+
+    `attend` gets this layer's rotated q [B, T, H, D] and k, v [B, T, Hkv, D] (local heads under
+    TP) and returns the attention output [B, T, H, D].
+    """
+
+    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -72,8 +83,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: TransformerModelArgs):
+    def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
+        self.layer_id = layer_id
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
@@ -84,7 +96,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor, backend: AttentionBackend | None = None
+    ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
         q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
@@ -94,14 +108,17 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rope(q, k, rope_BTD2)
-        out_BHTD = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.n_heads != self.n_kv_heads,
-        )
-        return self.wo(out_BHTD.transpose(1, 2).reshape(B, T, -1))
+        if backend is not None:
+            out_BTHD = backend.attend(self.layer_id, q, k, v)
+        else:
+            out_BTHD = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                enable_gqa=q.shape[2] != k.shape[2],
+            ).transpose(1, 2)
+        return self.wo(out_BTHD.reshape(B, T, -1))
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -137,14 +154,16 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor) -> torch.Tensor:
-        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2)
+    def forward(
+        self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor, backend: AttentionBackend | None = None
+    ) -> torch.Tensor:
+        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2, backend)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -185,8 +204,14 @@ class Transformer(nn.Module):
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
-    def forward(self, tokens_BT: torch.Tensor, positions_BT: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab]. `positions_BT` defaults to 0..T-1 for every row."""
+    def forward(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab]. `positions_BT` defaults to 0..T-1 for every row; `backend`
+        replaces causal attention over the batch (the generator's paged KV cache)."""
         T = tokens_BT.shape[1]
         if T > self.args.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
@@ -196,5 +221,5 @@ class Transformer(nn.Module):
             rope_BTD2 = self.rope_cache[positions_BT]
         h = self.tok_embeddings(tokens_BT)
         for block in self.layers.values():
-            h = block(h, rope_BTD2)
+            h = block(h, rope_BTD2, backend)
         return self.output(self.norm(h))

@@ -1,0 +1,131 @@
+"""Paged KV cache: a pool of fixed-size blocks for every layer, and its allocator.
+
+A sequence owns a block table (list of block ids); token t lives in block table[t // B] at
+offset t % B. Blocks are ref-counted so that the samples of a group, and prompts with a common
+prefix, share them. A full block whose tokens are known is registered under a hash of its
+tokens and of all tokens before it (prefix caching); when its last user lets go it stays cached,
+evictable in LRU order, until its block is needed for something else.
+"""
+
+from collections import OrderedDict
+
+import torch
+
+
+class OutOfBlocks(Exception):
+    """No free or evictable block is left (the scheduler preempts a sequence and retries)."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives the lowest id
+        self._hash_of_block: dict[int, int] = {}
+        self._block_of_hash: dict[int, int] = {}
+        # Cached blocks nobody references, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that `allocate` can hand out (free, or cached and unreferenced)."""
+        return len(self._free) + len(self._evictable)
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of_hash[self._hash_of_block.pop(block)]
+        else:
+            raise OutOfBlocks()
+        assert self.ref_count[block] == 0
+        self.ref_count[block] = 1
+        return block
+
+    def fork(self, block: int) -> int:
+        """Another reference to `block` (a sample sharing its group's prompt)."""
+        assert self.ref_count[block] > 0, f"fork of unreferenced block {block}"
+        self.ref_count[block] += 1
+        return block
+
+    def free(self, block: int) -> None:
+        assert self.ref_count[block] > 0, f"double free of block {block}"
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if block in self._hash_of_block:
+                self._evictable[block] = None
+            else:
+                self._free.append(block)
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The cached block with this hash, now referenced by the caller, or None."""
+        block = self._block_of_hash.get(block_hash) if self.enable_prefix_caching else None
+        if block is None:
+            return None
+        if self.ref_count[block] == 0:
+            del self._evictable[block]
+        self.ref_count[block] += 1
+        return block
+
+    def register(self, block: int, block_hash: int) -> None:
+        """Mark a full, computed block as reusable under `block_hash`."""
+        if not self.enable_prefix_caching or block in self._hash_of_block:
+            return
+        if block_hash in self._block_of_hash:
+            return  # an identical block is already cached; this one stays private
+        self._hash_of_block[block] = block_hash
+        self._block_of_hash[block_hash] = block
+
+    def check_invariants(self) -> None:
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & evictable
+        for block in range(self.num_blocks):
+            rc = self.ref_count[block]
+            assert rc >= 0
+            if rc > 0:
+                assert block not in free and block not in evictable, f"block {block} in use but free"
+            else:
+                assert (block in free) != (block in evictable), f"block {block} leaked"
+                assert (block in evictable) == (block in self._hash_of_block)
+        for h, b in self._block_of_hash.items():
+            assert self._hash_of_block[b] == h
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Hash of each full block, chained with the hash of everything before it."""
+    hashes, parent = [], 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class KVCachePool:
+    """K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] for each layer."""
+
+    def __init__(
+        self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, n_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    @staticmethod
+    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy-on-write: give a sample its own copy of a shared, partly filled block."""
+        for k, v in zip(self.k, self.v):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
