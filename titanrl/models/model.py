@@ -212,10 +212,10 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, vocab]. `positions_BT` defaults to 0..T-1 for every row; `backend`
         replaces causal attention over the batch (the generator's paged KV cache)."""
-        T = tokens_BT.shape[1]
-        if T > self.args.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
         if positions_BT is None:
+            T = tokens_BT.shape[1]
+            if T > self.args.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds the model's max_seq_len {self.args.max_seq_len}")
             rope_BTD2 = self.rope_cache[:T].unsqueeze(0)
         else:
             rope_BTD2 = self.rope_cache[positions_BT]

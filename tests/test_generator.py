@@ -1,0 +1,276 @@
+"""Paged generator vs a full-recompute reference, prefix caching, preemption, sampling, sync."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titanrl.components.loss import token_logprobs
+from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.generator.kv_cache import BlockAllocator, OutOfBlocks, block_hashes
+from titanrl.generator.reference import greedy_reference
+from titanrl.models import Transformer, TransformerModelArgs
+
+ARGS = TransformerModelArgs(
+    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
+    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+)
+
+
+def _trainer_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ARGS)
+    model.init_weights()
+    return model.eval()
+
+
+def _generator(model, **options) -> Generator:
+    gen = Generator(ARGS, GeneratorOptions(**options), torch.device("cpu"))
+    gen.load_weights(model)
+    return gen
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 100, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_size=4, num_blocks=128),  # roomy, prefix caching on
+        dict(block_size=4, num_blocks=128, enable_prefix_caching=False),
+        dict(block_size=4, num_blocks=15),  # tiny pool: forced preemption
+        dict(block_size=16, num_blocks=64, max_num_seqs=3),  # admission limited by max_num_seqs
+    ],
+)
+def test_greedy_matches_full_recompute_reference(options):
+    model = _trainer_model()
+    gen = _generator(model, **options)
+    prompts = _prompts([3, 9, 17, 4, 30])
+    completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0, n=2))
+    assert [(c.prompt_index, c.sample_index) for c in completions] == [(i, s) for i in range(5) for s in range(2)]
+    for c in completions:
+        ref_ids, ref_lps = greedy_reference(model, prompts[c.prompt_index], 24)
+        assert c.token_ids == ref_ids
+        assert c.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref_lps)) < 1e-5
+    if options["num_blocks"] == 15:
+        assert stats.preemptions > 0
+    gen.allocator.check_invariants()
+
+
+def test_logprobs_match_trainer_forward():
+    """Sampled (temperature 1) sequences: generator logprobs vs the trainer's forward on them."""
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=256)
+    prompts = _prompts([5, 11, 20, 7])
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=30, temperature=1.0, n=4, seed=3))
+    max_diff, kl_k1 = 0.0, []
+    for c in completions:
+        seq = prompts[c.prompt_index] + c.token_ids
+        P = len(prompts[c.prompt_index])
+        with torch.no_grad():
+            logits_BTV = model(torch.tensor([seq[:-1]]))
+        trainer_lp = token_logprobs(logits_BTV, torch.tensor([seq[1:]]))[0, P - 1 :]
+        gen_lp = torch.tensor(c.logprobs)
+        max_diff = max(max_diff, (trainer_lp - gen_lp).abs().max().item())
+        # k1 estimate of KL(generator || trainer) on the generator's own samples.
+        kl_k1.append((gen_lp - trainer_lp).mean().item())
+    assert max_diff < 1e-5
+    assert abs(sum(kl_k1) / len(kl_k1)) < 1e-6
+
+
+def test_prefix_caching_prefills_a_group_prompt_once():
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=128)
+    prompt = _prompts([19])[0]  # not a multiple of the block size: the last block is shared, then copied
+    G = 8
+    completions, stats = gen.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, n=G, seed=0))
+    assert len(completions) == G
+    assert stats.prefill_tokens == len(prompt)
+    # A second request with the same 16-token prefix reuses 4 cached blocks.
+    _, stats2 = gen.generate([prompt[:16] + [7, 8, 9]], SamplingParams(max_new_tokens=2, temperature=0))
+    assert stats2.prefix_cache_hit_tokens == 16
+    assert stats2.prefill_tokens == 3
+    gen.allocator.check_invariants()
+
+
+def test_prefix_caching_off_recomputes_shared_prefix():
+    gen = _generator(_trainer_model(), block_size=4, num_blocks=128, enable_prefix_caching=False)
+    prompt = _prompts([19])[0]
+    gen.generate([prompt], SamplingParams(max_new_tokens=2, temperature=0))
+    _, stats = gen.generate([prompt], SamplingParams(max_new_tokens=2, temperature=0))
+    assert stats.prefix_cache_hit_tokens == 0 and stats.prefill_tokens == 19
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching():
+    model = _trainer_model()
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, n=3, seed=11)
+    prompts = _prompts([6, 13])
+    a, _ = _generator(model, block_size=4, num_blocks=128).generate(prompts, params)
+    b, _ = _generator(model, block_size=4, num_blocks=10).generate(prompts, params)  # preempting
+    c, _ = _generator(model, block_size=4, num_blocks=128).generate(prompts, SamplingParams(**{**params.__dict__, "seed": 12}))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert len({tuple(x.token_ids) for x in a}) > 1  # samples of a group differ
+
+
+def test_sampling_filters_restrict_support():
+    from titanrl.generator.sampling import _filtered_logits
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    keep = lambda p: torch.isfinite(_filtered_logits(logits, p)).tolist()  # noqa: E731
+    assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.8)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.81)) == [True, True, True, False]
+    assert keep(SamplingParams(min_p=0.35)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.1)) == [True, False, False, False]
+
+
+def test_stop_conditions():
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=64)
+    prompt = _prompts([5])[0]
+    ref, _ = greedy_reference(model, prompt, 10)
+    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[ref[3]]))
+    first = ref.index(ref[3])
+    assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop"
+    gen.eos_id = ref[2]
+    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
+    assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
+
+
+class _LetterTokenizer:
+    """Each id decodes to one letter, so every completion has printable text."""
+
+    eos_id = None
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_strings_with_tokenizer():
+    model = _trainer_model()
+    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=64), torch.device("cpu"), tokenizer=_LetterTokenizer())
+    gen.load_weights(model)
+    prompt = _prompts([5])[0]
+    (free,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0))
+    target = free.text[3:5]
+    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_strings=[target]))
+    assert c.finish_reason == "stop"
+    assert c.text == free.text[: free.text.index(target) + len(target)]
+
+
+def test_load_weights_in_place_follows_trainer_updates():
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=64)
+    ptrs = {n: p.data_ptr() for n, p in gen.model.named_parameters()}
+    prompt = _prompts([7])[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(20):
+        model.train()
+        model(torch.tensor([prompt])).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        gen.load_weights(model)
+        assert {n: p.data_ptr() for n, p in gen.model.named_parameters()} == ptrs  # in place
+    model.eval()
+    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
+    assert c.token_ids == greedy_reference(model, prompt, 10)[0]
+
+
+def test_sleep_frees_the_pool_and_wake_restores_it():
+    gen = _generator(_trainer_model(), block_size=4, num_blocks=32)
+    expected = 32 * 4 * 2 * ARGS.n_layers * ARGS.n_kv_heads * ARGS.head_dim * 4
+    assert gen.kv_cache_bytes == expected
+    gen.sleep()
+    assert gen.kv_cache_bytes == 0
+    with pytest.raises(RuntimeError, match="sleeping generator"):
+        gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    gen.wake()
+    assert gen.kv_cache_bytes == expected
+    gen.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.parametrize(
+    "prompts,params,pattern",
+    [
+        ([[]], SamplingParams(), "prompt 0 is empty"),
+        ([[1] * 96], SamplingParams(), "prompt 0 has 96 tokens but the model context is 96"),
+        ([[1]], SamplingParams(max_new_tokens=0), "max_new_tokens must be > 0"),
+        ([[1]], SamplingParams(temperature=-1), "temperature must be >= 0"),
+        ([[1]], SamplingParams(top_p=0), r"top_p must be in \(0, 1\]"),
+        ([[1]], SamplingParams(n=0), "n must be >= 1"),
+        ([[1000]], SamplingParams(), r"token ids outside \[0, 101\)"),
+        ([[1]], SamplingParams(stop_strings=["x"]), "stop_strings need a tokenizer"),
+    ],
+)
+def test_bad_input_is_a_clear_error(prompts, params, pattern):
+    gen = _generator(_trainer_model(), block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match=pattern):
+        gen.generate(prompts, params)
+
+
+def test_pool_too_small_names_needed_size():
+    gen = _generator(_trainer_model(), block_size=4, num_blocks=3)
+    with pytest.raises(ValueError, match=r"has 3 blocks of 4 tokens, but prompt 0 with max_new_tokens=8 needs 4 blocks \(\d+ bytes\)"):
+        gen.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))
+
+
+# ---- allocator properties ----
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "fork", "free", "register", "lookup"]), st.integers(0, 50)), max_size=200))
+def test_block_allocator_never_leaks_or_double_frees(ops):
+    alloc = BlockAllocator(num_blocks=8)
+    held: list[int] = []  # one entry per reference we own
+    for op, x in ops:
+        if op == "alloc":
+            try:
+                block = alloc.allocate()
+            except OutOfBlocks:
+                assert alloc.num_free == 0
+                continue
+            assert block not in held, "handed out a block in use"
+            held.append(block)
+        elif op == "fork" and held:
+            held.append(alloc.fork(held[x % len(held)]))
+        elif op == "free" and held:
+            alloc.free(held.pop(x % len(held)))
+        elif op == "register" and held:
+            alloc.register(held[x % len(held)], block_hash=x % 5)
+        elif op == "lookup":
+            block = alloc.lookup(x % 5)
+            if block is not None:
+                held.append(block)
+        alloc.check_invariants()
+        for b in set(held):
+            assert alloc.ref_count[b] == held.count(b)
+    for b in held:
+        alloc.free(b)
+    alloc.check_invariants()
+    assert alloc.num_free == 8 and all(rc == 0 for rc in alloc.ref_count)
+
+
+def test_block_hashes_chain_prefixes():
+    a = block_hashes(list(range(10)), 4)
+    b = block_hashes([99] + list(range(1, 10)), 4)
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # a change early changes every later hash
+    assert block_hashes(list(range(8)), 4) == a
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_leave_no_block_behind(seed):
+    model = _trainer_model()
+    g = torch.Generator().manual_seed(seed)
+    gen = _generator(model, block_size=4, num_blocks=int(torch.randint(10, 40, (1,), generator=g)))
+    lengths = torch.randint(1, 20, (6,), generator=g).tolist()
+    completions, stats = gen.generate(_prompts(lengths, seed), SamplingParams(max_new_tokens=15, temperature=1.0, n=3, seed=seed))
+    assert len(completions) == 18
+    gen.allocator.check_invariants()
+    assert all(rc == 0 for rc in gen.allocator.ref_count)
+    assert gen.allocator.num_free == gen.num_blocks
+    assert math.isfinite(stats.tokens_per_s)
