@@ -7,6 +7,7 @@ waiting ones join, and when blocks run out the youngest sample is preempted and 
 recomputed. Every rank of a TP group runs the same schedule on its shard of heads.
 """
 
+import contextlib
 import math
 import os
 import time
@@ -23,6 +24,7 @@ from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks,
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_token, sampled_logprobs
 from titanrl.models.args import TransformerModelArgs
+from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
@@ -38,6 +40,8 @@ class GeneratorOptions:
     """Most prompt tokens prefilled in one step (a longer prompt is prefilled alone)."""
     enable_prefix_caching: bool = True
     eos_id: int | None = None
+    batch_invariant: bool = False
+    """Batch-invariant kernels: logprobs bitwise equal to the trainer's in the same mode (slow)."""
 
 
 @dataclass
@@ -280,9 +284,10 @@ class Generator:
         seq.block_table = table
 
     def _forward(self, slices: list[SeqSlice], tokens: list[int]) -> torch.Tensor:
-        backend = PagedAttention(self.pool, slices, self.device)
+        backend = PagedAttention(self.pool, slices, self.device, exact=self.options.batch_invariant)
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
-        return self.model(tokens_1N, backend.positions_1N, backend)[0]
+        with batch_invariant_mode() if self.options.batch_invariant else contextlib.nullcontext():
+            return self.model(tokens_1N, backend.positions_1N, backend)[0]
 
     def _prefill(self, seqs: list[_Seq], running, finished, stats: GenerationStats, seed: int) -> None:
         slices, tokens, last_index = [], [], []

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from titanrl.generator.kv_cache import KVCachePool
+from titanrl.models.batch_invariant import attend_exact
 
 
 @dataclass
@@ -24,10 +25,15 @@ class SeqSlice:
 
 
 class PagedAttention:
-    """An `AttentionBackend` for one forward step; built by the generator from `SeqSlice`s."""
+    """An `AttentionBackend` for one forward step; built by the generator from `SeqSlice`s.
 
-    def __init__(self, pool: KVCachePool, seqs: list[SeqSlice], device: torch.device) -> None:
+    `exact=True` attends one query at a time with `attend_exact` (batch-invariant mode).
+    """
+
+    def __init__(self, pool: KVCachePool, seqs: list[SeqSlice], device: torch.device, exact: bool = False) -> None:
         self.pool = pool
+        self.exact = exact
+        self.seqs = seqs
         B = pool.block_size
         S = len(seqs)
         max_ctx = max(s.context_len for s in seqs)
@@ -71,6 +77,8 @@ class PagedAttention:
         v_cache = self.pool.v[layer_id].view(-1, *v_1NHD.shape[2:])
         k_cache[self.slot_mapping_N] = k_1NHD[0].to(k_cache.dtype)
         v_cache[self.slot_mapping_N] = v_1NHD[0].to(v_cache.dtype)
+        if self.exact:
+            return self._attend_exact(q_1NHD[0], k_cache, v_cache).unsqueeze(0)
         q_SQHD = q_1NHD[0][self.query_index_SQ]
         k_SLHD = k_cache[self.gather_slots_SL].to(q_SQHD.dtype)
         v_SLHD = v_cache[self.gather_slots_SL].to(q_SQHD.dtype)
@@ -85,3 +93,12 @@ class PagedAttention:
         out_NHD = torch.empty_like(q_1NHD[0])
         out_NHD[self.query_index_SQ[self.query_valid_SQ]] = out_SQHD[self.query_valid_SQ]
         return out_NHD.unsqueeze(0)
+
+    def _attend_exact(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, s in enumerate(self.seqs):
+            slots = self.gather_slots_SL[i, : s.context_len]
+            q_QHD = q_NHD[self.query_index_SQ[i, : s.num_new]]
+            positions = list(range(s.context_len - s.num_new, s.context_len))
+            outs.append(attend_exact(q_QHD, k_cache[slots], v_cache[slots], positions))
+        return torch.cat(outs)
