@@ -304,3 +304,18 @@ def test_batch_invariant_mode_logprobs_bitwise_equal_trainer():
             trainer_lp = token_logprobs(model(torch.tensor([seq[:-1]])), torch.tensor([seq[1:]]))[0, P - 1 :]
         diffs.append((trainer_lp - torch.tensor(c.logprobs)).abs().max().item())
     assert max(diffs) > 0
+
+
+def test_weight_sync_invalidates_prefix_cache():
+    """Cached prompt K/V from old weights must not be reused after load_weights."""
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=64)
+    prompt = _prompts([13])[0]
+    gen.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    gen.load_weights(model)
+    (c,), stats = gen.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0))
+    assert stats.prefix_cache_hit_tokens == 0
+    assert c.token_ids == greedy_reference(model, prompt, 8)[0]

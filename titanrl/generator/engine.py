@@ -180,6 +180,9 @@ class Generator:
                 )
             dst_local.copy_(src_local)
         assert not dst_params, f"generator parameters not synced: {sorted(dst_params)}"
+        # Cached prefix blocks hold K/V computed with the old weights.
+        if self.allocator is not None:
+            self.allocator.reset_prefix_cache()
 
     # ---- generation ----
 

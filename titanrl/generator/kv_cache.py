@@ -78,6 +78,14 @@ class BlockAllocator:
         self._hash_of_block[block] = block_hash
         self._block_of_hash[block_hash] = block
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after a weight update their K/V are stale)."""
+        assert all(rc == 0 for rc in self.ref_count), "prefix cache reset while sequences hold blocks"
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()
+
     def check_invariants(self) -> None:
         free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is twice in the free list"
