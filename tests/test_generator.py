@@ -319,3 +319,24 @@ def test_weight_sync_invalidates_prefix_cache():
     (c,), stats = gen.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0))
     assert stats.prefix_cache_hit_tokens == 0
     assert c.token_ids == greedy_reference(model, prompt, 8)[0]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_decode_matches_and_does_not_recompile(backend):
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=128, compile=True, compile_backend=backend)
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    prompts = _prompts([3, 9, 17])  # decode batches of 3 -> bucket 4
+    completions, _ = gen.generate(prompts, params)
+    for c in completions:
+        assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 16)[0]
+    warm = counters["stats"]["unique_graphs"]
+    assert warm >= 1
+    # Other lengths, same bucket: context lengths are dynamic, so nothing compiles again.
+    completions, _ = gen.generate(_prompts([5, 12, 21], seed=7), SamplingParams(max_new_tokens=20, temperature=0))
+    assert counters["stats"]["unique_graphs"] == warm
+    for c in completions:
+        assert c.token_ids == greedy_reference(model, _prompts([5, 12, 21], seed=7)[c.prompt_index], 20)[0]

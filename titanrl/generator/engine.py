@@ -42,6 +42,10 @@ class GeneratorOptions:
     eos_id: int | None = None
     batch_invariant: bool = False
     """Batch-invariant kernels: logprobs bitwise equal to the trainer's in the same mode (slow)."""
+    compile: bool = False
+    """Compile the decode step; batches are padded to power-of-two sizes so that each size
+    compiles once (CUDA graphs via mode='reduce-overhead' on GPU)."""
+    compile_backend: str = "inductor"
 
 
 @dataclass
@@ -116,6 +120,12 @@ class Generator:
         model.to_empty(device=device)
         model.init_weights(buffer_device=device)
         self.model = model.to(dtype).eval().requires_grad_(False)
+        if options.compile and options.batch_invariant:
+            raise ValueError("generator compile and batch_invariant cannot be combined; pick one")
+        self._decode_model = self.model
+        if options.compile:
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            self._decode_model = torch.compile(self.model, backend=options.compile_backend, mode=mode)
         self.num_blocks = options.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -139,8 +149,9 @@ class Generator:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep)."""
         if self.pool is None:
             kv_heads = self.args.n_kv_heads // self.tp
+            # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
-                self.args.n_layers, self.num_blocks, self.options.block_size, kv_heads, self.args.head_dim,
+                self.args.n_layers, self.num_blocks + 1, self.options.block_size, kv_heads, self.args.head_dim,
                 self.dtype, self.device,
             )
             self.allocator = BlockAllocator(self.num_blocks, self.options.enable_prefix_caching)
@@ -286,11 +297,25 @@ class Generator:
             raise
         seq.block_table = table
 
-    def _forward(self, slices: list[SeqSlice], tokens: list[int]) -> torch.Tensor:
+    def _forward(self, slices: list[SeqSlice], tokens: list[int], decode: bool = False) -> torch.Tensor:
+        """Logits [N, vocab] for the packed new tokens of `slices`."""
+        model = self.model
+        n = len(tokens)
+        if decode and self.options.compile:
+            # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
+            bucket = 1 << (n - 1).bit_length()
+            scratch = SeqSlice([self.num_blocks], 1, 1)
+            slices = slices + [scratch] * (bucket - n)
+            tokens = tokens + [0] * (bucket - n)
+            model = self._decode_model
         backend = PagedAttention(self.pool, slices, self.device, exact=self.options.batch_invariant)
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
+        if model is not self.model:
+            # The context length changes every step; keep it symbolic instead of recompiling.
+            torch._dynamo.mark_dynamic(backend.gather_slots_SL, 1)
+            torch._dynamo.mark_dynamic(backend.mask_S1QL, 3)
         with batch_invariant_mode() if self.options.batch_invariant else contextlib.nullcontext():
-            return self.model(tokens_1N, backend.positions_1N, backend)[0]
+            return model(tokens_1N, backend.positions_1N, backend)[0, :n]
 
     def _prefill(self, seqs: list[_Seq], running, finished, stats: GenerationStats, seed: int) -> None:
         slices, tokens, last_index = [], [], []
@@ -398,7 +423,7 @@ class Generator:
         if not batch:
             return
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
-        logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch])
+        logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
         stats.decode_tokens += len(batch)
         for seq, logits_V in zip(batch, logits_NV):
             seq.num_computed = len(seq.token_ids)

@@ -61,7 +61,9 @@ class PagedAttention:
         self.slot_mapping_N = torch.cat(slot_mapping).to(device)
         self.gather_slots_SL = gather_slots_SL.to(device)
         self.query_index_SQ = query_index_SQ.to(device)
-        self.query_valid_SQ = query_valid_SQ.to(device)
+        # Where each (sequence, query) row goes in the packed output; padding rows go to a spare
+        # row N, so that no data-dependent boolean indexing is needed (compile-friendly).
+        self.scatter_index_SQ = torch.where(query_valid_SQ, query_index_SQ, offset).to(device)
         key_pos_L = torch.arange(max_ctx)
         # Causal within the sequence, and only its own keys.
         mask_SQL = (key_pos_L[None, None, :] <= query_pos_SQ[:, :, None]) & (
@@ -90,9 +92,10 @@ class PagedAttention:
             enable_gqa=q_SQHD.shape[2] != k_SLHD.shape[2],
         )
         out_SQHD = out_SHQD.transpose(1, 2)
-        out_NHD = torch.empty_like(q_1NHD[0])
-        out_NHD[self.query_index_SQ[self.query_valid_SQ]] = out_SQHD[self.query_valid_SQ]
-        return out_NHD.unsqueeze(0)
+        N = q_1NHD.shape[1]
+        out_NHD = q_1NHD.new_zeros(N + 1, *out_SQHD.shape[2:])
+        out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
+        return out_NHD[:N].unsqueeze(0)
 
     def _attend_exact(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         outs = []
