@@ -25,6 +25,7 @@ from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_token, sampled_logprobs
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
+from titanrl.models.hf import load_hf_weights
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
@@ -195,6 +196,12 @@ class Generator:
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
 
+    def load_hf(self, folder: str) -> None:
+        """Load weights from an HF safetensors folder (standalone use, without a trainer)."""
+        load_hf_weights(self.model, folder)
+        if self.allocator is not None:
+            self.allocator.reset_prefix_cache()
+
     # ---- generation ----
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -329,16 +336,19 @@ class Generator:
             stats.prefill_tokens += len(new)
             seq.num_computed = end
         logits_NV = self._forward(slices, tokens)
+        children, rows = [], []
         for seq, idx in zip(seqs, last_index):
             self._register_prompt_blocks(seq)
             if not seq.is_group_prompt:
                 running.append(seq)  # resumed after preemption: its next token is already sampled
                 continue
             for sample_index in range(seq.params.n):
-                child = self._fork(seq, sample_index, seed)
-                self._append_sample(child, logits_NV[idx], running, finished)
+                children.append(self._fork(seq, sample_index, seed))
+                rows.append(idx)
             for block in seq.block_table:
                 self.allocator.free(block)
+        if children:
+            self._append_samples(children, logits_NV[rows], running, finished)
 
     def _fork(self, group: _Seq, sample_index: int, seed: int) -> _Seq:
         rng = None
@@ -356,23 +366,33 @@ class Generator:
         for block, h in zip(seq.block_table[:full], block_hashes(seq.token_ids[: full * B], B)):
             self.allocator.register(block, h)
 
-    def _append_sample(self, seq: _Seq, logits_V: torch.Tensor, running, finished) -> None:
-        """Sample the next token of `seq` from `logits_V`, record it, and retire `seq` if done."""
-        token = sample_token(logits_V, seq.params, seq.rng)
-        seq.token_ids.append(token)
-        seq.logprobs.append(sampled_logprobs(logits_V.unsqueeze(0), torch.tensor([token], device=logits_V.device)).item())
-        if seq.params.num_top_logprobs:
-            top = torch.log_softmax(logits_V.float(), -1).topk(seq.params.num_top_logprobs)
-            seq.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-        reason = self._finish_reason(seq, token)
-        if reason is None:
-            running.append(seq)
-            return
-        seq.finish_reason = reason
-        for block in seq.block_table:
-            self.allocator.free(block)
-        seq.block_table = []
-        finished.append(seq)
+    def _append_samples(self, seqs: list[_Seq], logits_NV: torch.Tensor, running, finished) -> None:
+        """Sample the next token of each seq from its row of `logits_NV`; retire finished seqs."""
+        greedy_N = torch.argmax(logits_NV, dim=-1).tolist()
+        tokens = [
+            greedy_N[i] if seq.params.temperature == 0 else sample_token(logits_NV[i], seq.params, seq.rng)
+            for i, seq in enumerate(seqs)
+        ]
+        tokens_N = torch.tensor(tokens, device=logits_NV.device)
+        logprobs_N = sampled_logprobs(logits_NV, tokens_N).tolist()
+        num_top = seqs[0].params.num_top_logprobs
+        if num_top:
+            top = torch.log_softmax(logits_NV.float(), -1).topk(num_top)
+            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprobs_N[i])
+            if num_top:
+                seq.top_logprobs.append(list(zip(top_ids[i], top_lps[i])))
+            reason = self._finish_reason(seq, token)
+            if reason is None:
+                running.append(seq)
+                continue
+            seq.finish_reason = reason
+            for block in seq.block_table:
+                self.allocator.free(block)
+            seq.block_table = []
+            finished.append(seq)
 
     def _finish_reason(self, seq: _Seq, token: int) -> str | None:
         if token == self.eos_id or token in seq.params.stop_token_ids:
@@ -425,9 +445,9 @@ class Generator:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
         logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
         stats.decode_tokens += len(batch)
-        for seq, logits_V in zip(batch, logits_NV):
+        for seq in batch:
             seq.num_computed = len(seq.token_ids)
-            self._append_sample(seq, logits_V, running, finished)
+        self._append_samples(batch, logits_NV, running, finished)
 
     def _completion(self, seq: _Seq) -> Completion:
         ids = seq.token_ids[seq.prompt_len :]

@@ -35,44 +35,37 @@ class PagedAttention:
         self.exact = exact
         self.seqs = seqs
         B = pool.block_size
-        S = len(seqs)
-        max_ctx = max(s.context_len for s in seqs)
-        max_new = max(s.num_new for s in seqs)
-        gather_slots_SL = torch.zeros(S, max_ctx, dtype=torch.long)
-        key_len_S = torch.zeros(S, dtype=torch.long)
-        query_index_SQ = torch.zeros(S, max_new, dtype=torch.long)
-        query_pos_SQ = torch.zeros(S, max_new, dtype=torch.long)
-        query_valid_SQ = torch.zeros(S, max_new, dtype=torch.bool)
-        slot_mapping = []
-        offset = 0
-        for i, s in enumerate(seqs):
-            table = torch.tensor(s.block_table, dtype=torch.long)
-            pos = torch.arange(s.context_len)
-            slots = table[pos // B] * B + pos % B
-            gather_slots_SL[i, : s.context_len] = slots
-            key_len_S[i] = s.context_len
-            new_pos = pos[s.context_len - s.num_new :]
-            slot_mapping.append(slots[s.context_len - s.num_new :])
-            query_index_SQ[i, : s.num_new] = torch.arange(offset, offset + s.num_new)
-            query_pos_SQ[i, : s.num_new] = new_pos
-            query_valid_SQ[i, : s.num_new] = True
-            offset += s.num_new
-        self.num_tokens = offset
-        self.slot_mapping_N = torch.cat(slot_mapping).to(device)
-        self.gather_slots_SL = gather_slots_SL.to(device)
-        self.query_index_SQ = query_index_SQ.to(device)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        # One host->device copy of all metadata, then index arithmetic on tensors.
+        meta = torch.tensor(
+            [[s.context_len, s.num_new, *s.block_table, *[0] * (max_blocks - len(s.block_table))] for s in seqs],
+            dtype=torch.long,
+        ).to(device)
+        context_len_S, num_new_S, block_table_SM = meta[:, 0], meta[:, 1], meta[:, 2:]
+        max_ctx = int(max(s.context_len for s in seqs))
+        max_new = int(max(s.num_new for s in seqs))
+        key_pos_L = torch.arange(max_ctx, device=device)
+        self.gather_slots_SL = block_table_SM[:, key_pos_L // B] * B + key_pos_L % B
+        q_off_Q = torch.arange(max_new, device=device)
+        query_pos_SQ = (context_len_S - num_new_S)[:, None] + q_off_Q[None, :]
+        query_valid_SQ = q_off_Q[None, :] < num_new_S[:, None]
+        starts_S = torch.cumsum(num_new_S, 0) - num_new_S
+        self.num_tokens = sum(s.num_new for s in seqs)
+        # Pure decode (one new token per sequence): queries and outputs need no re-packing.
+        self.decode_only = max_new == 1
+        self.query_index_SQ = torch.where(query_valid_SQ, starts_S[:, None] + q_off_Q[None, :], 0)
         # Where each (sequence, query) row goes in the packed output; padding rows go to a spare
-        # row N, so that no data-dependent boolean indexing is needed (compile-friendly).
-        self.scatter_index_SQ = torch.where(query_valid_SQ, query_index_SQ, offset).to(device)
-        key_pos_L = torch.arange(max_ctx)
+        # row N, so that no data-dependent boolean indexing happens in the forward (compile-friendly).
+        self.scatter_index_SQ = torch.where(query_valid_SQ, self.query_index_SQ, self.num_tokens)
+        valid_pos_SQ = torch.where(query_valid_SQ, query_pos_SQ, 0)
+        # Packed order is sequence-major, as the valid (s, q) pairs come out of boolean masking.
+        self.slot_mapping_N = self.gather_slots_SL.gather(1, valid_pos_SQ)[query_valid_SQ]
+        self.positions_1N = query_pos_SQ[query_valid_SQ].unsqueeze(0)
         # Causal within the sequence, and only its own keys.
         mask_SQL = (key_pos_L[None, None, :] <= query_pos_SQ[:, :, None]) & (
-            key_pos_L[None, None, :] < key_len_S[:, None, None]
+            key_pos_L[None, None, :] < context_len_S[:, None, None]
         )
-        self.mask_S1QL = mask_SQL.unsqueeze(1).to(device)
-        self.positions_1N = torch.cat(
-            [query_pos_SQ[i, : s.num_new] for i, s in enumerate(seqs)]
-        ).unsqueeze(0).to(device)
+        self.mask_S1QL = mask_SQL.unsqueeze(1)
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
         k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
@@ -81,7 +74,7 @@ class PagedAttention:
         v_cache[self.slot_mapping_N] = v_1NHD[0].to(v_cache.dtype)
         if self.exact:
             return self._attend_exact(q_1NHD[0], k_cache, v_cache).unsqueeze(0)
-        q_SQHD = q_1NHD[0][self.query_index_SQ]
+        q_SQHD = q_1NHD[0].unsqueeze(1) if self.decode_only else q_1NHD[0][self.query_index_SQ]
         k_SLHD = k_cache[self.gather_slots_SL].to(q_SQHD.dtype)
         v_SLHD = v_cache[self.gather_slots_SL].to(q_SQHD.dtype)
         out_SHQD = F.scaled_dot_product_attention(
@@ -92,6 +85,8 @@ class PagedAttention:
             enable_gqa=q_SQHD.shape[2] != k_SLHD.shape[2],
         )
         out_SQHD = out_SHQD.transpose(1, 2)
+        if self.decode_only:
+            return out_SQHD.transpose(0, 1)
         N = q_1NHD.shape[1]
         out_NHD = q_1NHD.new_zeros(N + 1, *out_SQHD.shape[2:])
         out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
