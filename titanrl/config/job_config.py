@@ -81,13 +81,13 @@ class Training:
     """Number of optimizer steps."""
 
     batch_size: int = 16
-    """Global number of sequences per optimizer step, split across data-parallel ranks."""
+    """Global number of prompts per RL step (each sampled algorithm.group_size times), split across dp ranks."""
 
     seq_len: int = 128
     """Maximum tokens per training sequence; longer samples are rejected with an error."""
 
     micro_batch_size: int = 0
-    """Sequences per forward/backward on each rank (gradient accumulation); 0 = the whole local batch."""
+    """Sequences per forward/backward on each rank (gradient accumulation); 0 = the whole mini-batch."""
 
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
@@ -101,7 +101,17 @@ class Training:
     warmup_sft_steps: int = 0
     """Supervised steps on generated solutions before RL, so a model trained from scratch can start."""
 
+    warmup_sft_lr: float = 1e-3
+    """Learning rate of the SFT warm-up (constant, AdamW)."""
+
+    warmup_sft_batch_size: int = 64
+    """Global sequences per SFT warm-up step."""
+
     def validate(self) -> None:
+        if not self.warmup_sft_lr > 0:
+            raise ValueError(f"[training] warmup_sft_lr must be > 0, got {self.warmup_sft_lr}")
+        if self.warmup_sft_batch_size < 1:
+            raise ValueError(f"[training] warmup_sft_batch_size must be >= 1, got {self.warmup_sft_batch_size}")
         for name in ("steps", "warmup_sft_steps", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
@@ -211,7 +221,23 @@ class Generator:
     top_k: int = 0
     """Keep only the k most likely tokens; 0 disables it."""
 
+    num_blocks: int = 0
+    """KV-cache blocks in the pool; 0 sizes the pool from kv_cache_memory_fraction."""
+
+    enable_prefix_caching: bool = True
+    """Reuse cached K/V of full prompt blocks across requests (group samples always share)."""
+
+    compile: bool = False
+    """Compile the decode step (power-of-two batch buckets; CUDA graphs on GPU)."""
+
+    batch_invariant: bool = False
+    """Batch-invariant kernels in generator and trainer: bitwise-equal logprobs, much slower."""
+
     def validate(self) -> None:
+        if self.num_blocks < 0:
+            raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")
+        if self.compile and self.batch_invariant:
+            raise ValueError("[generator] compile and batch_invariant cannot be combined; pick one")
         for name in ("block_size", "max_num_seqs", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
@@ -253,7 +279,19 @@ class Algorithm:
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (off for Dr.GRPO)."""
 
+    kl_in_reward: bool = False
+    """Subtract kl_coef * (sequence KL to the reference) from the reward instead of adding KL to the loss."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+
+    num_minibatches: int = 1
+    """Optimizer steps per pass; more than one (or several epochs) makes later updates off-policy."""
+
     def validate(self) -> None:
+        for name in ("ppo_epochs", "num_minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[algorithm] {name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 1:
             raise ValueError(f"[algorithm] group_size must be >= 1, got {self.group_size}")
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
@@ -312,6 +350,11 @@ class Checkpoint:
     """Keep this many most recent checkpoints; 0 keeps all."""
 
     def validate(self) -> None:
+        if self.enable:
+            raise ValueError(
+                "[checkpoint] enable = true is not available yet (sharded checkpointing is tracked "
+                "as the reliability issue); set checkpoint.enable = false"
+            )
         if self.interval < 1:
             raise ValueError(f"[checkpoint] interval must be >= 1, got {self.interval}")
         if self.keep_latest_k < 0:

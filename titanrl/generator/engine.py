@@ -230,10 +230,15 @@ class Generator:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, base_seed: int = 0
+        self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None
     ) -> tuple[list[Completion], GenerationStats]:
-        """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample)."""
+        """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample).
+
+        Sample j of prompt i draws from a random stream seeded by (params.seed, prompt_ids[i], j);
+        passing global prompt ids makes samples independent of how prompts are split over ranks.
+        """
         self._validate(prompts, params)
+        prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
@@ -243,12 +248,12 @@ class Generator:
         ]
         running: list[_Seq] = []
         finished: list[_Seq] = []
-        seed = params.seed if params.seed is not None else base_seed
+        seed = params.seed if params.seed is not None else 0
         while waiting or running:
             stats.steps += 1
             prefill = self._admit(waiting, running, params)
             if prefill:
-                self._prefill(prefill, running, finished, stats, seed)
+                self._prefill(prefill, running, finished, stats, seed, prompt_ids)
             else:
                 self._decode(waiting, running, finished, stats)
         assert all(rc == 0 for rc in self.allocator.ref_count), "KV blocks leaked"
@@ -324,7 +329,7 @@ class Generator:
         with batch_invariant_mode() if self.options.batch_invariant else contextlib.nullcontext():
             return model(tokens_1N, backend.positions_1N, backend)[0, :n]
 
-    def _prefill(self, seqs: list[_Seq], running, finished, stats: GenerationStats, seed: int) -> None:
+    def _prefill(self, seqs: list[_Seq], running, finished, stats: GenerationStats, seed: int, prompt_ids) -> None:
         slices, tokens, last_index = [], [], []
         for seq in seqs:
             end = len(seq.token_ids) - (0 if seq.is_group_prompt else 1)
@@ -343,7 +348,7 @@ class Generator:
                 running.append(seq)  # resumed after preemption: its next token is already sampled
                 continue
             for sample_index in range(seq.params.n):
-                children.append(self._fork(seq, sample_index, seed))
+                children.append(self._fork(seq, sample_index, hash((seed, prompt_ids[seq.prompt_index]))))
                 rows.append(idx)
             for block in seq.block_table:
                 self.allocator.free(block)
@@ -354,7 +359,7 @@ class Generator:
         rng = None
         if group.params.temperature > 0:
             rng = torch.Generator(device="cpu")
-            rng.manual_seed(hash((seed, group.prompt_index, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+            rng.manual_seed(hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
         return _Seq(
             group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params, rng,
             block_table=[self.allocator.fork(b) for b in group.block_table], num_computed=group.num_computed,

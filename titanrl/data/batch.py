@@ -1,0 +1,48 @@
+"""The step batch: prompt + completion tokens and per-token fields, as one TensorDict.
+
+Shapes: tokens [B, T] (right-padded), and for the T-1 next-token targets: loss_mask (1 on
+completion tokens), gen_logprobs (the generator's logprobs), later old/ref logprobs.
+"""
+
+import torch
+from tensordict import TensorDict
+
+
+def build_sequence_batch(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, gen_logprobs: list[list[float]] | None = None
+) -> TensorDict:
+    """Rows are prompt + completion; loss_mask marks targets that are completion tokens."""
+    assert len(prompts) == len(completions)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    B, T = len(prompts), max(lengths)
+    tokens_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    mask_BT = torch.zeros(B, T - 1)
+    gen_lp_BT = torch.zeros(B, T - 1)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        tokens_BT[i, : len(p) + len(c)] = torch.tensor(p + c)
+        # Target j is token j+1: completion tokens are targets len(p)-1 .. len(p)+len(c)-2.
+        mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
+        if gen_logprobs is not None:
+            gen_lp_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(gen_logprobs[i])
+    return TensorDict(
+        {"tokens": tokens_BT, "loss_mask": mask_BT, "gen_logprobs": gen_lp_BT, "length": torch.tensor(lengths)},
+        batch_size=[B],
+    )
+
+
+def split_batch(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
+    """Consecutive chunks of rows (for mini-batches or micro-batches), padding trimmed per chunk."""
+    B = batch.batch_size[0]
+    if num_chunks < 1 or B % num_chunks:
+        raise ValueError(f"{B} sequences cannot be split into {num_chunks} equal chunks")
+    return [trim_padding(chunk) for chunk in batch.split(B // num_chunks)]
+
+
+def trim_padding(batch: TensorDict) -> TensorDict:
+    T = int(batch["length"].max())
+    out = batch.clone()
+    out["tokens"] = batch["tokens"][:, :T]
+    for key in ("loss_mask", "gen_logprobs", "old_logprobs", "ref_logprobs"):
+        if key in batch.keys():
+            out[key] = batch[key][:, : T - 1]
+    return out

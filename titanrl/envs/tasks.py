@@ -1,0 +1,220 @@
+"""Embedded tasks with verifiable rewards: no downloads, a generator of prompts, a verifier.
+
+Each task makes `Sample`s (prompt text, reference answer, and a worked solution used by the SFT
+warm-up) from a seeded RNG; train and eval splits use disjoint seeds. Rewards: `correct` (1 if
+the extracted answer is right) plus `format_weight` if the completion is well-formed at all.
+"""
+
+import ast
+import operator
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class Sample:
+    prompt: str
+    answer: str
+    solution: str
+    """A correct completion (what SFT warm-up trains on); ends with the answer."""
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class Score:
+    reward: float
+    correct: bool
+    well_formed: bool
+
+
+class Task:
+    name: str = ""
+    format_weight: float = 0.1
+
+    def make(self, rng: random.Random) -> Sample:
+        raise NotImplementedError
+
+    def extract(self, completion: str) -> str | None:
+        """The answer part of a completion, or None if it is malformed."""
+        raise NotImplementedError
+
+    def is_correct(self, extracted: str, sample_answer: str, metadata: dict) -> bool:
+        return extracted == sample_answer
+
+    def score(self, completion: str, answer: str, metadata: dict) -> Score:
+        extracted = self.extract(completion)
+        if extracted is None:
+            return Score(0.0, False, False)
+        correct = self.is_correct(extracted, answer, metadata)
+        return Score(float(correct) + self.format_weight, correct, True)
+
+    def samples(self, split: str, n: int, seed: int) -> list[Sample]:
+        # Disjoint seed streams keep eval prompts out of training (up to chance collisions).
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        return [self.make(rng) for _ in range(n)]
+
+
+_INT = re.compile(r"\s*(-?\d+)\s*$")
+
+
+class Arithmetic(Task):
+    """'23+45=' -> '68'. Operands up to `max_digits` digits; `ops` from '+', '-', '*'."""
+
+    name = "arithmetic"
+
+    def __init__(self, max_digits: int = 2, ops: str = "+") -> None:
+        self.max_digits = max_digits
+        self.ops = ops
+
+    def make(self, rng: random.Random) -> Sample:
+        hi = 10**self.max_digits - 1
+        a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(self.ops)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return Sample(prompt=f"{a}{op}{b}=", answer=str(value), solution=str(value))
+
+    def extract(self, completion: str) -> str | None:
+        m = _INT.match(completion)
+        return str(int(m.group(1))) if m else None
+
+
+class Reverse(Task):
+    """'rev:abcd=' -> 'dcba' (sorting's simpler sibling: a pure copy-permutation task)."""
+
+    name = "reverse"
+
+    def __init__(self, min_len: int = 3, max_len: int = 6) -> None:
+        self.min_len, self.max_len = min_len, max_len
+
+    def make(self, rng: random.Random) -> Sample:
+        word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(self.min_len, self.max_len)))
+        return Sample(prompt=f"rev:{word}=", answer=word[::-1], solution=word[::-1])
+
+    def extract(self, completion: str) -> str | None:
+        text = completion.strip()
+        return text if text.isalpha() else None
+
+
+class Sort(Task):
+    """'sort:3,1,2=' -> '1,2,3'."""
+
+    name = "sort"
+
+    def __init__(self, min_len: int = 3, max_len: int = 5) -> None:
+        self.min_len, self.max_len = min_len, max_len
+
+    def make(self, rng: random.Random) -> Sample:
+        nums = [rng.randint(0, 9) for _ in range(rng.randint(self.min_len, self.max_len))]
+        answer = ",".join(map(str, sorted(nums)))
+        return Sample(prompt=f"sort:{','.join(map(str, nums))}=", answer=answer, solution=answer)
+
+    def extract(self, completion: str) -> str | None:
+        text = completion.strip()
+        return text if re.fullmatch(r"\d(,\d)*", text) else None
+
+
+# ---- countdown: reach a target with the given numbers, checked without eval() ----
+
+_BINOPS: dict[type, Callable[[float, float], float]] = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+}
+
+
+def safe_arithmetic(expression: str, max_len: int = 64) -> tuple[float, list[int]]:
+    """Value of an expression of integers, + - * / and parentheses, and the integers it uses.
+
+    Parses with `ast` and walks only those node types: never `eval`. Raises ValueError otherwise.
+    """
+    if len(expression) > max_len:
+        raise ValueError("expression too long")
+    tree = ast.parse(expression, mode="eval")
+    numbers: list[int] = []
+
+    def walk(node: ast.AST) -> float:
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _BINOPS[type(node.op)](left, right)
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            numbers.append(node.value)
+            return node.value
+        raise ValueError(f"not allowed in an expression: {type(node).__name__}")
+
+    return walk(tree.body), numbers
+
+
+class Countdown(Task):
+    """'cd:3,5,7->22=' -> an expression using each given number at most once, equal to 22."""
+
+    name = "countdown"
+
+    def __init__(self, num_numbers: int = 3, max_number: int = 9) -> None:
+        self.num_numbers, self.max_number = num_numbers, max_number
+
+    def make(self, rng: random.Random) -> Sample:
+        nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+        # Build a solvable target from a random expression over the numbers.
+        a, b, c = (nums + [1, 1])[:3]
+        op1, op2 = rng.choice("+-*"), rng.choice("+-*")
+        solution = f"({a}{op1}{b}){op2}{c}" if self.num_numbers >= 3 else f"{a}{op1}{b}"
+        target, _ = safe_arithmetic(solution)
+        return Sample(
+            prompt=f"cd:{','.join(map(str, nums))}->{int(target)}=",
+            answer=str(int(target)),
+            solution=solution,
+            metadata={"numbers": nums, "target": int(target)},
+        )
+
+    def extract(self, completion: str) -> str | None:
+        text = completion.strip()
+        return text if text and re.fullmatch(r"[\d+\-*/() ]+", text) else None
+
+    def is_correct(self, extracted: str, sample_answer: str, metadata: dict) -> bool:
+        try:
+            value, used = safe_arithmetic(extracted)
+        except (ValueError, SyntaxError, RecursionError):
+            return False
+        available = list(metadata["numbers"])
+        for n in used:
+            if n not in available:
+                return False
+            available.remove(n)
+        return abs(value - metadata["target"]) < 1e-9
+
+
+TASKS: dict[str, Callable[[], Task]] = {
+    "arithmetic": Arithmetic,
+    "arithmetic_mul": lambda: Arithmetic(max_digits=2, ops="+-*"),
+    "reverse": Reverse,
+    "sort": Sort,
+    "countdown": Countdown,
+}
+
+
+def build_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"Unknown task '{name}'; embedded tasks: {', '.join(TASKS)} (or 'jsonl')")
+    return TASKS[name]()
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+class NumericMath(Task):
+    """GSM8K-style verifier for users' data: the answer is the number after '####' if present,
+    else the last number in the completion; compared numerically (commas ignored)."""
+
+    name = "numeric_math"
+
+    def extract(self, completion: str) -> str | None:
+        tail = completion.split("####")[-1]
+        numbers = _NUMBER.findall(tail)
+        return numbers[-1].replace(",", "") if numbers else None
+
+    def is_correct(self, extracted: str, sample_answer: str, metadata: dict) -> bool:
+        try:
+            return abs(float(extracted) - float(sample_answer.replace(",", ""))) < 1e-6
+        except ValueError:
+            return False
