@@ -33,7 +33,7 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert config.training.batch_size == 4  # from TOML
     assert config.optimizer.lr == 0.5  # from TOML
     assert config.optimizer.beta1 == 0.8  # CLI, space-separated form
-    assert config.training.seq_len == JobConfig().training.seq_len  # default
+    assert config.training.max_norm == JobConfig().training.max_norm  # default
 
 
 def test_typo_key_in_toml_names_key_and_suggestion(tmp_path):

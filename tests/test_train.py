@@ -77,3 +77,30 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
         assert g["response_len"] == pytest.approx(w["response_len"], abs=1e-6)
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
         assert g["entropy"] == pytest.approx(w["entropy"], rel=1e-3)
+
+
+def test_kl_and_off_policy_updates_run(tmp_path):
+    """KL to a reference and 2 epochs x 2 mini-batches: ratios move off 1, KL is measured."""
+    proc = _run_single(tmp_path, ["--algorithm.kl_coef=0.05", "--algorithm.ppo_epochs=2",
+                                  "--algorithm.num_minibatches=2", "--optimizer.lr=3e-3",
+                                  "--training.micro_batch_size=4"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = _rl_steps(_metrics(tmp_path))
+    assert len(steps) == 3
+    assert any(m["ratio_max"] != 1.0 for m in steps)
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    assert max(m["kl"] for m in steps[1:]) > 0
+
+
+def test_bad_data_row_fails_fast_with_the_line(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n{"answer": 3}\n')
+    proc = _run_single(tmp_path, ["--data.task=jsonl", f"--data.path={data}"])
+    assert proc.returncode != 0
+    assert "prompts.jsonl:2: missing or empty 'prompt'" in proc.stderr
+
+
+def test_config_typo_fails_with_suggestion(tmp_path):
+    proc = _run_single(tmp_path, ["--algorithm.group_sise=4"])
+    assert proc.returncode != 0
+    assert "Unknown config key 'algorithm.group_sise'" in proc.stderr and "Did you mean 'group_size'" in proc.stderr

@@ -41,10 +41,13 @@ from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
 from titanrl.rewards.runner import RewardItem, RewardRunner
 
-CONSOLE_KEYS = [
-    "reward_mean", "accuracy", "response_len", "kl", "entropy", "clip_frac", "grad_norm", "lr",
-    "tokens_per_s", "time_generate", "time_reward", "time_logprob", "time_train", "time_sync",
-]
+# metric -> console label (the JSONL file and wandb get every metric under its full name)
+CONSOLE = {
+    "reward_mean": "reward", "reward_std": "std", "accuracy": "acc", "response_len": "len", "kl": "kl",
+    "entropy": "ent", "clip_frac": "clip", "grad_norm": "gnorm", "lr": "lr", "tokens_per_s": "tok/s",
+    "time_generate": "gen_s", "time_reward": "rew_s", "time_logprob": "lp_s", "time_train": "train_s",
+    "time_sync": "sync_s", "peak_mem_gb": "mem_gb", "eval_accuracy": "EVAL_ACC",
+}
 
 
 @dataclass
@@ -126,7 +129,7 @@ def sft_warmup(ctx: Context) -> None:
         opt.step()
         if step % 25 == 0 or step == cfg.warmup_sft_steps:
             (global_loss,) = dp_sum([loss.item()], ctx)
-            ctx.metrics.log(-cfg.warmup_sft_steps + step, {"phase": "sft", "sft_loss": global_loss})
+            ctx.metrics.log(step - cfg.warmup_sft_steps, {"phase": "sft", "sft_loss": global_loss})
 
 
 # ---- evaluation ----
@@ -324,11 +327,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:
         print(to_toml(config))
+    # Read user data before building anything, so that a bad row fails in seconds.
+    task_samples = load_jsonl(config.data.path) if config.data.task == "jsonl" else None
     ctx = build_context(config, rank, world_size)
     is_rank0 = rank == 0
-    task_samples = (
-        load_jsonl(config.data.path) if config.data.task == "jsonl" else None
-    )
     eval_samples = task_samples[: config.data.num_eval_samples] if task_samples else ctx.task.samples(
         "eval", config.data.num_eval_samples, config.job.seed)
     if is_rank0:
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loader = iter(build_prompt_loader(stream, config.training.batch_size, ctx.dims.dp_rank, ctx.dims.dp_size))
 
     last_eval = evaluate(ctx, eval_samples)
-    ctx.metrics.log(0, {"phase": "rl", **last_eval}, ["eval_accuracy"])
+    ctx.metrics.log(0, {"phase": "rl", **last_eval}, {"eval_accuracy": "EVAL_ACC"})
     first_eval = last_eval["eval_accuracy"]
     for step in range(1, config.training.steps + 1):
         metrics = rl_step(ctx, next(loader), step, optimizer, scheduler)
@@ -361,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             last_eval = evaluate(ctx, eval_samples)
             metrics.update(last_eval)
         if step % config.metrics.log_freq == 0 or "eval_accuracy" in metrics:
-            ctx.metrics.log(step, {"phase": "rl", **metrics}, CONSOLE_KEYS + ["eval_accuracy"])
+            ctx.metrics.log(step, {"phase": "rl", **metrics}, CONSOLE)
     if is_rank0:
         print(f"eval accuracy: {first_eval:.3f} -> {last_eval['eval_accuracy']:.3f}", flush=True)
     ctx.rewards.close()
@@ -373,4 +375,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ValueError as e:
+        # A user error (config, data, degrees): the message names the cause and the fix.
+        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

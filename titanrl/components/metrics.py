@@ -35,7 +35,8 @@ class MetricsLogger:
                 dir=job_config.job.dump_folder,
             )
 
-    def log(self, step: int, metrics: dict[str, Any], console_keys: list[str] | None = None) -> None:
+    def log(self, step: int, metrics: dict[str, Any], console: dict[str, str] | None = None) -> None:
+        """Record `metrics` for `step`; print the keys of `console` (key -> short label), or all."""
         if not self.enabled:
             return
         record = {"step": step, "time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
@@ -44,8 +45,8 @@ class MetricsLogger:
             self.jsonl.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
-        keys = console_keys if console_keys is not None else list(metrics)
-        parts = [f"{k} {_fmt(record[k])}" for k in keys if k in record]
+        labels = console if console is not None else {k: k for k in metrics}
+        parts = [f"{label} {_fmt(record[k])}" for k, label in labels.items() if k in record]
         print(f"step {step:>4} | " + " | ".join(parts), flush=True)
 
     def close(self) -> None:
@@ -64,6 +65,6 @@ def _plain(value: Any) -> Any:
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if math.isfinite(value) and value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
-            return f"{value:.3e}"
-        return f"{value:.4f}"
+            return f"{value:.2e}"
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)

@@ -83,9 +83,6 @@ class Training:
     batch_size: int = 16
     """Global number of prompts per RL step (each sampled algorithm.group_size times), split across dp ranks."""
 
-    seq_len: int = 128
-    """Maximum tokens per training sequence; longer samples are rejected with an error."""
-
     micro_batch_size: int = 0
     """Sequences per forward/backward on each rank (gradient accumulation); 0 = the whole mini-batch."""
 
@@ -115,9 +112,8 @@ class Training:
         for name in ("steps", "warmup_sft_steps", "micro_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"[training] {name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size < 1:
+            raise ValueError(f"[training] batch_size must be >= 1, got {self.batch_size}")
         if self.max_norm < 0:
             raise ValueError(f"[training] max_norm must be >= 0 (0 disables clipping), got {self.max_norm}")
 
