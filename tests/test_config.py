@@ -57,7 +57,7 @@ def test_typo_section_and_cli_key():
         (["--optimizer.name=adamw"], r"expected one of 'AdamW', 'Adam', 'SGD'\. Did you mean 'AdamW'"),
         (["--optimizer.lr=0"], r"\[optimizer\] lr must be > 0, got 0.0"),
         (["--parallelism.dp_shard=0"], r"dp_shard must be >= 1 or -1"),
-        (["--training.micro_batch_size=64", "--training.batch_size=8"], r"micro_batch_size \(64\) exceeds"),
+        (["--training.micro_batch_tokens=64", "--model.max_seq_len=128"], r"micro_batch_tokens \(64\) is below one sequence"),
         (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=x"],
          r"selective_ac_option must be 'op' or a positive integer"),
         (["--data.task=jsonl"], r"task 'jsonl' needs data.path"),

@@ -144,3 +144,24 @@ def test_sequence_batch_layout_and_split():
 def test_aggregate_rejects_unknown_mode():
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate(torch.ones(1, 1), torch.ones(1, 1), "sum", 1, 1)
+
+
+def test_micro_batches_cover_every_row_once_by_token_budget():
+    from titanrl.data.batch import micro_batches, num_micro_batches
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [[1] * int(torch.randint(1, 4, (1,), generator=g)) for _ in range(10)]
+    comps = [[2] * int(torch.randint(1, 9, (1,), generator=g)) for _ in range(10)]
+    batch = build_sequence_batch(prompts, comps, pad_id=0)
+    assert num_micro_batches(batch, 0) == 1
+    n = num_micro_batches(batch, 24)
+    assert n > 1
+    chunks = micro_batches(batch, n)
+    assert len(chunks) == n
+    assert sum(c.batch_size[0] for c in chunks) == 10
+    assert sum(c["loss_mask"].sum().item() for c in chunks) == batch["loss_mask"].sum().item()
+    for c in chunks:
+        assert c["tokens"].shape[1] == int(c["length"].max())  # padding trimmed per chunk
+    # A generous budget is one micro-batch; more chunks than needed still covers every row.
+    assert num_micro_batches(batch, 10_000) == 1
+    assert sum(c.batch_size[0] for c in micro_batches(batch, 10)) == 10

@@ -9,6 +9,7 @@ One RL step, top to bottom in `rl_step`:
 """
 
 import contextlib
+import importlib
 import os
 import resource
 import sys
@@ -29,7 +30,7 @@ from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.job_config import Optimizer as OptimizerConfig
-from titanrl.data.batch import build_sequence_batch, split_batch
+from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_batches, split_batch
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
 from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
@@ -83,6 +84,13 @@ def dp_sum(values: list[float], ctx: Context) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.dp_group is not None:
         dist.all_reduce(t, group=ctx.dp_group)
+    return t.tolist()
+
+
+def dp_max(values: list[float], ctx: Context) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if ctx.dp_group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     return t.tolist()
 
 
@@ -243,9 +251,10 @@ def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sum
     algo, cfg = ctx.config.algorithm, ctx.config
     num_tokens = global_token_count(minibatch["loss_mask"], ctx.dp_group).item()
     (num_seqs,) = dp_sum([float(minibatch.batch_size[0])], ctx)
-    micro = cfg.training.micro_batch_size or minibatch.batch_size[0]
+    # FSDP needs the same number of forward/backward passes on every dp rank: take the max.
+    (n_micro,) = dp_max([num_micro_batches(minibatch, cfg.training.micro_batch_tokens)], ctx)
     optimizer.zero_grad()
-    for mb in split_batch(minibatch, max(1, minibatch.batch_size[0] // micro)):
+    for mb in micro_batches(minibatch, int(min(n_micro, minibatch.batch_size[0]))):
         logprobs, logits = forward_logprobs(ctx.policy, mb, cfg.generator.batch_invariant)
         mask = mb["loss_mask"]
         # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
@@ -309,12 +318,28 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
         device, tp_mesh=tp_mesh, tokenizer=tokenizer,
     )
     task: Task = NumericMath() if config.data.task == "jsonl" else build_task(config.data.task)
-    rewards = RewardRunner(task, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward)
+    reward_fn = import_callable(config.reward.function) if config.reward.function else task
+    rewards = RewardRunner(reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward)
     return Context(
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
         generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank),
         dp_group=dims.dp_mesh.get_group() if dims.dp_size > 1 else None,
     )
+
+
+def import_callable(spec: str):
+    """'package.module:name' -> the object (a user's reward function)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(
+            f"reward.function '{spec}' cannot be imported ({e}); use 'module:callable' with the module "
+            "on PYTHONPATH"
+        ) from None
+    if not callable(fn):
+        raise ValueError(f"reward.function '{spec}' is not callable")
+    return fn
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:

@@ -24,7 +24,7 @@ class MetricsLogger:
         cfg = job_config.metrics
         os.makedirs(job_config.job.dump_folder, exist_ok=True)
         if cfg.jsonl_file:
-            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "a")
+            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "w")
         if cfg.enable_wandb:
             import wandb
 

@@ -83,8 +83,9 @@ class Training:
     batch_size: int = 16
     """Global number of prompts per RL step (each sampled algorithm.group_size times), split across dp ranks."""
 
-    micro_batch_size: int = 0
-    """Sequences per forward/backward on each rank (gradient accumulation); 0 = the whole mini-batch."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (gradient accumulation): sequences are sorted by
+    length and split into ceil(padded tokens / budget) micro-batches; 0 = the whole mini-batch."""
 
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
@@ -109,7 +110,7 @@ class Training:
             raise ValueError(f"[training] warmup_sft_lr must be > 0, got {self.warmup_sft_lr}")
         if self.warmup_sft_batch_size < 1:
             raise ValueError(f"[training] warmup_sft_batch_size must be >= 1, got {self.warmup_sft_batch_size}")
-        for name in ("steps", "warmup_sft_steps", "micro_batch_size"):
+        for name in ("steps", "warmup_sft_steps", "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size < 1:
@@ -306,6 +307,10 @@ class Reward:
     num_workers: int = 2
     """Worker processes that run reward functions."""
 
+    function: str = ""
+    """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
+    returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier."""
+
     def validate(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
@@ -406,8 +411,8 @@ class JobConfig:
             section = getattr(self, section_name)
             if hasattr(section, "validate"):
                 section.validate()
-        if self.training.micro_batch_size > self.training.batch_size:
+        if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
-                f"[training] micro_batch_size ({self.training.micro_batch_size}) exceeds "
-                f"batch_size ({self.training.batch_size}); lower it or set 0 for the whole local batch"
+                f"[training] micro_batch_tokens ({self.training.micro_batch_tokens}) is below one sequence "
+                f"of model.max_seq_len ({self.model.max_seq_len}); raise it or set 0"
             )

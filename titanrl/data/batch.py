@@ -46,3 +46,36 @@ def trim_padding(batch: TensorDict) -> TensorDict:
         if key in batch.keys():
             out[key] = batch[key][:, : T - 1]
     return out
+
+
+def num_micro_batches(batch: TensorDict, max_tokens: int) -> int:
+    """Micro-batches this rank needs so that each holds about `max_tokens` padded tokens."""
+    if max_tokens <= 0:
+        return 1
+    lengths = sorted(batch["length"].tolist())
+    count, rows, longest = 1, 0, 0
+    for length in lengths:
+        if rows and max(longest, length) * (rows + 1) > max_tokens:
+            count, rows, longest = count + 1, 0, 0
+        rows, longest = rows + 1, max(longest, length)
+    return count
+
+
+def micro_batches(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
+    """`num_chunks` micro-batches of rows sorted by length (less padding), with about equal
+    token counts, padding trimmed per micro-batch. Every row lands in exactly one of them."""
+    B = batch.batch_size[0]
+    assert 1 <= num_chunks <= B, f"cannot split {B} rows into {num_chunks} micro-batches"
+    order = torch.argsort(batch["length"], stable=True)
+    batch = batch[order]
+    cum = torch.cumsum(batch["length"].float(), 0)
+    bounds, start = [], 0
+    for k in range(1, num_chunks):
+        # First row past the k-th token quantile, keeping every chunk non-empty.
+        target = cum[-1] * k / num_chunks
+        end = int(torch.searchsorted(cum, target).item()) + 1
+        end = min(max(end, start + 1), B - (num_chunks - k))
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, B))
+    return [trim_padding(batch[a:b]) for a, b in bounds]
