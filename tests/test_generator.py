@@ -44,6 +44,8 @@ def _prompts(lengths, seed=1):
         dict(block_size=4, num_blocks=128, enable_prefix_caching=False),
         dict(block_size=4, num_blocks=15),  # tiny pool: forced preemption
         dict(block_size=16, num_blocks=64, max_num_seqs=3),  # admission limited by max_num_seqs
+        dict(block_size=4, num_blocks=40, attention_impl="flex"),  # FlexAttention over pages
+        dict(block_size=4, num_blocks=15, attention_impl="flex"),  # ... with preemption
     ],
 )
 def test_greedy_matches_full_recompute_reference(options):
@@ -57,7 +59,7 @@ def test_greedy_matches_full_recompute_reference(options):
         assert c.token_ids == ref_ids
         assert c.finish_reason == "length"
         assert max(abs(a - b) for a, b in zip(c.logprobs, ref_lps)) < 1e-5
-    if options["num_blocks"] == 15:
+    if options["num_blocks"] == 15:  # the tiny pools
         assert stats.preemptions > 0
     gen.allocator.check_invariants()
 

@@ -199,12 +199,13 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
             batch["ref_logprobs"], _ = forward_logprobs(ctx.reference, batch, cfg.generator.batch_invariant)
         if off_policy:
             batch["old_logprobs"], _ = forward_logprobs(ctx.policy, batch, cfg.generator.batch_invariant)
+    shaped_N = rewards_N
     if algo.kl_coef > 0 and algo.kl_in_reward:
         seq_kl = (kl_estimate(batch["gen_logprobs"], batch["ref_logprobs"], algo.kl_estimator) * mask).sum(-1)
-        rewards_N = rewards_N - algo.kl_coef * seq_kl.cpu()
+        shaped_N = rewards_N - algo.kl_coef * seq_kl.cpu()
 
     # 4. Group-relative advantages (all G samples of a prompt live on this rank).
-    batch["advantages"] = group_advantages(rewards_N, G, algo.normalize_std).to(ctx.device)
+    batch["advantages"] = group_advantages(shaped_N, G, algo.normalize_std).to(ctx.device)
 
     # 5. Policy update: epochs x mini-batches of optimizer steps, micro-batches accumulate.
     sums = defaultdict(float)
@@ -314,6 +315,7 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
             block_size=gcfg.block_size, num_blocks=gcfg.num_blocks, memory_fraction=gcfg.kv_cache_memory_fraction,
             max_num_seqs=gcfg.max_num_seqs, enable_prefix_caching=gcfg.enable_prefix_caching,
             eos_id=tokenizer.eos_id, batch_invariant=gcfg.batch_invariant, compile=gcfg.compile,
+            attention_impl=gcfg.attention_impl,
         ),
         device, tp_mesh=tp_mesh, tokenizer=tokenizer,
     )

@@ -230,6 +230,10 @@ class Generator:
     batch_invariant: bool = False
     """Batch-invariant kernels in generator and trainer: bitwise-equal logprobs, much slower."""
 
+    attention_impl: Literal["sdpa", "flex"] = "sdpa"
+    """Paged attention: 'sdpa' gathers pages then runs SDPA (portable); 'flex' runs FlexAttention
+    with a block mask over the pages (the fast path on GPU; correct but slow on CPU)."""
+
     def validate(self) -> None:
         if self.num_blocks < 0:
             raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")

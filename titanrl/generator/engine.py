@@ -47,6 +47,8 @@ class GeneratorOptions:
     """Compile the decode step; batches are padded to power-of-two sizes so that each size
     compiles once (CUDA graphs via mode='reduce-overhead' on GPU)."""
     compile_backend: str = "inductor"
+    attention_impl: str = "sdpa"
+    """'sdpa': gather pages + SDPA (portable); 'flex': FlexAttention with a page block mask (GPU)."""
 
 
 @dataclass
@@ -320,7 +322,9 @@ class Generator:
             slices = slices + [scratch] * (bucket - n)
             tokens = tokens + [0] * (bucket - n)
             model = self._decode_model
-        backend = PagedAttention(self.pool, slices, self.device, exact=self.options.batch_invariant)
+        backend = PagedAttention(
+            self.pool, slices, self.device, exact=self.options.batch_invariant, impl=self.options.attention_impl
+        )
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.

@@ -3,13 +3,16 @@
 The new tokens of all sequences in a step are packed in one row [1, N]. Each layer writes their
 k/v into the pool at `slot_mapping`, then every sequence attends from its new tokens to all of
 its cached tokens, gathered through its block table. This is the portable path (gather + SDPA),
-correct on any device.
+correct on any device. `impl="flex"` is the fast path for GPUs: FlexAttention over the whole
+pool with a block mask whose KV blocks are the pages, so only a sequence's own pages are read
+(on CPU it runs FlexAttention's eager reference: correct, not fast).
 """
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanrl.generator.kv_cache import KVCachePool
 from titanrl.models.batch_invariant import attend_exact
@@ -27,12 +30,18 @@ class SeqSlice:
 class PagedAttention:
     """An `AttentionBackend` for one forward step; built by the generator from `SeqSlice`s.
 
-    `exact=True` attends one query at a time with `attend_exact` (batch-invariant mode).
+    `exact=True` attends one query at a time with `attend_exact` (batch-invariant mode);
+    `impl` picks "sdpa" (gather + SDPA, portable) or "flex" (FlexAttention over the pages).
     """
 
-    def __init__(self, pool: KVCachePool, seqs: list[SeqSlice], device: torch.device, exact: bool = False) -> None:
+    def __init__(
+        self, pool: KVCachePool, seqs: list[SeqSlice], device: torch.device, exact: bool = False, impl: str = "sdpa"
+    ) -> None:
+        if impl not in ("sdpa", "flex"):
+            raise ValueError(f"attention impl must be 'sdpa' or 'flex', got '{impl}'")
         self.pool = pool
         self.exact = exact
+        self.impl = impl
         self.seqs = seqs
         B = pool.block_size
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -66,6 +75,27 @@ class PagedAttention:
             key_pos_L[None, None, :] < context_len_S[:, None, None]
         )
         self.mask_S1QL = mask_SQL.unsqueeze(1)
+        if impl == "flex" and not exact:
+            self.block_mask = self._page_block_mask(block_table_SM, num_new_S, device)
+
+    def _page_block_mask(self, block_table_SM: torch.Tensor, num_new_S: torch.Tensor, device) -> BlockMask:
+        """Query token n may see pool slot j iff j is in a page of n's sequence at a position <= n's."""
+        B = self.pool.block_size
+        S = block_table_SM.shape[0]
+        q_seq_N = torch.repeat_interleave(torch.arange(S, device=device), num_new_S)
+        q_pos_N = self.positions_1N[0]
+        # logical_SP[s, page] = index of `page` in s's block table, or -1 if s does not own it.
+        logical_SP = torch.full((S, self.pool.num_blocks), -1, dtype=torch.long, device=device)
+        for i, s in enumerate(self.seqs):
+            logical_SP[i, block_table_SM[i, : len(s.block_table)]] = torch.arange(len(s.block_table), device=device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            logical = logical_SP[q_seq_N[q_idx], kv_idx // B]
+            return (logical >= 0) & (logical * B + kv_idx % B <= q_pos_N[q_idx])
+
+        return create_block_mask(
+            mask_mod, None, None, self.num_tokens, self.pool.num_blocks * B, device=device, BLOCK_SIZE=(128, B)
+        )
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
         k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
@@ -74,6 +104,15 @@ class PagedAttention:
         v_cache[self.slot_mapping_N] = v_1NHD[0].to(v_cache.dtype)
         if self.exact:
             return self._attend_exact(q_1NHD[0], k_cache, v_cache).unsqueeze(0)
+        if self.impl == "flex":
+            out_1HND = flex_attention(
+                q_1NHD.transpose(1, 2),
+                k_cache.unsqueeze(0).transpose(1, 2).to(q_1NHD.dtype),
+                v_cache.unsqueeze(0).transpose(1, 2).to(q_1NHD.dtype),
+                block_mask=self.block_mask,
+                enable_gqa=q_1NHD.shape[2] != k_cache.shape[1],
+            )
+            return out_1HND.transpose(1, 2)
         q_SQHD = q_1NHD[0].unsqueeze(1) if self.decode_only else q_1NHD[0][self.query_index_SQ]
         k_SLHD = k_cache[self.gather_slots_SL].to(q_SQHD.dtype)
         v_SLHD = v_cache[self.gather_slots_SL].to(q_SQHD.dtype)
