@@ -23,10 +23,18 @@ from titanrl.generator import Generator, GeneratorOptions, SamplingParams
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf, read_hf_config
 
-MODEL = TransformerModelArgs(
-    family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
-)
+MODELS = {
+    # The debug flavor's shape (3.2M params): matmul-bound on 2 CPU cores.
+    "debug": TransformerModelArgs(
+        family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
+        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+    ),
+    # A tiny model (0.1M params): per-step framework overhead dominates.
+    "tiny": TransformerModelArgs(
+        family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=264,
+        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+    ),
+}
 
 
 def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -85,9 +93,11 @@ def main() -> None:
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--model", default="debug", choices=sorted(MODELS))
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = Transformer(MODEL)
+    model_args = MODELS[args.model]
+    model = Transformer(model_args)
     model.init_weights()
     folder = tempfile.mkdtemp(prefix="bench_generate_")
     export_hf(model, folder)
@@ -97,7 +107,8 @@ def main() -> None:
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python scripts/bench_generate.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-        "model": {"dim": MODEL.dim, "n_layers": MODEL.n_layers, "params_M": sum(p.numel() for p in model.parameters()) / 1e6},
+        "model": {"name": args.model, "dim": model_args.dim, "n_layers": model_args.n_layers,
+                  "params_M": sum(p.numel() for p in model.parameters()) / 1e6},
         "batch": [],
     }
     for batch in [int(b) for b in args.batch_sizes.split(",")]:

@@ -127,3 +127,12 @@ def test_unimportable_reward_function_is_a_clear_error(tmp_path):
     proc = _run_single(tmp_path, ["--reward.function=no_such_module:fn"])
     assert proc.returncode == 2
     assert "reward.function 'no_such_module:fn' cannot be imported" in proc.stderr
+
+
+def test_batch_invariant_mode_gives_exactly_on_policy_logprobs(tmp_path):
+    """With batch-invariant kernels, the trainer's logprobs of the sampled tokens equal the
+    generator's bit for bit in a real run (the logged mean |diff| is exactly 0)."""
+    proc = _run_single(tmp_path, ["--generator.batch_invariant=true"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = _rl_steps(_metrics(tmp_path))
+    assert len(steps) == 3 and all(m["gen_logprob_diff"] == 0.0 for m in steps)

@@ -132,6 +132,7 @@ class Generator:
         self.num_blocks = options.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
+        self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.wake()
 
     # ---- memory: time-slicing with the trainer ----
@@ -149,7 +150,11 @@ class Generator:
         return max(1, int(free_bytes * self.options.memory_fraction) // self._bytes_per_block())
 
     def wake(self) -> None:
-        """Allocate the KV pool (empty: prefix cache entries do not survive a sleep)."""
+        """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
+        offloaded weights back."""
+        for local, host in self._offloaded:
+            local.data = host.to(self.device)
+        self._offloaded = []
         if self.pool is None:
             kv_heads = self.args.n_kv_heads // self.tp
             # One extra block, never handed out, takes the K/V writes of padding rows.
@@ -159,10 +164,16 @@ class Generator:
             )
             self.allocator = BlockAllocator(self.num_blocks, self.options.enable_prefix_caching)
 
-    def sleep(self) -> None:
-        """Free the KV pool so training can use the memory."""
+    def sleep(self, offload_weights: bool = False) -> None:
+        """Free the KV pool so training can use the memory; optionally move the weights to host
+        memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
+        if offload_weights and self.device.type != "cpu":
+            for p in self.model.parameters():
+                local = p.to_local() if isinstance(p, DTensor) else p
+                self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
+                local.data = torch.empty(0, dtype=local.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
