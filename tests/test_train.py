@@ -4,12 +4,11 @@ with matching metrics; and bad input handled as documented."""
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, run_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
@@ -29,7 +28,7 @@ def _run_single(folder, extra=()):
            f"--job.dump_folder={folder}", *extra]
     # tests/ on the path so that 'reward_fns:...' imports, in the trainer and its reward workers.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    return run_cmd(cmd, env)
 
 
 def _rl_steps(metrics):
@@ -67,7 +66,7 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
     args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanrl.train", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT, env=env)
+    proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = _rl_steps(_metrics(tmp_path))
     want = _rl_steps(ref)

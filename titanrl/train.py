@@ -11,6 +11,7 @@ One RL step, top to bottom in `rl_step`:
 import contextlib
 import importlib
 import os
+import random
 import resource
 import sys
 import time
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanrl.algorithms.common import entropy_from_logits, kl_estimate
 from titanrl.algorithms.grpo import group_advantages, grpo_loss
+from titanrl.components.checkpoint import CheckpointManager, fault_point
 from titanrl.components.loss import global_token_count, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model
@@ -37,7 +39,7 @@ from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import Generator, GeneratorOptions, SamplingParams
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 from titanrl.models.flavors import get_model_args
-from titanrl.models.hf import read_hf_config
+from titanrl.models.hf import export_hf, read_hf_config
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
 from titanrl.rewards.runner import RewardItem, RewardRunner
@@ -239,6 +241,7 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
         # |trainer - generator| logprob of the sampled tokens: 0 only in batch-invariant mode.
         "gen_logprob_diff": gen_diff / max(upd_tokens, 1.0),
         "grad_norm": max(grad_norms),
+        "skipped_updates": sums["skipped_updates"],
         "lr": scheduler.get_last_lr()[0],
         "tokens_per_s": gen_tokens / max(step_time, 1e-9),
         **{f"time_{k}": v for k, v in timer.seconds.items()},
@@ -277,8 +280,16 @@ def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sum
             sums["gen_diff"] += ((logprobs - mb["gen_logprobs"]).abs() * mask).sum().item()
             sums["ratio_max"] = max(sums["ratio_max"], out.ratio_max.item())
     grad_norm = clip_grad_norm_(list(ctx.policy.parameters()), cfg.training.max_norm)
+    # The norm is global (all ranks agree), so every rank takes the same branch.
     if not torch.isfinite(grad_norm):
-        raise FloatingPointError("non-finite gradient norm; lower optimizer.lr or check rewards")
+        if cfg.training.on_nonfinite == "stop":
+            raise FloatingPointError(
+                "non-finite gradient norm in the policy update (loss or logprobs overflowed); "
+                "lower optimizer.lr, check rewards, or set training.on_nonfinite = 'skip'"
+            )
+        optimizer.zero_grad()
+        sums["skipped_updates"] += 1
+        return float("nan")
     optimizer.step()
     return grad_norm.item()
 
@@ -290,6 +301,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # ---- set-up ----
+
+def resuming(config: JobConfig) -> bool:
+    folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
+    return config.checkpoint.enable and bool(CheckpointManager(folder, 0).complete_steps())
+
 
 def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
     dims = ParallelDims(config.parallelism.dp_replicate, config.parallelism.dp_shard, config.parallelism.tp, world_size)
@@ -324,7 +340,7 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
     rewards = RewardRunner(reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward)
     return Context(
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
-        generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank),
+        generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank, append=resuming(config)),
         dp_group=dims.dp_mesh.get_group() if dims.dp_size > 1 else None,
     )
 
@@ -365,12 +381,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"titanrl | {config.job.description} | {world_size} rank(s) {ctx.dims} | "
               f"model {config.model.flavor} ({n_params / 1e6:.1f}M params local) | task {config.data.task}", flush=True)
 
-    if config.training.warmup_sft_steps:
+    ckpt = CheckpointManager(os.path.join(config.job.dump_folder, config.checkpoint.folder),
+                             config.checkpoint.keep_latest_k)
+    if config.training.warmup_sft_steps and not resuming(config):
         before = evaluate(ctx, eval_samples)["eval_accuracy"]
         ctx.metrics.log(-config.training.warmup_sft_steps, {"phase": "sft", "eval_accuracy_before_sft": before})
         sft_warmup(ctx)
     if config.algorithm.kl_coef > 0:
-        # The reference is the policy as RL starts (after the warm-up), sharded the same way.
+        # The reference is the policy as RL starts (after the warm-up), sharded the same way;
+        # on resume its weights come from the checkpoint.
         full = get_model_state_dict(ctx.policy, options=StateDictOptions(full_state_dict=True))
         ctx.reference = build_model(
             ctx.policy.args, ctx.dims, config, ctx.device, full_state_dict=full
@@ -379,18 +398,46 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     optimizer = build_optimizer(ctx.policy, config.optimizer)
     scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
     stream = DatasetStream(task_samples, config.job.seed) if task_samples else TaskStream(ctx.task, config.job.seed)
-    loader = iter(build_prompt_loader(stream, config.training.batch_size, ctx.dims.dp_rank, ctx.dims.dp_size))
+    prompt_loader = build_prompt_loader(stream, config.training.batch_size, ctx.dims.dp_rank, ctx.dims.dp_size)
+    models = {"model": ctx.policy, **({"reference": ctx.reference} if ctx.reference is not None else {})}
 
-    last_eval = evaluate(ctx, eval_samples)
-    ctx.metrics.log(0, {"phase": "rl", **last_eval}, {"eval_accuracy": "EVAL_ACC"})
-    first_eval = last_eval["eval_accuracy"]
-    for step in range(1, config.training.steps + 1):
+    start_step = 1
+    restored = None
+    if resuming(config):
+        restored = ckpt.load_latest(models, optimizer, log=print if is_rank0 else lambda _: None)
+    if restored is not None:
+        step, host = restored
+        scheduler.load_state_dict(host["scheduler"])
+        prompt_loader.load_state_dict(host["loader"])
+        torch.set_rng_state(host["torch_rng"])
+        random.setstate(host["py_rng"])
+        first_eval, last_eval = host["first_eval"], host["last_eval"]
+        start_step = step + 1
+        if is_rank0:
+            print(f"resumed from {ckpt.step_dir(step)} (step {step})", flush=True)
+    else:
+        last_eval = evaluate(ctx, eval_samples)
+        ctx.metrics.log(0, {"phase": "rl", **last_eval}, {"eval_accuracy": "EVAL_ACC"})
+        first_eval = last_eval["eval_accuracy"]
+    loader = iter(prompt_loader)
+
+    for step in range(start_step, config.training.steps + 1):
         metrics = rl_step(ctx, next(loader), step, optimizer, scheduler)
+        fault_point("step", step)
         if config.metrics.eval_freq and step % config.metrics.eval_freq == 0 or step == config.training.steps:
             last_eval = evaluate(ctx, eval_samples)
             metrics.update(last_eval)
         if step % config.metrics.log_freq == 0 or "eval_accuracy" in metrics:
             ctx.metrics.log(step, {"phase": "rl", **metrics}, CONSOLE)
+        if config.checkpoint.enable and (step % config.checkpoint.interval == 0 or step == config.training.steps):
+            host = {
+                "step": step, "scheduler": scheduler.state_dict(), "loader": prompt_loader.state_dict(),
+                "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                "first_eval": first_eval, "last_eval": last_eval,
+            }
+            ckpt.save(step, models, optimizer, host)
+    if config.checkpoint.export_hf:
+        export_hf(ctx.policy, os.path.join(config.job.dump_folder, "hf"))
     if is_rank0:
         print(f"eval accuracy: {first_eval:.3f} -> {last_eval['eval_accuracy']:.3f}", flush=True)
     ctx.rewards.close()

@@ -15,7 +15,8 @@ from titanrl.config.job_config import JobConfig
 
 
 class MetricsLogger:
-    def __init__(self, job_config: JobConfig, rank: int) -> None:
+    def __init__(self, job_config: JobConfig, rank: int, append: bool = False) -> None:
+        """`append` continues an existing metrics file (a resumed run) instead of starting it anew."""
         self.enabled = rank == 0
         self.jsonl = None
         self.wandb_run = None
@@ -24,7 +25,7 @@ class MetricsLogger:
         cfg = job_config.metrics
         os.makedirs(job_config.job.dump_folder, exist_ok=True)
         if cfg.jsonl_file:
-            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "w")
+            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "a" if append else "w")
         if cfg.enable_wandb:
             import wandb
 

@@ -99,6 +99,9 @@ class Training:
     warmup_sft_steps: int = 0
     """Supervised steps on generated solutions before RL, so a model trained from scratch can start."""
 
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A non-finite loss or gradient norm: 'skip' drops that update (counted in metrics), 'stop' ends the run."""
+
     warmup_sft_lr: float = 1e-3
     """Learning rate of the SFT warm-up (constant, AdamW)."""
 
@@ -343,23 +346,22 @@ class Data:
 @dataclass
 class Checkpoint:
     enable: bool = False
-    """Save sharded checkpoints with `torch.distributed.checkpoint`."""
+    """Save sharded checkpoints with `torch.distributed.checkpoint`, and resume from the latest
+    complete one in `folder` when the job starts (re-running the command resumes)."""
 
     folder: str = "checkpoint"
     """Checkpoint folder, relative to job.dump_folder."""
 
     interval: int = 100
-    """Save every this many steps (and at the last step)."""
+    """Save every this many RL steps (and at the last step)."""
 
     keep_latest_k: int = 2
     """Keep this many most recent checkpoints; 0 keeps all."""
 
+    export_hf: bool = False
+    """At the end of the run, write the policy as a Hugging Face folder to <dump_folder>/hf."""
+
     def validate(self) -> None:
-        if self.enable:
-            raise ValueError(
-                "[checkpoint] enable = true is not available yet (sharded checkpointing is tracked "
-                "as the reliability issue); set checkpoint.enable = false"
-            )
         if self.interval < 1:
             raise ValueError(f"[checkpoint] interval must be >= 1, got {self.interval}")
         if self.keep_latest_k < 0:

@@ -31,6 +31,18 @@ class RewardResult:
     """None, or 'error' / 'timeout' / 'invalid' for a sample whose reward function failed."""
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: if the trainer process dies (even by SIGKILL), so does this worker."""
+    try:
+        import ctypes
+        import signal
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: workers then exit when their call queue closes
+        pass
+
+
 def _warm_up(fn: object) -> None:
     del fn  # unpickling it imported its module
 
@@ -55,7 +67,9 @@ class RewardRunner:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: workers never inherit the trainer's threads or process groups.
-        pool = ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("spawn"))
+        pool = ProcessPoolExecutor(
+            self.num_workers, mp_context=mp.get_context("spawn"), initializer=_die_with_parent
+        )
         # Start every worker and import the reward function's module now, so that start-up
         # time is never charged to a sample's timeout.
         for fut in [pool.submit(_warm_up, self.fn) for _ in range(self.num_workers)]:

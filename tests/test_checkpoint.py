@@ -1,0 +1,127 @@
+"""Checkpoints: exact resume, resharding 2 -> 1 ranks, kill -9 mid-step and mid-save, corruption."""
+
+import json
+import os
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT, run_cmd
+
+CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
+BASE = [
+    f"--job.config_file={CONFIG}", "--training.warmup_sft_steps=3", "--training.warmup_sft_batch_size=8",
+    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8", "--reward.num_workers=1", "--metrics.eval_freq=0",
+    "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=2",
+    "--checkpoint.export_hf=true", "--optimizer.lr=1e-3",
+]
+COMPARED = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "lr"]
+
+
+def _run(folder, steps, nproc=1, fault=None, extra=()):
+    args = [*BASE, f"--training.steps={steps}", f"--job.dump_folder={folder}", *extra]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "titanrl.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "titanrl.train", *args, "--parallelism.dp_shard=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TITANRL_FAULT", None)
+    if fault:
+        env["TITANRL_FAULT"] = fault
+    return run_cmd(cmd, env)
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _steps(folder) -> dict[int, dict]:
+    """Last record of each RL step (a step redone after a crash is logged again)."""
+    out = {}
+    for line in open(os.path.join(folder, "metrics.jsonl")):
+        r = json.loads(line)
+        if r.get("phase") == "rl" and "reward_mean" in r:
+            out[r["step"]] = r
+    return out
+
+
+def _same(a: dict[int, dict], b: dict[int, dict], steps):
+    for s in steps:
+        assert {k: a[s][k] for k in COMPARED} == {k: b[s][k] for k in COMPARED}, s
+
+
+def _weights(folder):
+    hf = os.path.join(folder, "hf", "model.safetensors")
+    return load_file(hf)
+
+
+def _assert_same_weights(a, b):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert (wa[k] == wb[k]).all(), k
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("full")
+    _ok(_run(folder, 4))
+    return folder
+
+
+def test_exact_resume_after_stop(tmp_path, uninterrupted):
+    out = _ok(_run(tmp_path, 2))
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
+    out = _ok(_run(tmp_path, 4))
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    _same(_steps(tmp_path), _steps(uninterrupted), [1, 2, 3, 4])  # bit-exact on CPU
+    _assert_same_weights(tmp_path, uninterrupted)
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]  # keep_latest_k=2
+
+
+@pytest.mark.multirank
+def test_saved_on_two_ranks_resumes_on_one_with_identical_parameters(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    _ok(_run(two, 2, nproc=2))
+    os.makedirs(one)
+    os.symlink(two / "checkpoint", one / "checkpoint")
+    out = _ok(_run(one, 2))  # nothing left to train: loads step 2 and exports it
+    assert "resumed from" in out.stdout
+    _assert_same_weights(one, two)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_two_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("full2")
+    _ok(_run(folder, 4, nproc=2))
+    return folder
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("fault", ["step:3:1", "checkpoint_save:4:1"])
+def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterrupted_two_ranks, fault):
+    """SIGKILL rank 1 after step 3's update (mid-step, before its checkpoint) or inside the
+    step-4 save (shards written, not renamed): the rerun resumes from step 2, same end state."""
+    crashed = _run(tmp_path, 4, nproc=2, fault=fault)
+    assert crashed.returncode != 0
+    assert "step-4" not in os.listdir(tmp_path / "checkpoint")
+    out = _ok(_run(tmp_path, 4, nproc=2))
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    assert not [d for d in os.listdir(tmp_path / "checkpoint") if d.startswith(".tmp")]
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
+    _ok(_run(tmp_path, 4))
+    step4 = tmp_path / "checkpoint" / "step-4"
+    shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncate
+    out = _ok(_run(tmp_path, 4))
+    assert "step-4 cannot be loaded" in out.stdout
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    _assert_same_weights(tmp_path, uninterrupted)
