@@ -74,6 +74,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def test_exact_resume_after_stop(tmp_path, uninterrupted):
+    """Run stopped after step 2, same command re-run -> resumes from step-2; every step's metrics and the final weights are bit-identical to an uninterrupted run"""
     out = _ok(_run(tmp_path, 2))
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
     out = _ok(_run(tmp_path, 4))
@@ -85,6 +86,7 @@ def test_exact_resume_after_stop(tmp_path, uninterrupted):
 
 @pytest.mark.multirank
 def test_saved_on_two_ranks_resumes_on_one_with_identical_parameters(tmp_path):
+    """Checkpoint saved on 2 ranks (FSDP2), resumed on 1 -> identical model parameters"""
     two, one = tmp_path / "two", tmp_path / "one"
     _ok(_run(two, 2, nproc=2))
     os.makedirs(one)
@@ -104,8 +106,7 @@ def uninterrupted_two_ranks(tmp_path_factory):
 @pytest.mark.multirank
 @pytest.mark.parametrize("fault", ["step:3:1", "checkpoint_save:4:1"])
 def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterrupted_two_ranks, fault):
-    """SIGKILL rank 1 after step 3's update (mid-step, before its checkpoint) or inside the
-    step-4 save (shards written, not renamed): the rerun resumes from step 2, same end state."""
+    """kill -9 of rank 1 mid-step (after step 3's update) or mid-save (step-4 shards written, not renamed), then the same command again -> resumes from step-2; metrics and final weights bit-identical to an uninterrupted 2-rank run; no temporary folder left"""
     crashed = _run(tmp_path, 4, nproc=2, fault=fault)
     assert crashed.returncode != 0
     assert "step-4" not in os.listdir(tmp_path / "checkpoint")
@@ -117,6 +118,7 @@ def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterr
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
+    """Latest checkpoint truncated -> reported as 'cannot be loaded', the previous one is used, the run ends bit-identical"""
     _ok(_run(tmp_path, 4))
     step4 = tmp_path / "checkpoint" / "step-4"
     shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
@@ -125,3 +127,31 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrup
     assert "step-4 cannot be loaded" in out.stdout
     assert "resumed from" in out.stdout and "step-2" in out.stdout
     _assert_same_weights(tmp_path, uninterrupted)
+
+
+def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted):
+    """Checkpoint converted with scripts/convert_to_hf.py -> loads in transformers; logits within 1e-4 of titanrl's"""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanrl.models import Transformer, get_model_args
+
+    step4 = uninterrupted / "checkpoint" / "step-4"
+    out = tmp_path / "hf"
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_to_hf.py"), "--checkpoint", str(step4),
+           "--out", str(out), f"--job.config_file={CONFIG}"]
+    proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    ours = Transformer(get_model_args("debug"))
+    ours.init_weights()
+    state = {"model": ours.state_dict()}
+    dcp.load(state, checkpoint_id=str(step4), no_dist=True)
+    ours.load_state_dict(state["model"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 259, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf(input_ids=tokens).logits - ours.eval()(tokens)).abs().max().item()
+    assert diff < 1e-4
+    _assert_same_weights(tmp_path, uninterrupted)  # == the run's own end-of-run export

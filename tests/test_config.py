@@ -71,6 +71,7 @@ def test_invalid_values_are_clear_errors(args, pattern):
 
 
 def test_wrong_toml_type_and_malformed_toml(tmp_path):
+    """Wrong value type, malformed TOML, missing config file -> ValueError naming the key or file and what is expected"""
     path = _write(tmp_path, '[training]\nsteps = "3"\n')
     with pytest.raises(ValueError, match=r"Invalid value '3' for 'training.steps': expected int"):
         load_config([f"--job.config_file={path}"])

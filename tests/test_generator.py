@@ -218,6 +218,7 @@ def test_bad_input_is_a_clear_error(prompts, params, pattern):
 
 
 def test_pool_too_small_names_needed_size():
+    """KV pool too small for one sequence -> ValueError naming the blocks and bytes needed"""
     gen = _generator(_trainer_model(), block_size=4, num_blocks=3)
     with pytest.raises(ValueError, match=r"has 3 blocks of 4 tokens, but prompt 0 with max_new_tokens=8 needs 4 blocks \(\d+ bytes\)"):
         gen.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))

@@ -79,6 +79,7 @@ def _returns(prompt, completion, metadata):
 
 
 def test_reward_runner_isolates_failures():
+    """Reward function raises, hangs past the timeout, or returns NaN / inf / a string -> that sample gets the failure reward and is counted; a hung worker pool is replaced"""
     items = lambda *cs: [RewardItem("p", c, "a") for c in cs]  # noqa: E731
     runner = RewardRunner(_raises, num_workers=2, timeout_s=10.0, failure_reward=-1.0)
     out = runner(items("ok", "boom", "ok"))

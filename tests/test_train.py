@@ -98,6 +98,7 @@ def test_off_policy_epochs_and_minibatches(tmp_path):
 
 
 def test_bad_data_row_fails_fast_with_the_line(tmp_path):
+    """JSONL data row without 'prompt' -> fails before the model is built, naming file:line and the field"""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"answer": 3}\n')
     proc = _run_single(tmp_path, ["--data.task=jsonl", f"--data.path={data}"])
@@ -106,13 +107,14 @@ def test_bad_data_row_fails_fast_with_the_line(tmp_path):
 
 
 def test_config_typo_fails_with_suggestion(tmp_path):
+    """Config key typo -> fails naming the key and the closest valid one"""
     proc = _run_single(tmp_path, ["--algorithm.group_sise=4"])
     assert proc.returncode != 0
     assert "Unknown config key 'algorithm.group_sise'" in proc.stderr and "Did you mean 'group_size'" in proc.stderr
 
 
 def test_failing_user_reward_function_is_isolated_and_counted(tmp_path):
-    """A reward function that raises, returns NaN or hangs costs those samples, not the run."""
+    """User reward function raising, returning NaN or hanging inside a real run -> the run finishes; failures counted in reward_failures"""
     proc = _run_single(tmp_path, ["--reward.function=reward_fns:flaky", "--reward.timeout_s=2",
                                   "--reward.failure_reward=-1.0"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

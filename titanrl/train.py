@@ -25,11 +25,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanrl.algorithms.common import entropy_from_logits, kl_estimate
 from titanrl.algorithms.grpo import group_advantages, grpo_loss
-from titanrl.components.checkpoint import CheckpointManager, fault_point
+from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
 from titanrl.components.loss import global_token_count, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
+from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.job_config import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_batches, split_batch
@@ -68,16 +69,21 @@ class Context:
     rewards: RewardRunner
     metrics: MetricsLogger
     dp_group: dist.ProcessGroup | None
+    watchdog: Watchdog
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    """Times each phase of a step, under the watchdog."""
+
+    def __init__(self, watchdog: Watchdog) -> None:
+        self.watchdog = watchdog
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
-        yield
+        with self.watchdog.phase(phase):
+            yield
         self.seconds[phase] += time.perf_counter() - start
 
 
@@ -146,6 +152,11 @@ def sft_warmup(ctx: Context) -> None:
 
 def evaluate(ctx: Context, eval_samples: list[Sample]) -> dict[str, float]:
     """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks."""
+    with ctx.watchdog.phase("eval"):
+        return _evaluate(ctx, eval_samples)
+
+
+def _evaluate(ctx: Context, eval_samples: list[Sample]) -> dict[str, float]:
     mine = eval_samples[ctx.dims.dp_rank :: ctx.dims.dp_size]
     ctx.generator.wake()
     ctx.generator.load_weights(ctx.policy)
@@ -161,7 +172,7 @@ def evaluate(ctx: Context, eval_samples: list[Sample]) -> dict[str, float]:
 
 def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler) -> dict[str, float]:
     cfg, algo = ctx.config, ctx.config.algorithm
-    timer = PhaseTimer()
+    timer = PhaseTimer(ctx.watchdog)
     G = algo.group_size
 
     # 1. Generate G samples per prompt with the current policy weights.
@@ -176,6 +187,8 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
     # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
     prompt_ids = [i * ctx.dims.dp_size + ctx.dims.dp_rank for i in range(len(prompts))]
     with timer("generate"):
+        if fault_active("hang_generate", step):
+            time.sleep(3600)
         completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
     ctx.generator.sleep()  # the KV pool's memory goes to training
 
@@ -215,7 +228,7 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
     with timer("train"):
         for _ in range(algo.ppo_epochs):
             for minibatch in split_batch(batch, algo.num_minibatches):
-                grad_norms.append(update(ctx, minibatch, optimizer, off_policy, sums))
+                grad_norms.append(update(ctx, minibatch, optimizer, off_policy, sums, step))
         scheduler.step()
 
     # 6. Metrics, summed over data-parallel ranks.
@@ -240,7 +253,7 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
         "ratio_max": sums["ratio_max"],
         # |trainer - generator| logprob of the sampled tokens: 0 only in batch-invariant mode.
         "gen_logprob_diff": gen_diff / max(upd_tokens, 1.0),
-        "grad_norm": max(grad_norms),
+        "grad_norm": max(grad_norms, key=lambda g: g if g == g else float("-inf")),
         "skipped_updates": sums["skipped_updates"],
         "lr": scheduler.get_last_lr()[0],
         "tokens_per_s": gen_tokens / max(step_time, 1e-9),
@@ -250,7 +263,7 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
     return metrics
 
 
-def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sums: dict) -> float:
+def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sums: dict, step: int) -> float:
     """One optimizer step over `minibatch`, accumulated over micro-batches; returns the grad norm."""
     algo, cfg = ctx.config.algorithm, ctx.config
     num_tokens = global_token_count(minibatch["loss_mask"], ctx.dp_group).item()
@@ -270,7 +283,8 @@ def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sum
             ref_logprobs_BT=mb["ref_logprobs"] if algo.kl_coef > 0 and not algo.kl_in_reward else None,
             kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
         )
-        out.loss.backward()
+        loss = out.loss * float("nan") if fault_active("nan_loss", step) else out.loss
+        loss.backward()
         with torch.no_grad():
             if algo.kl_coef > 0:
                 sums["kl"] += (kl_estimate(logprobs, mb["ref_logprobs"], algo.kl_estimator) * mask).sum().item()
@@ -342,6 +356,7 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
         generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank, append=resuming(config)),
         dp_group=dims.dp_mesh.get_group() if dims.dp_size > 1 else None,
+        watchdog=Watchdog(config.job.phase_timeout_s, rank),
     )
 
 
@@ -435,7 +450,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
                 "first_eval": first_eval, "last_eval": last_eval,
             }
-            ckpt.save(step, models, optimizer, host)
+            with ctx.watchdog.phase("checkpoint"):
+                ckpt.save(step, models, optimizer, host)
     if config.checkpoint.export_hf:
         export_hf(ctx.policy, os.path.join(config.job.dump_folder, "hf"))
     if is_rank0:

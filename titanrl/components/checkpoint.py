@@ -132,11 +132,16 @@ def _check_finite(name: str, model: nn.Module) -> None:
         raise FloatingPointError(f"refusing to checkpoint '{name}': it has non-finite parameters")
 
 
-def fault_point(where: str, step: int) -> None:
-    """Test hook: TITANRL_FAULT='<where>:<step>:<rank>' SIGKILLs that rank there (fault-injection tests)."""
+def fault_active(where: str, step: int) -> bool:
+    """Fault-injection hook for tests: TITANRL_FAULT='<where>:<step>:<rank>' names one place."""
     spec = os.environ.get("TITANRL_FAULT")
     if not spec:
-        return
+        return False
     target_where, target_step, target_rank = spec.split(":")
-    if where == target_where and step == int(target_step) and _rank() == int(target_rank):
+    return where == target_where and step == int(target_step) and _rank() == int(target_rank)
+
+
+def fault_point(where: str, step: int) -> None:
+    """SIGKILL this rank here if TITANRL_FAULT names this place (kill -9 tests)."""
+    if fault_active(where, step):
         os.kill(os.getpid(), 9)

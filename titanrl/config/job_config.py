@@ -29,7 +29,13 @@ class Job:
     print_config: bool = False
     """Print the resolved configuration as TOML on rank 0 at start-up."""
 
+    phase_timeout_s: float = 0.0
+    """Watchdog: a phase (sync, generate, reward, logprob, train, eval, checkpoint) running longer
+    than this ends the process with a message naming the rank and phase; 0 disables it."""
+
     def validate(self) -> None:
+        if self.phase_timeout_s < 0:
+            raise ValueError(f"[job] phase_timeout_s must be >= 0 (0 = off), got {self.phase_timeout_s}")
         if self.seed < 0:
             raise ValueError(f"[job] seed must be >= 0, got {self.seed}")
 

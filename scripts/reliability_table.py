@@ -1,0 +1,71 @@
+"""Run the fault / bad-input tests and write README's Reliability table from their results.
+
+Each such test has a docstring '<fault or bad input> -> <observed behaviour>'. The table lists
+them with the test's name and its result in this run.
+
+    python scripts/reliability_table.py            # print the table
+    python scripts/reliability_table.py --update-readme
+"""
+
+import argparse
+import ast
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FILES = ["tests/test_reliability.py", "tests/test_checkpoint.py", "tests/test_tasks_rewards.py",
+         "tests/test_train.py", "tests/test_config.py", "tests/test_generator.py"]
+START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
+
+
+def fault_tests() -> dict[str, tuple[str, str]]:
+    """{'file::name': (fault, behaviour)} for test functions with an arrow docstring."""
+    found = {}
+    for path in FILES:
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc and "->" in doc:
+                fault, behaviour = (part.strip() for part in " ".join(doc.split()).split("->", 1))
+                found[f"{path}::{node.name}"] = (fault, behaviour)
+    return found
+
+
+def run(tests: dict) -> dict[str, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = os.path.join(tmp, "junit.xml")
+        subprocess.run([sys.executable, "-m", "pytest", "-q", f"--junitxml={xml}", *tests], cwd=ROOT)
+        results = {}
+        for case in ET.parse(xml).getroot().iter("testcase"):
+            name = case.get("name").split("[")[0]
+            failed = any(child.tag in ("failure", "error") for child in case)
+            if name not in results or failed:
+                results[name] = "fail" if failed else "pass"
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--update-readme", action="store_true")
+    args = parser.parse_args()
+    tests = fault_tests()
+    results = run(tests)
+    rows = ["| fault or bad input | observed behaviour | test | result |", "|---|---|---|---|"]
+    for node, (fault, behaviour) in tests.items():
+        name = node.split("::")[1]
+        rows.append(f"| {fault} | {behaviour} | `{name}` | {results.get(name, 'not run')} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.update_readme:
+        path = os.path.join(ROOT, "README.md")
+        text = open(path).read()
+        head, _, rest = text.partition(START)
+        _, _, tail = rest.partition(END)
+        open(path, "w").write(f"{head}{START}\n{table}\n{END}{tail}")
+
+
+if __name__ == "__main__":
+    main()
