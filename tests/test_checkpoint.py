@@ -155,3 +155,13 @@ def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted)
         diff = (hf(input_ids=tokens).logits - ours.eval()(tokens)).abs().max().item()
     assert diff < 1e-4
     _assert_same_weights(tmp_path, uninterrupted)  # == the run's own end-of-run export
+
+
+def test_load_path_branches_a_run_from_a_given_checkpoint(tmp_path, uninterrupted):
+    """checkpoint.load_path = an older step folder, new dump folder -> continues from that step; same result as never stopping"""
+    out = _ok(_run(tmp_path, 4, extra=[f"--checkpoint.load_path={uninterrupted / 'checkpoint' / 'step-2'}"]))
+    assert "resumed from" in out.stdout
+    _same(_steps(tmp_path), _steps(uninterrupted), [3, 4])
+    _assert_same_weights(tmp_path, uninterrupted)
+    bad = _run(tmp_path / "x", 4, extra=[f"--checkpoint.load_path={tmp_path}"])
+    assert bad.returncode == 2 and "is not a complete titanrl step-N checkpoint" in bad.stderr

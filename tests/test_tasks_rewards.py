@@ -78,6 +78,29 @@ def _returns(prompt, completion, metadata):
     return {"nan": math.nan, "str": "high", "inf": math.inf}.get(completion, 2.0)
 
 
+def _greedy(prompt, completion, metadata):
+    if completion == "big":
+        blob = bytearray(4 * 2**30)  # 4 GiB: beyond the worker's memory limit
+        return float(len(blob))
+    if completion == "crash":
+        import os
+
+        os._exit(1)
+    return 1.0
+
+
+def test_reward_worker_memory_limit_and_crash_are_contained():
+    """Reward function allocating 4 GiB past reward.memory_limit_mb, or killing its worker process -> that sample fails (counted), the pool is replaced, other samples are scored"""
+    items = [RewardItem("p", c, "a") for c in ("ok", "big", "ok")]
+    runner = RewardRunner(_greedy, num_workers=1, timeout_s=20.0, failure_reward=-1.0, memory_limit_mb=512)
+    out = runner(items)
+    assert [r.failed for r in out] == [None, "error", None]
+    out = runner([RewardItem("p", c, "a") for c in ("ok", "crash")])
+    assert out[1].failed == "error" and out[1].reward == -1.0
+    assert [r.reward for r in runner([RewardItem("p", "ok", "a")])] == [1.0]  # a new pool took over
+    runner.close()
+
+
 def test_reward_runner_isolates_failures():
     """Reward function raises, hangs past the timeout, or returns NaN / inf / a string -> that sample gets the failure reward and is counted; a hung worker pool is replaced"""
     items = lambda *cs: [RewardItem("p", c, "a") for c in cs]  # noqa: E731

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import os
 import random
+import re
 import resource
 import sys
 import time
@@ -318,7 +319,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 def resuming(config: JobConfig) -> bool:
     folder = os.path.join(config.job.dump_folder, config.checkpoint.folder)
-    return config.checkpoint.enable and bool(CheckpointManager(folder, 0).complete_steps())
+    has_latest = bool(CheckpointManager(folder, 0).complete_steps())
+    return config.checkpoint.enable and (bool(config.checkpoint.load_path) or has_latest)
 
 
 def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
@@ -351,7 +353,10 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
     )
     task: Task = NumericMath() if config.data.task == "jsonl" else build_task(config.data.task)
     reward_fn = import_callable(config.reward.function) if config.reward.function else task
-    rewards = RewardRunner(reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward)
+    rewards = RewardRunner(
+        reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward,
+        config.reward.memory_limit_mb,
+    )
     return Context(
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
         generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank, append=resuming(config)),
@@ -418,7 +423,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     start_step = 1
     restored = None
-    if resuming(config):
+    if config.checkpoint.load_path:
+        path = config.checkpoint.load_path.rstrip("/")
+        match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
+        if not match or not os.path.exists(os.path.join(path, ".metadata")):
+            raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
+        restored = int(match.group(1)), ckpt.load(path, models, optimizer)
+    elif resuming(config):
         restored = ckpt.load_latest(models, optimizer, log=print if is_rank0 else lambda _: None)
     if restored is not None:
         step, host = restored
@@ -429,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         first_eval, last_eval = host["first_eval"], host["last_eval"]
         start_step = step + 1
         if is_rank0:
-            print(f"resumed from {ckpt.step_dir(step)} (step {step})", flush=True)
+            print(f"resumed from {config.checkpoint.load_path or ckpt.step_dir(step)} (step {step})", flush=True)
     else:
         last_eval = evaluate(ctx, eval_samples)
         ctx.metrics.log(0, {"phase": "rl", **last_eval}, {"eval_accuracy": "EVAL_ACC"})

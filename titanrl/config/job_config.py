@@ -320,6 +320,10 @@ class Reward:
     num_workers: int = 2
     """Worker processes that run reward functions."""
 
+    memory_limit_mb: int = 2048
+    """Address-space limit of each reward worker (a runaway reward function gets MemoryError,
+    counted as a failure); 0 means no limit."""
+
     function: str = ""
     """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
     returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier."""
@@ -329,6 +333,8 @@ class Reward:
             raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
         if self.num_workers < 1:
             raise ValueError(f"[reward] num_workers must be >= 1, got {self.num_workers}")
+        if self.memory_limit_mb < 0:
+            raise ValueError(f"[reward] memory_limit_mb must be >= 0 (0 = no limit), got {self.memory_limit_mb}")
 
 
 @dataclass
@@ -367,7 +373,13 @@ class Checkpoint:
     export_hf: bool = False
     """At the end of the run, write the policy as a Hugging Face folder to <dump_folder>/hf."""
 
+    load_path: str = ""
+    """Resume from this step-N checkpoint folder instead of the latest one in `folder` (e.g. to
+    branch a run into a new dump_folder); empty resumes from the latest, if any."""
+
     def validate(self) -> None:
+        if self.load_path and not self.enable:
+            raise ValueError("[checkpoint] load_path needs checkpoint.enable = true")
         if self.interval < 1:
             raise ValueError(f"[checkpoint] interval must be >= 1, got {self.interval}")
         if self.keep_latest_k < 0:

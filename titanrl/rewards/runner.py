@@ -7,6 +7,7 @@ step goes on. A hung or dead worker pool is replaced.
 
 import math
 import multiprocessing as mp
+import os
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -31,8 +32,18 @@ class RewardResult:
     """None, or 'error' / 'timeout' / 'invalid' for a sample whose reward function failed."""
 
 
-def _die_with_parent() -> None:
-    """Worker initializer: if the trainer process dies (even by SIGKILL), so does this worker."""
+def _init_worker(fn: object, memory_limit_mb: int) -> None:
+    """Worker initializer: allow the reward function `memory_limit_mb` more address space than
+    the worker has after start-up (`fn` arrives unpickled, so its module is imported by now),
+    and die with the trainer process."""
+    del fn
+    if memory_limit_mb > 0 and os.path.exists("/proc/self/statm"):
+        import resource
+
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        limit = current + memory_limit_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     try:
         import ctypes
         import signal
@@ -44,7 +55,7 @@ def _die_with_parent() -> None:
 
 
 def _warm_up(fn: object) -> None:
-    del fn  # unpickling it imported its module
+    del fn
 
 
 def _call(fn: Task | Callable[..., Any], item: RewardItem) -> tuple[float, bool]:
@@ -58,8 +69,12 @@ def _call(fn: Task | Callable[..., Any], item: RewardItem) -> tuple[float, bool]
 
 
 class RewardRunner:
-    def __init__(self, fn: Task | Callable[..., Any], num_workers: int, timeout_s: float, failure_reward: float) -> None:
+    def __init__(
+        self, fn: Task | Callable[..., Any], num_workers: int, timeout_s: float, failure_reward: float,
+        memory_limit_mb: int = 0,
+    ) -> None:
         self.fn = fn
+        self.memory_limit_mb = memory_limit_mb
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
@@ -68,10 +83,10 @@ class RewardRunner:
     def _new_pool(self) -> ProcessPoolExecutor:
         # spawn: workers never inherit the trainer's threads or process groups.
         pool = ProcessPoolExecutor(
-            self.num_workers, mp_context=mp.get_context("spawn"), initializer=_die_with_parent
+            self.num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+            initargs=(self.fn, self.memory_limit_mb),
         )
-        # Start every worker and import the reward function's module now, so that start-up
-        # time is never charged to a sample's timeout.
+        # Start every worker now, so that start-up time is never charged to a sample's timeout.
         for fut in [pool.submit(_warm_up, self.fn) for _ in range(self.num_workers)]:
             fut.result()
         return pool
