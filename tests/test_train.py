@@ -137,3 +137,19 @@ def test_batch_invariant_mode_gives_exactly_on_policy_logprobs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _rl_steps(_metrics(tmp_path))
     assert len(steps) == 3 and all(m["gen_logprob_diff"] == 0.0 for m in steps)
+
+
+def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path):
+    """A user's JSONL prompts (GSM8K-style numeric answers): eval rows held out, SFT on 'solution', GRPO runs."""
+    data = tmp_path / "prompts.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": 2 * i, "solution": f"#### {2 * i}"}) + "\n")
+    proc = _run_single(tmp_path, ["--data.task=jsonl", f"--data.path={data}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = _rl_steps(_metrics(tmp_path))
+    assert len(steps) == 3 and steps[-1]["eval_samples"] == 8
+    few = tmp_path / "few.jsonl"
+    few.write_text(data.read_text().splitlines()[0] + "\n")
+    proc = _run_single(tmp_path / "b", ["--data.task=jsonl", f"--data.path={few}"])
+    assert proc.returncode == 2 and "not more than data.num_eval_samples" in proc.stderr

@@ -121,15 +121,16 @@ def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool) -> 
 
 # ---- SFT warm-up ----
 
-def sft_warmup(ctx: Context) -> None:
-    """Supervised steps on the task's worked solutions so a from-scratch model can start RL."""
+def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
+    """Supervised steps on worked solutions (the task's, or the data's 'solution' field, else
+    its answer) so that a from-scratch model can start RL."""
     cfg = ctx.config.training
     opt = build_optimizer(ctx.policy, OptimizerConfig(lr=cfg.warmup_sft_lr, beta2=0.99, weight_decay=0.0))
-    loader = build_prompt_loader(
-        TaskStream(ctx.task, seed=ctx.config.job.seed + 7919) if not isinstance(ctx.task, NumericMath)
-        else DatasetStream(load_jsonl(ctx.config.data.path), seed=ctx.config.job.seed),
-        cfg.warmup_sft_batch_size, ctx.dims.dp_rank, ctx.dims.dp_size,
+    stream = (
+        DatasetStream(train_samples, seed=ctx.config.job.seed + 7919) if train_samples
+        else TaskStream(ctx.task, seed=ctx.config.job.seed + 7919)
     )
+    loader = build_prompt_loader(stream, cfg.warmup_sft_batch_size, ctx.dims.dp_rank, ctx.dims.dp_size)
     eos = ctx.tokenizer.eos_id
     batches = iter(loader)
     for step in range(1, cfg.warmup_sft_steps + 1):
@@ -391,10 +392,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if rank == 0 and config.job.print_config:
         print(to_toml(config))
     # Read user data before building anything, so that a bad row fails in seconds.
-    task_samples = load_jsonl(config.data.path) if config.data.task == "jsonl" else None
+    rows = load_jsonl(config.data.path) if config.data.task == "jsonl" else None
+    train_samples = None
+    if rows is not None:
+        # The first num_eval_samples rows are held out for evaluation, the rest is trained on.
+        if len(rows) <= config.data.num_eval_samples:
+            raise ValueError(
+                f"data.path has {len(rows)} rows, not more than data.num_eval_samples "
+                f"({config.data.num_eval_samples}) held out for eval; lower it or add rows"
+            )
+        eval_rows, train_samples = rows[: config.data.num_eval_samples], rows[config.data.num_eval_samples :]
     ctx = build_context(config, rank, world_size)
     is_rank0 = rank == 0
-    eval_samples = task_samples[: config.data.num_eval_samples] if task_samples else ctx.task.samples(
+    eval_samples = eval_rows if rows is not None else ctx.task.samples(
         "eval", config.data.num_eval_samples, config.job.seed)
     if is_rank0:
         n_params = sum(p.numel() for p in ctx.policy.parameters())
@@ -406,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if config.training.warmup_sft_steps and not resuming(config):
         before = evaluate(ctx, eval_samples)["eval_accuracy"]
         ctx.metrics.log(-config.training.warmup_sft_steps, {"phase": "sft", "eval_accuracy_before_sft": before})
-        sft_warmup(ctx)
+        sft_warmup(ctx, train_samples)
     if config.algorithm.kl_coef > 0:
         # The reference is the policy as RL starts (after the warm-up), sharded the same way;
         # on resume its weights come from the checkpoint.
@@ -417,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     optimizer = build_optimizer(ctx.policy, config.optimizer)
     scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
-    stream = DatasetStream(task_samples, config.job.seed) if task_samples else TaskStream(ctx.task, config.job.seed)
+    stream = DatasetStream(train_samples, config.job.seed) if train_samples else TaskStream(ctx.task, config.job.seed)
     prompt_loader = build_prompt_loader(stream, config.training.batch_size, ctx.dims.dp_rank, ctx.dims.dp_size)
     models = {"model": ctx.policy, **({"reference": ctx.reference} if ctx.reference is not None else {})}
 

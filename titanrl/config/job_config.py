@@ -346,7 +346,8 @@ class Data:
     """Prompt file for task 'jsonl': one JSON object per line with 'prompt' and 'answer'."""
 
     num_eval_samples: int = 64
-    """Held-out prompts used by the periodic greedy evaluation."""
+    """Held-out prompts used by the periodic greedy evaluation (task 'jsonl': the file's first
+    rows, which are then not trained on)."""
 
     def validate(self) -> None:
         if self.task == "jsonl" and not self.path:

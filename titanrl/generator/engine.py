@@ -221,7 +221,6 @@ class Generator:
         params.validate()
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the Generator")
-        blocks_per_seq_limit = self.num_blocks
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
@@ -234,7 +233,7 @@ class Generator:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.args.vocab_size})")
             total = min(len(prompt) + params.max_new_tokens, self.args.max_seq_len)
             needed = math.ceil(total / self.options.block_size)
-            if needed > blocks_per_seq_limit:
+            if needed > self.num_blocks:
                 raise ValueError(
                     f"the KV pool has {self.num_blocks} blocks of {self.options.block_size} tokens, but prompt {i} "
                     f"with max_new_tokens={params.max_new_tokens} needs {needed} blocks "
