@@ -1,6 +1,7 @@
 """Paged generator vs a full-recompute reference, prefix caching, preemption, sampling, sync."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -344,3 +345,21 @@ def test_compiled_decode_matches_and_does_not_recompile(backend):
     assert counters["stats"]["unique_graphs"] == warm
     for c in completions:
         assert c.token_ids == greedy_reference(model, _prompts([5, 12, 21], seed=7)[c.prompt_index], 20)[0]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_sleep_returns_the_pool_memory_to_the_system():
+    """Time-slicing: after sleep() the process's resident memory drops by (about) the pool size."""
+    gen = _generator(_trainer_model(), block_size=16, num_blocks=25_000)  # ~205 MB of K/V
+    pool_bytes = gen.kv_cache_bytes
+    assert pool_bytes > 150 * 2**20
+    awake = _resident_bytes()
+    gen.sleep()
+    asleep = _resident_bytes()
+    assert awake - asleep > 0.9 * pool_bytes
+    gen.wake()
+    assert _resident_bytes() - asleep > 0.9 * pool_bytes

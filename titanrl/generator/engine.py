@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 from torch import nn
 
@@ -187,9 +188,23 @@ class Generator:
     def load_weights(self, trainer_model: nn.Module) -> None:
         """Copy the trainer's current weights into this generator's tensors, in place.
 
-        Trainer params may be FSDP2 and/or TP DTensors: each is all-gathered along its data-
-        parallel mesh dims only, so a TP shard lands on the generator's matching TP shard.
+        FSDP2 units are unsharded once each (one all-gather per unit, not per parameter), which
+        leaves TP shards in place: a TP shard lands on the generator's matching TP shard.
+        Transiently the ranks hold the unsharded trainer weights.
         """
+        fsdp_units = [m for m in trainer_model.modules() if isinstance(m, FSDPModule)]
+        for unit in fsdp_units:
+            unit.unshard()
+        try:
+            self._copy_weights(trainer_model)
+        finally:
+            for unit in fsdp_units:
+                unit.reshard()
+        # Cached prefix blocks hold K/V computed with the old weights.
+        if self.allocator is not None:
+            self.allocator.reset_prefix_cache()
+
+    def _copy_weights(self, trainer_model: nn.Module) -> None:
         dst_params = dict(self.model.named_parameters())
         for name, src in trainer_model.named_parameters():
             name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -205,9 +220,6 @@ class Generator:
                 )
             dst_local.copy_(src_local)
         assert not dst_params, f"generator parameters not synced: {sorted(dst_params)}"
-        # Cached prefix blocks hold K/V computed with the old weights.
-        if self.allocator is not None:
-            self.allocator.reset_prefix_cache()
 
     def load_hf(self, folder: str) -> None:
         """Load weights from an HF safetensors folder (standalone use, without a trainer)."""
