@@ -288,10 +288,11 @@ class Generator:
     def _admit(self, waiting: list[_Seq], running: list[_Seq], params: SamplingParams) -> list[_Seq]:
         """Move waiting sequences whose prompt fits into blocks, up to the per-step token budget."""
         admitted, budget = [], self.options.max_num_batched_tokens
+        num_seqs = len(running)  # sequences decoding once this step's admissions have forked
         while waiting:
             seq = waiting[0]
             n_after = params.n if seq.is_group_prompt else 1
-            if len(running) + sum(params.n if s.is_group_prompt else 1 for s in admitted) + n_after > self.options.max_num_seqs:
+            if num_seqs + n_after > self.options.max_num_seqs:
                 break
             to_compute = len(seq.token_ids) - (0 if seq.is_group_prompt else 1)
             if admitted and to_compute > budget:
@@ -308,6 +309,7 @@ class Generator:
                 raise
             admitted.append(waiting.pop(0))
             budget -= to_compute
+            num_seqs += n_after
         return admitted
 
     def _allocate_context(self, seq: _Seq, num_tokens: int) -> None:
