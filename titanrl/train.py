@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from titanrl.algorithms.common import entropy_from_logits, kl_estimate
 from titanrl.algorithms.grpo import group_advantages, grpo_loss
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
-from titanrl.components.loss import global_token_count, token_logprobs
+from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
@@ -88,19 +88,20 @@ class PhaseTimer:
         self.seconds[phase] += time.perf_counter() - start
 
 
-def dp_sum(values: list[float], ctx: Context) -> list[float]:
-    """Sum each value over data-parallel ranks (TP peers hold equal copies and are not counted)."""
+def _dp_all_reduce(values: list[float], ctx: Context, op: dist.ReduceOp) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if ctx.dp_group is not None:
-        dist.all_reduce(t, group=ctx.dp_group)
+        dist.all_reduce(t, op=op, group=ctx.dp_group)
     return t.tolist()
+
+
+def dp_sum(values: list[float], ctx: Context) -> list[float]:
+    """Sum each value over data-parallel ranks (TP peers hold equal copies and are not counted)."""
+    return _dp_all_reduce(values, ctx, dist.ReduceOp.SUM)
 
 
 def dp_max(values: list[float], ctx: Context) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if ctx.dp_group is not None:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    return t.tolist()
+    return _dp_all_reduce(values, ctx, dist.ReduceOp.MAX)
 
 
 def encode_prompt(ctx: Context, sample: Sample) -> list[int]:
@@ -140,8 +141,8 @@ def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
         batch = build_sequence_batch(prompts, answers, ctx.tokenizer.pad_id).to(ctx.device)
         num_tokens = global_token_count(batch["loss_mask"], ctx.dp_group)
         opt.zero_grad()
-        logprobs, _ = forward_logprobs(ctx.policy, batch, invariant=False)
-        loss = -(logprobs * batch["loss_mask"]).sum() / num_tokens
+        tokens_BT = batch["tokens"]
+        loss = sft_loss(ctx.policy(tokens_BT[:, :-1]), tokens_BT[:, 1:], batch["loss_mask"], num_tokens)
         loss.backward()
         clip_grad_norm_(list(ctx.policy.parameters()), cfg.max_norm)
         opt.step()
