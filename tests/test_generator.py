@@ -353,13 +353,36 @@ def _resident_bytes() -> int:
 
 
 def test_sleep_returns_the_pool_memory_to_the_system():
-    """Time-slicing: after sleep() the process's resident memory drops by (about) the pool size."""
+    """Time-slicing: after sleep() the process's resident memory drops by (about) the pool size;
+    wake() touches no page until blocks are used (they are zeroed when first handed out)."""
     gen = _generator(_trainer_model(), block_size=16, num_blocks=25_000)  # ~205 MB of K/V
     pool_bytes = gen.kv_cache_bytes
     assert pool_bytes > 150 * 2**20
+    before = _resident_bytes()
+    for block in range(gen.pool.num_blocks):  # a pool used to the last block
+        gen.pool.prepare(block)
     awake = _resident_bytes()
+    assert awake - before > 0.9 * pool_bytes
     gen.sleep()
     asleep = _resident_bytes()
     assert awake - asleep > 0.9 * pool_bytes
     gen.wake()
-    assert _resident_bytes() - asleep > 0.9 * pool_bytes
+    assert _resident_bytes() - asleep < 0.1 * pool_bytes
+    completions, _ = gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, n=2))
+    assert len(completions) == 2
+
+
+def test_uninitialised_pool_memory_never_leaks_into_outputs():
+    """The pool is allocated uninitialised and blocks are zeroed when first handed out: with
+    every never-used block poisoned with NaN, mixed-length greedy generation still equals the
+    reference (short block tables are padded with the zeroed scratch block)."""
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=64)
+    scratch = gen.pool.num_blocks - 1
+    for t in gen.pool.k + gen.pool.v:
+        t[:scratch].fill_(float("nan"))
+    prompts = _prompts([3, 9, 14])
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=7, temperature=0.0))
+    for c in completions:
+        assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 7)[0]
+        assert all(math.isfinite(lp) for lp in c.logprobs)

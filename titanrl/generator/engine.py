@@ -161,7 +161,7 @@ class Generator:
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
                 self.args.n_layers, self.num_blocks + 1, self.options.block_size, kv_heads, self.args.head_dim,
-                self.dtype, self.device,
+                self.dtype, self.device, zero_all=self.options.attention_impl == "flex",
             )
             self.allocator = BlockAllocator(self.num_blocks, self.options.enable_prefix_caching)
 
@@ -327,7 +327,7 @@ class Generator:
                 table.append(block)
             seq.num_computed = len(table) * B
             while len(table) * B < num_tokens:
-                table.append(self.allocator.allocate())
+                table.append(self.pool.prepare(self.allocator.allocate()))
         except OutOfBlocks:
             for block in table:
                 self.allocator.free(block)
@@ -443,11 +443,11 @@ class Generator:
         B = self.options.block_size
         pos = len(seq.token_ids) - 1
         if pos // B == len(seq.block_table):
-            seq.block_table.append(self.allocator.allocate())
+            seq.block_table.append(self.pool.prepare(self.allocator.allocate()))
             return
         block = seq.block_table[pos // B]
         if self.allocator.ref_count[block] > 1:  # shared with the group: copy on write
-            new_block = self.allocator.allocate()
+            new_block = self.pool.prepare(self.allocator.allocate())
             self.pool.copy_block(block, new_block)
             self.allocator.free(block)
             seq.block_table[pos // B] = new_block

@@ -112,17 +112,35 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 
 class KVCachePool:
-    """K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] for each layer."""
+    """K and V tensors [num_blocks, block_size, n_kv_heads, head_dim] for each layer.
+
+    The tensors start uninitialised (no page is touched, so waking the generator costs nothing
+    up front); a block is zeroed the first time it is handed out (`prepare`). Zero, not stale
+    garbage, matters: slots past a sequence's end are gathered with weight 0, and 0 * NaN = NaN.
+    The last block is the scratch block padding rows write into. `zero_all` zeroes the whole
+    pool at once, for attention paths that read every page (FlexAttention over the pool).
+    """
 
     def __init__(
         self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, zero_all: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        alloc = torch.zeros if zero_all else torch.empty
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self._zeroed = [zero_all] * num_blocks
+        self.prepare(num_blocks - 1)
+
+    def prepare(self, block: int) -> int:
+        """Zero `block` if it was never used since the pool was allocated; returns it."""
+        if not self._zeroed[block]:
+            for t in self.k + self.v:
+                t[block].zero_()
+            self._zeroed[block] = True
+        return block
 
     @staticmethod
     def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -45,9 +45,11 @@ class PagedAttention:
         self.seqs = seqs
         B = pool.block_size
         max_blocks = max(len(s.block_table) for s in seqs)
-        # One host->device copy of all metadata, then index arithmetic on tensors.
+        # One host->device copy of all metadata, then index arithmetic on tensors. Short block
+        # tables are padded with the scratch block (always zeroed; masked out anyway).
+        pad = pool.num_blocks - 1
         meta = torch.tensor(
-            [[s.context_len, s.num_new, *s.block_table, *[0] * (max_blocks - len(s.block_table))] for s in seqs],
+            [[s.context_len, s.num_new, *s.block_table, *[pad] * (max_blocks - len(s.block_table))] for s in seqs],
             dtype=torch.long,
         ).to(device)
         context_len_S, num_new_S, block_table_SM = meta[:, 0], meta[:, 1], meta[:, 2:]
