@@ -63,6 +63,19 @@ def test_typo_section_and_cli_key():
         (["--data.task=jsonl"], r"task 'jsonl' needs data.path"),
         (["training.steps=3"], r"Unexpected argument 'training.steps=3'"),
         (["--steps=3"], r"must name a section and a key"),
+        # Incompatible algorithm options fail at load, naming the fix.
+        (["--algorithm.name=ppo"], r"'ppo' needs a value model: add \[critic\] with enable = true"),
+        (["--critic.enable=true"], r"algorithm 'grpo' uses no critic; use 'ppo'"),
+        (["--algorithm.name=gspo", "--algorithm.loss_agg=token-mean"], r"set loss_agg = 'seq-mean-token-mean'"),
+        (["--algorithm.name=rloo", "--algorithm.group_size=1"], r"'rloo' needs group_size >= 2"),
+        (["--algorithm.name=ppo", "--critic.enable=true", "--algorithm.dynamic_sampling=true"],
+         r"dynamic_sampling .* not for 'ppo'"),
+        (["--algorithm.off_policy_correction=iss"], r"expected one of 'none', 'tis', 'mis'"),
+        (["--algorithm.is_cap=0.5"], r"is_cap must be > 1"),
+        (["--algorithm.lam=1.5"], r"lam must be in \[0, 1\]"),
+        (["--reward.verifier_weight=0"], r"nothing gives a reward"),
+        (["--offline.recipe=ppo"], r"expected one of 'sft', 'dpo', 'reward_model'"),
+        (["--offline.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
     ],
 )
 def test_invalid_values_are_clear_errors(args, pattern):

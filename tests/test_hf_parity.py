@@ -127,3 +127,42 @@ def test_unsupported_config_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="Unsupported HF model_type 'mistral'"):
         read_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_sequence_classification_reward_model_matches_transformers(tmp_path, family):
+    """A one-label HF reward model loads as a titanrl score head: the score at each row's last
+    real token (right padding) equals transformers' pooled logit; export reloads in transformers."""
+    from titanrl.rewards.reward_model import sequence_scores
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  num_labels=1, pad_token_id=0)
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        hf = transformers.Qwen2ForSequenceClassification(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**common)
+        hf = transformers.LlamaForSequenceClassification(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        hf.score.weight.normal_()
+    hf = hf.eval()
+    hf.save_pretrained(tmp_path / "rm")
+    model = _titan_from_folder(str(tmp_path / "rm"))
+    assert model.args.num_labels == 1 and model.output.weight.shape == (1, 64)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 97, (3, 9), generator=g)
+    lengths = torch.tensor([9, 5, 7])
+    for i, n in enumerate(lengths.tolist()):
+        tokens[i, n:] = 0
+    with torch.no_grad():
+        want = hf(input_ids=tokens, attention_mask=(tokens != 0).long()).logits[:, 0]
+    got = sequence_scores(model, tokens, lengths)
+    assert (got - want).abs().max().item() < TOL
+    export_hf(model, str(tmp_path / "out"))
+    with torch.no_grad():
+        again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+        again.config.pad_token_id = 0
+        reloaded = again(input_ids=tokens, attention_mask=(tokens != 0).long()).logits[:, 0]
+    assert (reloaded - want).abs().max().item() < TOL

@@ -33,3 +33,29 @@ def test_generate_cli_on_hf_folder(tmp_path):
         assert c["token_ids"] == ref_ids
         assert c["text"] == tok.decode(ref_ids)
     assert stats["decode_tokens"] > 0
+
+
+def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
+    """The GPU benchmark's own code path, on a tiny model on CPU: every number is present,
+    positive and self-consistent, so that the one H200 run is right on the first try."""
+    out = tmp_path / "bench_gpu.json"
+    proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["dry_run"] is True and report["copy_bandwidth_gb_s"] > 0
+    (entry,) = report["models"].values()
+    assert entry["params"] > 1e6
+    for row in entry["decode"]:
+        assert row["decode_tok_s"] > 0 and row["roofline_tok_s"] > 0
+        assert row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
+        assert row["decode_steps"] >= report["config"]["new_tokens"]
+    assert entry["train"]["tokens_per_s"] > 0 and entry["train"]["mfu"] is None  # no peak known on CPU
+    assert entry["weight_sync"]["sync_s"] > 0
+
+
+def test_bench_gpu_refuses_to_run_without_a_gpu():
+    if torch.cuda.is_available():
+        return
+    proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr

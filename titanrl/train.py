@@ -9,6 +9,7 @@ One RL step, top to bottom in `rl_step`:
 """
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import random
@@ -24,8 +25,20 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from titanrl.algorithms.common import entropy_from_logits, kl_estimate
-from titanrl.algorithms.grpo import group_advantages, grpo_loss
+from titanrl.algorithms.common import (
+    clipped_pg_loss,
+    entropy_from_logits,
+    importance_weights,
+    kl_estimate,
+    masked_whiten,
+    token_rewards,
+)
+from titanrl.algorithms.dapo import informative_groups, overlong_penalty
+from titanrl.algorithms.grpo import group_advantages
+from titanrl.algorithms.gspo import gspo_loss
+from titanrl.algorithms.ppo import gae, value_loss
+from titanrl.algorithms.reinforce_pp import reinforce_pp_advantages
+from titanrl.algorithms.rloo import rloo_advantages
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
 from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
 from titanrl.components.metrics import MetricsLogger
@@ -38,13 +51,14 @@ from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_ba
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
 from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.generator import Completion, Generator, GeneratorOptions, SamplingParams
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, read_hf_config
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
-from titanrl.rewards.runner import RewardItem, RewardRunner
+from titanrl.rewards.reward_model import build_critic, build_reward_model, sequence_scores, values
+from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 # metric -> console label (the JSONL file and wandb get every metric under its full name)
 CONSOLE = {
@@ -71,6 +85,9 @@ class Context:
     metrics: MetricsLogger
     dp_group: dist.ProcessGroup | None
     watchdog: Watchdog
+    reward_model: Transformer | None = None
+    critic: Transformer | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
 
 
 class PhaseTimer:
@@ -173,19 +190,35 @@ def _evaluate(ctx: Context, eval_samples: list[Sample]) -> dict[str, float]:
 
 # ---- one RL step ----
 
-def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler) -> dict[str, float]:
-    cfg, algo = ctx.config, ctx.config.algorithm
-    timer = PhaseTimer(ctx.watchdog)
-    G = algo.group_size
+@dataclass
+class Rollouts:
+    """Generated and scored samples of some prompts: G consecutive completions per prompt."""
 
-    # 1. Generate G samples per prompt with the current policy weights.
-    with timer("sync"):
-        ctx.generator.wake()
-        ctx.generator.load_weights(ctx.policy)
+    prompts: list[list[int]]
+    completions: list[Completion]
+    results: list[RewardResult]
+    rewards: list[float]
+    """Total reward per completion: weighted verifier + reward model + overlong penalty."""
+
+    def group(self, i: int, G: int) -> "Rollouts":
+        return Rollouts([self.prompts[i]], self.completions[i * G : (i + 1) * G], self.results[i * G : (i + 1) * G],
+                        self.rewards[i * G : (i + 1) * G])
+
+    @staticmethod
+    def concat(parts: list["Rollouts"]) -> "Rollouts":
+        return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in ("prompts", "completions", "results",
+                                                                                  "rewards")))
+
+
+def rollout(ctx: Context, samples: list[Sample], step: int, round_idx: int, timer: "PhaseTimer",
+            stats: dict) -> Rollouts:
+    """Generate G samples per prompt with the current weights, then score them."""
+    cfg, G = ctx.config, ctx.config.algorithm.group_size
     prompts = [encode_prompt(ctx, s) for s in samples]
     params = SamplingParams(
         max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
-        top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=G, seed=hash((cfg.job.seed, step)) & 0x7FFF_FFFF,
+        top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=G,
+        seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
     )
     # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
     prompt_ids = [i * ctx.dims.dp_size + ctx.dims.dp_rank for i in range(len(prompts))]
@@ -193,77 +226,197 @@ def rl_step(ctx: Context, samples: list[Sample], step: int, optimizer, scheduler
         if fault_active("hang_generate", step):
             time.sleep(3600)
         completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
-    ctx.generator.sleep()  # the KV pool's memory goes to training
-
-    # 2. Rewards, isolated in worker processes.
+    stats["gen_tokens"] += gen_stats.decode_tokens + gen_stats.prefill_tokens
     with timer("reward"):
         results = ctx.rewards([
             RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
                        samples[c.prompt_index].metadata)
             for c in completions
         ])
-    rewards_N = torch.tensor([r.reward for r in results])
+        rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
+        if ctx.reward_model is not None:
+            batch = build_sequence_batch([prompts[c.prompt_index] for c in completions],
+                                         [c.token_ids for c in completions], ctx.tokenizer.pad_id).to(ctx.device)
+            scores = torch.cat([sequence_scores(ctx.reward_model, mb["tokens"], mb["length"])
+                                for mb in equal_micro_batches(ctx, batch, sort=False)])
+            rewards_N = rewards_N + cfg.reward.model_weight * scores.cpu()
+            stats["rm_score_sum"] += scores.sum().item()
+        if cfg.algorithm.overlong_buffer_len:
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            rewards_N = rewards_N + overlong_penalty(lengths, cfg.generator.max_new_tokens,
+                                                     cfg.algorithm.overlong_buffer_len,
+                                                     cfg.algorithm.overlong_penalty_factor)
+    return Rollouts(prompts, completions, results, rewards_N.tolist())
+
+
+def collect(ctx: Context, loader, step: int, timer: "PhaseTimer", stats: dict) -> tuple[Rollouts, Rollouts]:
+    """(rollouts to train on, every rollout generated this step, for metrics).
+
+    With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and further
+    prompts are drawn until this rank has batch_size groups, for at most max_sampling_rounds
+    rounds, all ranks in step; a batch still short is filled with dropped groups (zero advantage).
+    """
+    algo, quota, G = ctx.config.algorithm, ctx.config.training.batch_size, ctx.config.algorithm.group_size
+    first = rollout(ctx, next(loader), step, 0, timer, stats)
+    if not algo.dynamic_sampling:
+        return first, first
+    generated, kept, dropped = [first], [], []
+    for round_idx in range(1, algo.max_sampling_rounds + 1):
+        latest = generated[-1]
+        informative = informative_groups(torch.tensor(latest.rewards), G).tolist()
+        for i, keep in enumerate(informative):
+            (kept if keep else dropped).append(latest.group(i, G))
+        # Every dp rank runs the same number of rounds (generation may be collective over tp).
+        (deficit,) = dp_max([float(quota - len(kept))], ctx)
+        if deficit <= 0 or round_idx == algo.max_sampling_rounds:
+            break
+        samples = next(loader)
+        if len(kept) >= quota:
+            continue
+        generated.append(rollout(ctx, samples, step, round_idx, timer, stats))
+    stats["sampling_rounds"] = len(generated)
+    stats["dropped_groups"] = len(dropped)
+    short = max(quota - len(kept), 0)
+    stats["short_groups"] = short
+    return Rollouts.concat(kept[:quota] + dropped[:short]), Rollouts.concat(generated)
+
+
+def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, float]:
+    cfg, algo = ctx.config, ctx.config.algorithm
+    timer = PhaseTimer(ctx.watchdog)
+    stats: dict[str, float] = defaultdict(float)
+
+    # 1. Generate G samples per prompt with the current policy weights, and score them.
+    with timer("sync"):
+        ctx.generator.wake()
+        ctx.generator.load_weights(ctx.policy)
+    train, generated = collect(ctx, loader, step, timer, stats)
+    ctx.generator.sleep()  # the KV pool's memory goes to training
+    rewards_N = torch.tensor(train.rewards)
 
     batch = build_sequence_batch(
-        [prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions],
-        ctx.tokenizer.pad_id, [c.logprobs for c in completions],
+        [train.prompts[i // algo.group_size] for i in range(len(train.completions))],
+        [c.token_ids for c in train.completions], ctx.tokenizer.pad_id, [c.logprobs for c in train.completions],
     ).to(ctx.device)
-    mask = batch["loss_mask"]
+    if algo.overlong_filter:
+        truncated = torch.tensor([c.finish_reason == "length" for c in train.completions], device=ctx.device)
+        batch["loss_mask"] = batch["loss_mask"] * (~truncated)[:, None]
+        stats["overlong_filtered"] = truncated.sum().item()
 
-    # 3. Reference logprobs (for the KL term) and old logprobs (only when updates go off-policy).
+    # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
     off_policy = algo.ppo_epochs * algo.num_minibatches > 1
     with timer("logprob"), torch.no_grad():
         if algo.kl_coef > 0:
             batch["ref_logprobs"], _ = forward_logprobs(ctx.reference, batch, cfg.generator.batch_invariant)
         if off_policy:
             batch["old_logprobs"], _ = forward_logprobs(ctx.policy, batch, cfg.generator.batch_invariant)
-    shaped_N = rewards_N
-    if algo.kl_coef > 0 and algo.kl_in_reward:
-        seq_kl = (kl_estimate(batch["gen_logprobs"], batch["ref_logprobs"], algo.kl_estimator) * mask).sum(-1)
-        shaped_N = rewards_N - algo.kl_coef * seq_kl.cpu()
+        if ctx.critic is not None:
+            batch["values"] = values(ctx.critic, batch["tokens"]) * batch["loss_mask"]
 
-    # 4. Group-relative advantages (all G samples of a prompt live on this rank).
-    batch["advantages"] = group_advantages(shaped_N, G, algo.normalize_std).to(ctx.device)
+    # 3. Advantages.
+    batch["advantages"] = compute_advantages(ctx, batch, rewards_N)
 
-    # 5. Policy update: epochs x mini-batches of optimizer steps, micro-batches accumulate.
+    # 4. Updates: epochs x mini-batches of optimizer steps, micro-batches accumulate.
     sums = defaultdict(float)
-    grad_norms = []
+    grad_norms, critic_norms = [], []
+    train_policy = ctx.critic is None or step > cfg.critic.warmup_steps
     with timer("train"):
         for _ in range(algo.ppo_epochs):
             for minibatch in split_batch(batch, algo.num_minibatches):
-                grad_norms.append(update(ctx, minibatch, optimizer, off_policy, sums, step))
-        scheduler.step()
+                if train_policy:
+                    grad_norms.append(update(ctx, minibatch, optimizer, off_policy, sums, step))
+                if ctx.critic is not None:
+                    critic_norms.append(update_critic(ctx, minibatch, sums))
+        if train_policy:
+            scheduler.step()
 
-    # 6. Metrics, summed over data-parallel ranks.
-    n_tok = mask.sum().item()
+    # 5. Metrics, summed over data-parallel ranks.
+    results, all_rewards = generated.results, torch.tensor(generated.rewards)
     totals = dp_sum([
-        rewards_N.sum().item(), (rewards_N**2).sum().item(), sum(r.correct for r in results), len(results),
-        n_tok, sum(r.failed is not None for r in results), sums["kl"], sums["entropy"], sums["clipped"],
-        sums["tokens"], sums["gen_diff"], gen_stats.decode_tokens + gen_stats.prefill_tokens,
+        all_rewards.sum().item(), (all_rewards**2).sum().item(), sum(r.correct for r in results), len(results),
+        sum(len(c.token_ids) for c in generated.completions), sum(r.failed is not None for r in results),
+        sums["kl"], sums["entropy"], sums["clipped"], sums["tokens"], sums["gen_diff"], stats["gen_tokens"],
+        sums["mismatch_kl"], sums["is_dropped"], stats["dropped_groups"], stats["short_groups"],
+        stats["overlong_filtered"], stats["rm_score_sum"], sums["value_loss"], sums["value_clipped"],
+        sums["value_tokens"],
     ], ctx)
-    (r_sum, r_sq, n_correct, n, toks, failed, kl, ent, clipped, upd_tokens, gen_diff, gen_tokens) = totals
+    (r_sum, r_sq, n_correct, n, toks, failed, kl, ent, clipped, upd_tokens, gen_diff, gen_tokens,
+     mismatch_kl, is_dropped, dropped_groups, short_groups, overlong_filtered, rm_sum, v_loss, v_clipped,
+     v_tokens) = totals
+    (ratio_max, mismatch_ratio_max) = dp_max([sums["ratio_max"], sums["mismatch_ratio_max"]], ctx)
     r_mean = r_sum / n
     step_time = sum(timer.seconds.values())
+    per_token = max(upd_tokens, 1.0)
     metrics = {
         "reward_mean": r_mean,
         "reward_std": max(r_sq / n - r_mean**2, 0.0) ** 0.5,
         "accuracy": n_correct / n,
         "response_len": toks / n,
         "reward_failures": failed,
-        "kl": kl / max(upd_tokens, 1.0),
-        "entropy": ent / max(upd_tokens, 1.0),
-        "clip_frac": clipped / max(upd_tokens, 1.0),
-        "ratio_max": sums["ratio_max"],
-        # |trainer - generator| logprob of the sampled tokens: 0 only in batch-invariant mode.
-        "gen_logprob_diff": gen_diff / max(upd_tokens, 1.0),
-        "grad_norm": max(grad_norms, key=lambda g: g if g == g else float("-inf")),
+        "kl": kl / per_token,
+        "entropy": ent / per_token,
+        "clip_frac": clipped / per_token,
+        "ratio_max": ratio_max,
+        # Generator vs trainer logprobs of the sampled tokens (0 only in batch-invariant mode):
+        # mean |diff|, k3 KL(pi_gen || pi_trainer), the largest ratio pi_trainer / pi_gen.
+        "gen_logprob_diff": gen_diff / per_token,
+        "mismatch_kl": mismatch_kl / per_token,
+        "mismatch_ratio_max": mismatch_ratio_max,
+        "grad_norm": _finite_max(grad_norms),
         "skipped_updates": sums["skipped_updates"],
         "lr": scheduler.get_last_lr()[0],
         "tokens_per_s": gen_tokens / max(step_time, 1e-9),
         **{f"time_{k}": v for k, v in timer.seconds.items()},
         "peak_mem_gb": peak_memory_gb(ctx.device),
     }
+    if algo.off_policy_correction != "none":
+        metrics["is_dropped_frac"] = is_dropped / per_token
+    if algo.dynamic_sampling:
+        metrics.update(sampling_rounds=stats["sampling_rounds"], dropped_groups=dropped_groups,
+                       sampling_short_groups=short_groups)
+    if algo.overlong_filter:
+        metrics["overlong_filtered"] = overlong_filtered
+    if ctx.reward_model is not None:
+        metrics["rm_score"] = rm_sum / n
+    if ctx.critic is not None:
+        metrics.update(value_loss=v_loss / max(v_tokens, 1.0), value_clip_frac=v_clipped / max(v_tokens, 1.0),
+                       critic_grad_norm=_finite_max(critic_norms))
     return metrics
+
+
+def _finite_max(values: list[float]) -> float:
+    return max(values, key=lambda g: g if g == g else float("-inf")) if values else float("nan")
+
+
+def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor) -> torch.Tensor:
+    """Per-sequence [B] (group baselines) or per-token [B, T] (REINFORCE++, PPO) advantages."""
+    algo, mask = ctx.config.algorithm, batch["loss_mask"]
+    rewards_N = rewards_N.to(ctx.device)
+    kl_BT = None
+    if algo.kl_coef > 0 and algo.kl_in_reward:
+        policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
+        kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
+    if algo.name == "ppo":
+        token_r = token_rewards(rewards_N, mask, kl_BT, algo.kl_coef)
+        adv_BT, batch["returns"] = gae(token_r, batch["values"], mask, algo.gamma, algo.lam)
+        return masked_whiten(adv_BT, mask, ctx.dp_group)
+    if algo.name == "reinforce_pp":
+        return reinforce_pp_advantages(rewards_N, mask, kl_BT, algo.kl_coef, algo.gamma, ctx.dp_group)
+    # Group baselines (all G samples of a prompt live on this rank): sequence KL in the reward.
+    shaped_N = rewards_N if kl_BT is None else rewards_N - algo.kl_coef * kl_BT.sum(-1)
+    if algo.name == "rloo":
+        return rloo_advantages(shaped_N, algo.group_size)
+    return group_advantages(shaped_N, algo.group_size, algo.normalize_std)
+
+
+def equal_micro_batches(ctx: Context, batch: TensorDict, sort: bool = True) -> list[TensorDict]:
+    """Micro-batches of about training.micro_batch_tokens, as many on every dp rank (FSDP runs
+    collectives in each forward/backward). Unsorted keeps row order (for scores)."""
+    (n_micro,) = dp_max([num_micro_batches(batch, ctx.config.training.micro_batch_tokens)], ctx)
+    n = int(min(n_micro, batch.batch_size[0]))
+    if sort:
+        return micro_batches(batch, n)
+    return split_batch(batch, n) if batch.batch_size[0] % n == 0 else micro_batches(batch, n)
 
 
 def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sums: dict, step: int) -> float:
@@ -271,21 +424,24 @@ def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sum
     algo, cfg = ctx.config.algorithm, ctx.config
     num_tokens = global_token_count(minibatch["loss_mask"], ctx.dp_group).item()
     (num_seqs,) = dp_sum([float(minibatch.batch_size[0])], ctx)
-    # FSDP needs the same number of forward/backward passes on every dp rank: take the max.
-    (n_micro,) = dp_max([num_micro_batches(minibatch, cfg.training.micro_batch_tokens)], ctx)
     optimizer.zero_grad()
-    for mb in micro_batches(minibatch, int(min(n_micro, minibatch.batch_size[0]))):
+    for mb in equal_micro_batches(ctx, minibatch):
         logprobs, logits = forward_logprobs(ctx.policy, mb, cfg.generator.batch_invariant)
         mask = mb["loss_mask"]
         # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
         old = mb["old_logprobs"] if off_policy else logprobs.detach()
-        out = grpo_loss(
-            logprobs, old, mb["advantages"], mask,
-            clip_low=algo.clip_eps_low, clip_high=algo.clip_eps_high, loss_agg=algo.loss_agg,
-            num_global_tokens=num_tokens, num_global_seqs=num_seqs,
+        is_weights, is_dropped = importance_weights(old, mb["gen_logprobs"], algo.off_policy_correction, algo.is_cap)
+        kw = dict(
+            clip_low=algo.clip_eps_low, clip_high=algo.clip_eps_high, num_global_tokens=num_tokens,
+            num_global_seqs=num_seqs, kl_estimator=algo.kl_estimator,
             ref_logprobs_BT=mb["ref_logprobs"] if algo.kl_coef > 0 and not algo.kl_in_reward else None,
-            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef, kl_estimator=algo.kl_estimator,
+            kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+            is_weights_BT=is_weights if algo.off_policy_correction != "none" else None,
         )
+        if algo.name == "gspo":
+            out = gspo_loss(logprobs, old, mb["advantages"], mask, **kw)
+        else:
+            out = clipped_pg_loss(logprobs, old, mb["advantages"], mask, loss_agg=algo.loss_agg, **kw)
         loss = out.loss * float("nan") if fault_active("nan_loss", step) else out.loss
         loss.backward()
         with torch.no_grad():
@@ -294,14 +450,40 @@ def update(ctx: Context, minibatch: TensorDict, optimizer, off_policy: bool, sum
             sums["entropy"] += (entropy_from_logits(logits) * mask).sum().item()
             sums["clipped"] += out.clipped_tokens.item()
             sums["tokens"] += mask.sum().item()
-            sums["gen_diff"] += ((logprobs - mb["gen_logprobs"]).abs() * mask).sum().item()
+            sums["gen_diff"] += ((old - mb["gen_logprobs"]).abs() * mask).sum().item()
+            sums["mismatch_kl"] += (kl_estimate(mb["gen_logprobs"], old, "k3") * mask).sum().item()
+            sums["is_dropped"] += (is_dropped.float() * mask).sum().item()
             sums["ratio_max"] = max(sums["ratio_max"], out.ratio_max.item())
-    grad_norm = clip_grad_norm_(list(ctx.policy.parameters()), cfg.training.max_norm)
+            if mask.any():
+                mismatch = torch.exp(old - mb["gen_logprobs"])[mask > 0].max().item()
+                sums["mismatch_ratio_max"] = max(sums["mismatch_ratio_max"], mismatch)
+    return _step_optimizer(ctx, ctx.policy, optimizer, sums, "policy")
+
+
+def update_critic(ctx: Context, minibatch: TensorDict, sums: dict) -> float:
+    """One critic optimizer step on the clipped value loss toward the GAE returns."""
+    num_tokens = global_token_count(minibatch["loss_mask"], ctx.dp_group).item()
+    ctx.critic_optimizer.zero_grad()
+    for mb in equal_micro_batches(ctx, minibatch):
+        mask = mb["loss_mask"]
+        v_BT = values(ctx.critic, mb["tokens"])
+        loss, n_clipped = value_loss(v_BT, mb["values"], mb["returns"], mask, ctx.config.critic.value_clip, num_tokens)
+        loss.backward()
+        sums["value_loss"] += loss.item() * num_tokens
+        sums["value_clipped"] += n_clipped.item()
+        sums["value_tokens"] += mask.sum().item()
+    return _step_optimizer(ctx, ctx.critic, ctx.critic_optimizer, sums, "critic")
+
+
+def _step_optimizer(ctx: Context, model: Transformer, optimizer, sums: dict, what: str) -> float:
+    """Clip, then step unless the gradient is non-finite (skip and count, or stop: config)."""
+    cfg = ctx.config
+    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.training.max_norm)
     # The norm is global (all ranks agree), so every rank takes the same branch.
     if not torch.isfinite(grad_norm):
         if cfg.training.on_nonfinite == "stop":
             raise FloatingPointError(
-                "non-finite gradient norm in the policy update (loss or logprobs overflowed); "
+                f"non-finite gradient norm in the {what} update (loss or logprobs overflowed); "
                 "lower optimizer.lr, check rewards, or set training.on_nonfinite = 'skip'"
             )
         optimizer.zero_grad()
@@ -359,8 +541,12 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
         reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward,
         config.reward.memory_limit_mb,
     )
+    reward_model = None
+    if config.reward.model_path:
+        reward_model = build_reward_model(config.reward.model_path, dims, config, device, model_args)
     return Context(
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
+        reward_model=reward_model,
         generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank, append=resuming(config)),
         dp_group=dims.dp_mesh.get_group() if dims.dp_size > 1 else None,
         watchdog=Watchdog(config.job.phase_timeout_s, rank),
@@ -418,19 +604,27 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         before = evaluate(ctx, eval_samples)["eval_accuracy"]
         ctx.metrics.log(-config.training.warmup_sft_steps, {"phase": "sft", "eval_accuracy_before_sft": before})
         sft_warmup(ctx, train_samples)
-    if config.algorithm.kl_coef > 0:
-        # The reference is the policy as RL starts (after the warm-up), sharded the same way;
-        # on resume its weights come from the checkpoint.
+    if config.algorithm.kl_coef > 0 or config.critic.enable:
+        # The reference (and the critic's trunk) is the policy as RL starts (after the warm-up),
+        # sharded the same way; on resume their weights come from the checkpoint.
         full = get_model_state_dict(ctx.policy, options=StateDictOptions(full_state_dict=True))
+    if config.algorithm.kl_coef > 0:
         ctx.reference = build_model(
             ctx.policy.args, ctx.dims, config, ctx.device, full_state_dict=full
         ).requires_grad_(False)
+    if config.critic.enable:
+        ctx.critic = build_critic(ctx.policy, full, ctx.dims, config, ctx.device)
+        ctx.critic_optimizer = build_optimizer(ctx.critic, dataclasses.replace(config.optimizer, lr=config.critic.lr))
 
     optimizer = build_optimizer(ctx.policy, config.optimizer)
     scheduler = build_lr_scheduler(optimizer, config.training.steps, config.lr_scheduler)
     stream = DatasetStream(train_samples, config.job.seed) if train_samples else TaskStream(ctx.task, config.job.seed)
     prompt_loader = build_prompt_loader(stream, config.training.batch_size, ctx.dims.dp_rank, ctx.dims.dp_size)
     models = {"model": ctx.policy, **({"reference": ctx.reference} if ctx.reference is not None else {})}
+    optimizers = {"model": optimizer}
+    if ctx.critic is not None:
+        models["critic"] = ctx.critic
+        optimizers["critic"] = ctx.critic_optimizer
 
     start_step = 1
     restored = None
@@ -439,9 +633,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
         if not match or not os.path.exists(os.path.join(path, ".metadata")):
             raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
-        restored = int(match.group(1)), ckpt.load(path, models, optimizer)
+        restored = int(match.group(1)), ckpt.load(path, models, optimizers)
     elif resuming(config):
-        restored = ckpt.load_latest(models, optimizer, log=print if is_rank0 else lambda _: None)
+        restored = ckpt.load_latest(models, optimizers, log=print if is_rank0 else lambda _: None)
     if restored is not None:
         step, host = restored
         scheduler.load_state_dict(host["scheduler"])
@@ -459,7 +653,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     loader = iter(prompt_loader)
 
     for step in range(start_step, config.training.steps + 1):
-        metrics = rl_step(ctx, next(loader), step, optimizer, scheduler)
+        metrics = rl_step(ctx, loader, step, optimizer, scheduler)
         fault_point("step", step)
         if config.metrics.eval_freq and step % config.metrics.eval_freq == 0 or step == config.training.steps:
             last_eval = evaluate(ctx, eval_samples)
@@ -473,7 +667,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 "first_eval": first_eval, "last_eval": last_eval,
             }
             with ctx.watchdog.phase("checkpoint"):
-                ckpt.save(step, models, optimizer, host)
+                ckpt.save(step, models, optimizers, host)
     if config.checkpoint.export_hf:
         export_hf(ctx.policy, os.path.join(config.job.dump_folder, "hf"))
     if is_rank0:

@@ -58,9 +58,11 @@ class CheckpointManager:
         return sorted(steps)
 
     def save(
-        self, step: int, models: dict[str, nn.Module], optimizer: torch.optim.Optimizer, host_state: dict[str, Any]
+        self, step: int, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer],
+        host_state: dict[str, Any],
     ) -> str:
-        """Collective. `host_state` (data loader, RNG, counters) is saved per rank with torch.save."""
+        """Collective. `optimizers` maps a model's name in `models` to its optimizer; `host_state`
+        (data loader, RNG, counters) is saved per rank with torch.save."""
         for name, model in models.items():
             _check_finite(name, model)
         tmp = os.path.join(self.folder, f".tmp-step-{step}")
@@ -68,9 +70,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp, exist_ok=True)
         _barrier()
-        state = {name: get_model_state_dict(model) for name, model in models.items()}
-        state["optimizer"] = get_optimizer_state_dict(models["model"], optimizer)
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(_state(models, optimizers), checkpoint_id=tmp)
         torch.save(host_state, os.path.join(tmp, f"host_rank{_rank()}.pt"))
         fault_point("checkpoint_save", step)
         _barrier()
@@ -91,12 +91,12 @@ class CheckpointManager:
                 shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def load_latest(
-        self, models: dict[str, nn.Module], optimizer: torch.optim.Optimizer, log=print
+        self, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], log=print
     ) -> tuple[int, dict[str, Any]] | None:
         """Load the newest checkpoint that loads; a damaged one is reported and skipped."""
         for step in reversed(self.complete_steps()):
             try:
-                return step, self.load(self.step_dir(step), models, optimizer)
+                return step, self.load(self.step_dir(step), models, optimizers)
             # A truncated or corrupted checkpoint: fall back to an older one. (DCP wraps read
             # errors in CheckpointException, a BaseException.)
             except (Exception, CheckpointException) as e:
@@ -104,19 +104,32 @@ class CheckpointManager:
                     "trying the previous one")
         return None
 
-    def load(self, path: str, models: dict[str, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        state = {name: get_model_state_dict(model) for name, model in models.items()}
-        state["optimizer"] = get_optimizer_state_dict(models["model"], optimizer)
+    def load(
+        self, path: str, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
+    ) -> dict[str, Any]:
+        state = _state(models, optimizers)
         dcp.load(state, checkpoint_id=path)
         for name, model in models.items():
             set_model_state_dict(model, state[name])
-        set_optimizer_state_dict(models["model"], optimizer, state["optimizer"])
+        for name, optimizer in optimizers.items():
+            set_optimizer_state_dict(models[name], optimizer, state[_optimizer_key(name)])
         # Host state is the same on every rank of a job (all ranks walk the same global data
         # stream), so rank 0's file serves any new world size.
         host_file = os.path.join(path, f"host_rank{_rank()}.pt")
         if not os.path.exists(host_file):
             host_file = os.path.join(path, "host_rank0.pt")
         return torch.load(host_file, weights_only=False)
+
+
+def _optimizer_key(model_name: str) -> str:
+    return "optimizer" if model_name == "model" else f"optimizer_{model_name}"
+
+
+def _state(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    state: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    for name, optimizer in optimizers.items():
+        state[_optimizer_key(name)] = get_optimizer_state_dict(models[name], optimizer)
+    return state
 
 
 def _check_finite(name: str, model: nn.Module) -> None:

@@ -265,8 +265,11 @@ class Generator:
 
 @dataclass
 class Algorithm:
-    name: Literal["grpo"] = "grpo"
-    """RL algorithm; each lives in one file under `titanrl/algorithms/`."""
+    name: Literal["grpo", "rloo", "reinforce_pp", "gspo", "ppo"] = "grpo"
+    """Advantage estimator and policy loss, one file each under `titanrl/algorithms/`: 'grpo'
+    (group mean/std; also Dr.GRPO and DAPO, see their recipes), 'rloo' (leave-one-out),
+    'reinforce_pp' (globally whitened token returns), 'gspo' (sequence-level ratio), 'ppo' (GAE
+    with a learned critic: needs [critic] enable = true)."""
 
     group_size: int = 8
     """Samples generated per prompt; advantages are normalised within each group."""
@@ -290,7 +293,8 @@ class Algorithm:
     """Divide group-centred rewards by the group std (off for Dr.GRPO)."""
 
     kl_in_reward: bool = False
-    """Subtract kl_coef * (sequence KL to the reference) from the reward instead of adding KL to the loss."""
+    """Put the KL penalty in the reward instead of the loss: per token for 'ppo' and
+    'reinforce_pp', as kl_coef * (sequence KL) subtracted from the reward otherwise."""
 
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
@@ -298,15 +302,90 @@ class Algorithm:
     num_minibatches: int = 1
     """Optimizer steps per pass; more than one (or several epochs) makes later updates off-policy."""
 
+    gamma: float = 1.0
+    """Discount of token rewards ('ppo' GAE, 'reinforce_pp' returns)."""
+
+    lam: float = 1.0
+    """GAE lambda ('ppo')."""
+
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+
+    max_sampling_rounds: int = 4
+    """Cap on generation rounds per step with dynamic_sampling; if the batch is still short, it
+    is filled with dropped groups (zero advantage), counted in the 'sampling_short_groups' metric."""
+
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: completions longer than max_new_tokens - this get a linear penalty
+    reaching -overlong_penalty_factor at max_new_tokens; 0 disables it."""
+
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty."""
+
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated completions (no stop within max_new_tokens) are masked
+    out of the loss."""
+
+    off_policy_correction: Literal["none", "tis", "mis"] = "none"
+    """Importance weights pi_trainer / pi_generator on the loss: 'tis' truncates them at
+    is_cap, 'mis' drops tokens whose ratio is outside [1/is_cap, is_cap]."""
+
+    is_cap: float = 2.0
+    """Cap C of the off-policy importance ratio (tis, mis)."""
+
     def validate(self) -> None:
-        for name in ("ppo_epochs", "num_minibatches"):
+        for name in ("ppo_epochs", "num_minibatches", "max_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[algorithm] {name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 1:
             raise ValueError(f"[algorithm] group_size must be >= 1, got {self.group_size}")
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "overlong_buffer_len", "overlong_penalty_factor"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[algorithm] {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"[algorithm] {name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.is_cap > 1.0:
+            raise ValueError(f"[algorithm] is_cap must be > 1, got {self.is_cap}")
+        if self.name == "rloo" and self.group_size < 2:
+            raise ValueError("[algorithm] 'rloo' needs group_size >= 2 (the baseline leaves one sample out)")
+        if self.name == "gspo" and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                "[algorithm] 'gspo' clips one ratio per sequence and averages per sequence; set "
+                "loss_agg = 'seq-mean-token-mean'"
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("[algorithm] dynamic_sampling needs group_size >= 2 (it drops groups of equal rewards)")
+        if self.dynamic_sampling and self.name in ("ppo", "reinforce_pp"):
+            raise ValueError(
+                f"[algorithm] dynamic_sampling drops groups with equal rewards, which only carry no "
+                f"signal for group baselines ('grpo', 'rloo', 'gspo'), not for '{self.name}'"
+            )
+
+
+@dataclass
+class Critic:
+    enable: bool = False
+    """Train a value model beside the policy (required by algorithm 'ppo', unused otherwise)."""
+
+    hf_checkpoint: str = ""
+    """Initialise the critic from this HF folder (a causal LM, or a *ForSequenceClassification
+    with one label); empty starts from the policy's weights as RL begins, with a new value head."""
+
+    lr: float = 1e-4
+    """AdamW learning rate of the critic (its own optimizer; betas and weight decay from [optimizer])."""
+
+    warmup_steps: int = 0
+    """First RL steps that train only the critic (the policy is not updated)."""
+
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values; 0 disables it."""
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"[critic] lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.value_clip < 0:
+            raise ValueError("[critic] warmup_steps and value_clip must be >= 0")
 
 
 @dataclass
@@ -328,6 +407,16 @@ class Reward:
     """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
     returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier."""
 
+    verifier_weight: float = 1.0
+    """Weight of the verifier / reward function in the total reward."""
+
+    model_path: str = ""
+    """A reward model: HF folder of a *ForSequenceClassification with one label (e.g. written by
+    the 'reward_model' offline recipe), sharing the policy's tokenizer; scored on the same mesh."""
+
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the total reward."""
+
     def validate(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
@@ -335,6 +424,8 @@ class Reward:
             raise ValueError(f"[reward] num_workers must be >= 1, got {self.num_workers}")
         if self.memory_limit_mb < 0:
             raise ValueError(f"[reward] memory_limit_mb must be >= 0 (0 = no limit), got {self.memory_limit_mb}")
+        if self.verifier_weight == 0 and not self.model_path:
+            raise ValueError("[reward] verifier_weight is 0 and no model_path is set: nothing gives a reward")
 
 
 @dataclass
@@ -412,6 +503,31 @@ class Metrics:
 
 
 @dataclass
+class Offline:
+    recipe: Literal["sft", "dpo", "reward_model"] = "sft"
+    """What `python -m titanrl.train_offline` trains from data.path (JSONL): 'sft' on
+    {prompt, completion} rows, 'dpo' and 'reward_model' (Bradley-Terry, a one-label score head)
+    on {prompt, chosen, rejected} rows."""
+
+    dpo_beta: float = 0.1
+    """DPO's beta: strength of the implicit KL to the reference (the starting policy)."""
+
+    label_smoothing: float = 0.0
+    """Conservative-DPO label smoothing in [0, 0.5): assumed fraction of flipped preferences."""
+
+    eval_freq: int = 20
+    """Evaluate on the held-out rows (the first data.num_eval_samples) every this many steps."""
+
+    def validate(self) -> None:
+        if not self.dpo_beta > 0:
+            raise ValueError(f"[offline] dpo_beta must be > 0, got {self.dpo_beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"[offline] label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.eval_freq < 1:
+            raise ValueError(f"[offline] eval_freq must be >= 1, got {self.eval_freq}")
+
+
+@dataclass
 class JobConfig:
     """All sections of a titanrl job. Field names here are the TOML section names."""
 
@@ -429,6 +545,8 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    critic: Critic = field(default_factory=Critic)
+    offline: Offline = field(default_factory=Offline)
 
     def validate(self) -> None:
         """Run every section's own checks, then the ones that span sections."""
@@ -436,6 +554,10 @@ class JobConfig:
             section = getattr(self, section_name)
             if hasattr(section, "validate"):
                 section.validate()
+        if self.algorithm.name == "ppo" and not self.critic.enable:
+            raise ValueError("[algorithm] 'ppo' needs a value model: add [critic] with enable = true")
+        if self.critic.enable and self.algorithm.name != "ppo":
+            raise ValueError(f"[critic] enable = true, but algorithm '{self.algorithm.name}' uses no critic; use 'ppo'")
         if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"[training] micro_batch_tokens ({self.training.micro_batch_tokens}) is below one sequence "

@@ -42,8 +42,9 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     T = int(batch["length"].max())
     out = batch.clone()
     out["tokens"] = batch["tokens"][:, :T]
-    for key in ("loss_mask", "gen_logprobs", "old_logprobs", "ref_logprobs"):
-        if key in batch.keys():
+    # Every other [B, T-1] field is per next-token target (masks, logprobs, values, advantages).
+    for key in batch.keys():
+        if key != "tokens" and batch[key].dim() == 2:
             out[key] = batch[key][:, : T - 1]
     return out
 

@@ -13,10 +13,11 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -69,14 +70,21 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         "tok_embeddings": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sequence_parallel
         ),
+    }
+    if args.num_labels:
+        # A score head has a handful of rows: replicate it and gather the sequence after it.
+        distribute_module(model.output, tp_mesh)
+        root_plan["output"] = PrepareModuleOutput(
+            output_layouts=residual, desired_output_layouts=Replicate(), use_local_output=True
+        )
+    else:
         # Replicated logits keep the loss code free of DTensors; the vocab shard of the weight
         # is still 1/tp of the memory.
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate()),
-    }
+        root_plan["output"] = ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
     if sequence_parallel:
         root_plan["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root_plan)
-    if args.tie_word_embeddings:
+    if args.ties_output:
         # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
         model.output.weight = model.tok_embeddings.weight
 

@@ -71,8 +71,17 @@ class TransformerModelArgs:
     tie_word_embeddings: bool = False
     """Output projection shares the token-embedding matrix."""
 
+    num_labels: int = 0
+    """0: a language-model head over the vocabulary. N > 0: a score head of N outputs instead
+    (reward model or critic; HF `*ForSequenceClassification` layout, `score.weight`)."""
+
     depth_init: bool = True
     """Scale each block's output-projection init std by its depth (TorchTitan's init)."""
+
+    @property
+    def ties_output(self) -> bool:
+        """The output projection is the embedding matrix (never for a score head)."""
+        return self.tie_word_embeddings and self.num_labels == 0
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:

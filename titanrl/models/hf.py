@@ -64,6 +64,13 @@ def _map_name(name: str, table: dict[str, str]) -> str | None:
     return target.format(layer.group(1)) if layer else target
 
 
+def _num_labels(cfg: dict) -> int:
+    """Outputs of the score head of a `*ForSequenceClassification` config, 0 for a causal LM."""
+    if not any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or []):
+        return 0
+    return len(cfg.get("id2label") or {}) or cfg.get("num_labels", 2)
+
+
 def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     """Model args from a parsed HF config.json (transformers 4.x or 5.x rope layout)."""
     model_type = cfg.get("model_type")
@@ -113,12 +120,15 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
         o_bias=False if family == "qwen2" else attention_bias,
         qk_norm=family == "qwen3",
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        num_labels=_num_labels(cfg),
     )
 
 
 def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict:
     """config.json contents for `args`, readable by transformers 4.x and 5.x."""
     model_type, architecture = _HF_FAMILIES[args.family]
+    if args.num_labels:
+        architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
     if args.family == "qwen2" and not (args.qkv_bias and not args.o_bias):
         raise ValueError("A qwen2 model exports only with qkv_bias=True and o_bias=False (the Qwen2 layout)")
     if args.family != "qwen2" and args.qkv_bias != args.o_bias:
@@ -156,6 +166,8 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
     }
     if args.family != "qwen2":
         cfg["attention_bias"] = args.qkv_bias
+    if args.num_labels:
+        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(args.num_labels)}
     return cfg
 
 
@@ -165,11 +177,11 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
     for hf_name, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.fullmatch(hf_name):
             continue
-        name = _map_name(hf_name, _HF_TO_TITAN)
+        name = "output.weight" if hf_name == "score.weight" and args.num_labels else _map_name(hf_name, _HF_TO_TITAN)
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
         sd[name] = tensor
-    if args.tie_word_embeddings:
+    if args.ties_output:
         # Tied checkpoints may or may not carry lm_head; the embedding is the one source of truth.
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
@@ -178,9 +190,9 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     hf_sd = {}
     for name, tensor in sd.items():
-        if name == "output.weight" and args.tie_word_embeddings:
+        if name == "output.weight" and args.ties_output:
             continue
-        hf_name = _map_name(name, _TITAN_TO_HF)
+        hf_name = "score.weight" if name == "output.weight" and args.num_labels else _map_name(name, _TITAN_TO_HF)
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no HF name (adapter table out of date)")
         hf_sd[hf_name] = tensor

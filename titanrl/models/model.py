@@ -183,24 +183,24 @@ class Transformer(nn.Module):
         # A ModuleDict keeps layer names stable when blocks are wrapped (AC) or compiled.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        self.output = nn.Linear(args.dim, args.num_labels or args.vocab_size, bias=False)
+        if args.ties_output:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Fill parameters and buffers; call after `to_empty` (which also unties shared weights)."""
-        if self.args.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        if self.args.ties_output and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
         buffer_device = buffer_device or self.rope_cache.device
         with torch.device(buffer_device):
             self.rope_cache = precompute_rope_cache(self.args)
         # A tied matrix is also the output projection, so it gets the small std of a linear layer.
-        nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.tie_word_embeddings else 1.0)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.ties_output else 1.0)
         for block in self.layers.values():
             block.init_weights()
         self.norm.reset_parameters()
-        if not self.args.tie_word_embeddings:
+        if not self.args.ties_output:
             final_std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=final_std, a=-3 * final_std, b=3 * final_std)
 
@@ -210,7 +210,7 @@ class Transformer(nn.Module):
         positions_BT: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab]. `positions_BT` defaults to 0..T-1 for every row; `backend`
+        """Logits [B, T, vocab] (scores [B, T, num_labels] for a score head). `positions_BT` defaults to 0..T-1 for every row; `backend`
         replaces causal attention over the batch (the generator's paged KV cache)."""
         if positions_BT is None:
             T = tokens_BT.shape[1]

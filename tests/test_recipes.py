@@ -1,0 +1,227 @@
+"""Every algorithm recipe in train_configs/ runs end to end (1 rank and 2 ranks), PPO's critic
+resumes exactly, and the offline SFT -> DPO / reward model -> RL-with-reward-model chain works
+on real files."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, run_cmd
+
+SMALL = [
+    "--training.steps=3", "--training.warmup_sft_steps=4", "--training.warmup_sft_batch_size=8",
+    "--training.batch_size=4", "--algorithm.group_size=4", "--data.num_eval_samples=8",
+    "--reward.num_workers=1", "--metrics.eval_freq=0",
+]
+# Algorithm-specific metrics each recipe must log.
+RECIPES = {
+    "ppo": ["value_loss", "value_clip_frac", "critic_grad_norm"],
+    "rloo": ["is_dropped_frac"],
+    "reinforce_pp": ["kl"],
+    "dapo": ["sampling_rounds", "dropped_groups", "sampling_short_groups"],
+    "gspo": [],
+    "dr_grpo": [],
+}
+# The PPO recipe trains the critic alone for 5 steps; here for 1 (step 1 has no policy update).
+# RLOO also runs with truncated importance sampling, to exercise the off-policy correction.
+EXTRA = {"ppo": ["--critic.warmup_steps=1"], "rloo": ["--algorithm.off_policy_correction=tis"]}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _config(name):
+    return os.path.join(REPO_ROOT, "train_configs", f"{name}.toml")
+
+
+def _train(recipe, folder, extra=(), nproc=1, module="titanrl.train"):
+    args = [f"--job.config_file={_config(recipe)}", f"--job.dump_folder={folder}", *extra]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, *args]
+    proc = run_cmd(cmd, ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _rl_steps(folder) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return [r for r in rows if r.get("phase") == "rl" and "reward_mean" in r]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """Each RL recipe, 3 steps on 1 rank: {recipe: metrics}."""
+    out = {}
+    for recipe in RECIPES:
+        folder = tmp_path_factory.mktemp(recipe)
+        _train(f"{recipe}_reverse_debug", folder, [*SMALL, *EXTRA.get(recipe, [])])
+        out[recipe] = _rl_steps(folder)
+    return out
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recipe_runs_and_logs_its_metrics(one_rank, recipe):
+    steps = one_rank[recipe]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        policy_updated = not (recipe == "ppo" and m["step"] == 1)
+        assert math.isfinite(m["grad_norm"]) == policy_updated, m
+        for key in ["reward_mean", "entropy", "mismatch_kl", "mismatch_ratio_max", *RECIPES[recipe]]:
+            assert key in m and math.isfinite(m[key]), (key, m)
+        # Generator and trainer logprobs agree to float32 rounding: the mismatch metrics say so.
+        assert not policy_updated or m["gen_logprob_diff"] < 1e-5 and m["mismatch_ratio_max"] < 1.0 + 1e-4
+    if recipe == "gspo":
+        # Four mini-batches: later ones are off-policy and the 3e-4 clip range bites.
+        assert any(m["clip_frac"] > 0 for m in steps)
+    if recipe == "dapo":
+        assert all(1 <= m["sampling_rounds"] <= 3 for m in steps)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe,layout", [
+    ("ppo", ["--parallelism.dp_shard=2"]),
+    ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+    ("rloo", ["--parallelism.dp_shard=2"]),
+    # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
+    ("reinforce_pp", ["--parallelism.dp_shard=2"]),
+    # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
+    ("gspo", ["--parallelism.dp_shard=2", "--algorithm.num_minibatches=2"]),
+    ("dr_grpo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+])
+def test_two_ranks_match_one_rank(tmp_path, one_rank, recipe, layout):
+    _train(f"{recipe}_reverse_debug", tmp_path, [*SMALL, *EXTRA.get(recipe, []), *layout], nproc=2)
+    got, want = _rl_steps(tmp_path), one_rank[recipe]
+    if "--algorithm.num_minibatches=2" in layout:
+        _train(f"{recipe}_reverse_debug", tmp_path / "one", [*SMALL, *EXTRA.get(recipe, []), layout[-1]])
+        want = _rl_steps(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        # Same samples on any layout (seeded by global prompt id): identical rewards.
+        assert g["reward_mean"] == pytest.approx(w["reward_mean"], abs=1e-6)
+        assert g["response_len"] == pytest.approx(w["response_len"], abs=1e-6)
+        assert g["entropy"] == pytest.approx(w["entropy"], rel=1e-3)
+        if not math.isnan(w["grad_norm"]):
+            assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
+        if recipe == "ppo":
+            # Critic values, GAE whitened over the global batch, value loss: layout-independent.
+            assert g["value_loss"] == pytest.approx(w["value_loss"], rel=1e-3, abs=1e-6)
+            assert g["critic_grad_norm"] == pytest.approx(w["critic_grad_norm"], rel=1e-3)
+
+
+@pytest.mark.multirank
+def test_dapo_dynamic_sampling_on_two_ranks(tmp_path):
+    _train("dapo_reverse_debug", tmp_path, [*SMALL, "--parallelism.dp_shard=2"], nproc=2)
+    steps = _rl_steps(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(1 <= m["sampling_rounds"] <= 3 and math.isfinite(m["grad_norm"]) for m in steps)
+
+
+def test_ppo_critic_resumes_exactly(tmp_path):
+    """PPO with checkpoints: stopped after step 2 and re-run, every step's policy and critic
+    numbers equal an uninterrupted run's (critic weights and its optimizer are checkpointed)."""
+    extra = [*SMALL[1:], "--checkpoint.enable=true", "--checkpoint.interval=2", "--critic.warmup_steps=1"]
+    full, parts = tmp_path / "full", tmp_path / "parts"
+    _train("ppo_reverse_debug", full, [*extra, "--training.steps=4"])
+    _train("ppo_reverse_debug", parts, [*extra, "--training.steps=2"])
+    out = _train("ppo_reverse_debug", parts, [*extra, "--training.steps=4"])
+    assert "resumed from" in out.stdout
+    a = {m["step"]: m for m in _rl_steps(full)}
+    b = {m["step"]: m for m in _rl_steps(parts)}
+    for step in [1, 2, 3, 4]:
+        for key in ["reward_mean", "value_loss", "critic_grad_norm", "entropy"]:
+            assert a[step][key] == b[step][key], (step, key)
+    # Critic warm-up: step 1 trains only the critic (no policy grad norm), later steps both.
+    assert math.isnan(a[1]["grad_norm"]) and math.isfinite(a[2]["grad_norm"])
+
+
+# ---- offline recipes and reward models ----
+
+OFFLINE = ["--data.num_eval_samples=32", "--metrics.log_freq=1"]
+
+
+@pytest.fixture(scope="module")
+def sft_export(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sft")
+    out = _train("sft_reverse_debug", folder, [*OFFLINE, "--training.steps=30", "--training.batch_size=32",
+                                                "--offline.eval_freq=30", "--checkpoint.interval=30"],
+                 module="titanrl.train_offline")
+    first, last = (float(x) for x in out.stdout.split("eval_loss ")[1].split()[0:3:2])
+    assert last < 0.6 * first, out.stdout[-2000:]
+    assert os.path.exists(folder / "hf" / "model.safetensors")
+    return folder / "hf"
+
+
+def _offline_evals(folder, key="eval_margin") -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if key in r]
+
+
+def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
+    _train("dpo_reverse_debug", tmp_path, [*OFFLINE, f"--model.hf_checkpoint={sft_export}",
+                                           "--training.steps=12", "--offline.eval_freq=12"],
+           module="titanrl.train_offline")
+    evals = _offline_evals(tmp_path)
+    assert evals[0]["eval_margin"] == 0.0  # policy == reference at the start
+    assert evals[-1]["eval_margin"] > 0.05 and evals[-1]["eval_pref_accuracy"] > 0.6, evals
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe,key", [("dpo_reverse_debug", "eval_margin"), ("sft_reverse_debug", "eval_loss")])
+def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
+    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--offline.eval_freq=4",
+            "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    _train(recipe, tmp_path / "one", args, module="titanrl.train_offline")
+    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2"], nproc=2, module="titanrl.train_offline")
+    one, two = (_offline_evals(tmp_path / d, key) for d in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for a, b in zip(one, two):
+        assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6)
+    assert one[-1][key] != one[0][key]  # it trained
+
+
+def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
+    """SFT on {prompt, answer} rows and DPO on {prompt, chosen, rejected} rows from files; a
+    malformed preference row fails before anything is built, naming file:line and the field."""
+    sft_rows = [{"prompt": f"rev:{w}=", "answer": w[::-1]} for w in ["abc", "hgfe", "ijjd", "bead", "cab", "fig"]]
+    pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1]} for r in sft_rows]
+    for name, rows in [("sft.jsonl", sft_rows), ("pairs.jsonl", pairs)]:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--data.task=jsonl", "--data.num_eval_samples=2", "--training.steps=3", "--training.batch_size=2",
+              "--offline.eval_freq=3", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    _train("sft_reverse_debug", tmp_path / "sft", [*common, f"--data.path={tmp_path / 'sft.jsonl'}"],
+           module="titanrl.train_offline")
+    assert len(_offline_evals(tmp_path / "sft", "eval_loss")) == 2
+    _train("dpo_reverse_debug", tmp_path / "dpo", [*common, f"--data.path={tmp_path / 'pairs.jsonl'}",
+                                                   f"--model.hf_checkpoint={sft_export}"],
+           module="titanrl.train_offline")
+    assert len(_offline_evals(tmp_path / "dpo")) == 2
+    (tmp_path / "bad.jsonl").write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
+    cmd = [sys.executable, "-m", "titanrl.train_offline", f"--job.config_file={_config('dpo_reverse_debug')}",
+           *common, f"--data.path={tmp_path / 'bad.jsonl'}", f"--job.dump_folder={tmp_path / 'bad'}"]
+    proc = run_cmd(cmd, ENV)
+    assert proc.returncode == 2 and "bad.jsonl:2: missing or empty 'rejected'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.multirank
+def test_reward_model_trains_then_scores_rl_on_tp2(tmp_path, sft_export):
+    """Bradley-Terry reward model from the SFT export, exported as *ForSequenceClassification,
+    then used (weighted with the verifier) by GRPO on 1 rank and on tp=2 with equal scores."""
+    _train("reward_model_reverse_debug", tmp_path / "rm",
+           [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=20", "--offline.eval_freq=20"],
+           module="titanrl.train_offline")
+    evals = _offline_evals(tmp_path / "rm")
+    assert evals[-1]["eval_pref_accuracy"] > 0.6 and evals[-1]["eval_margin"] > evals[0]["eval_margin"]
+    config = json.load(open(tmp_path / "rm" / "hf" / "config.json"))
+    assert config["architectures"] == ["Qwen3ForSequenceClassification"]
+    rl = [*SMALL, f"--reward.model_path={tmp_path / 'rm' / 'hf'}", "--reward.model_weight=0.5"]
+    _train("grpo_reverse_debug", tmp_path / "one", rl)
+    _train("grpo_reverse_debug", tmp_path / "tp", [*rl, "--parallelism.tp=2", "--parallelism.dp_shard=1"], nproc=2)
+    one, tp = _rl_steps(tmp_path / "one"), _rl_steps(tmp_path / "tp")
+    for a, b in zip(one, tp, strict=True):
+        assert math.isfinite(a["rm_score"]) and a["rm_score"] == pytest.approx(b["rm_score"], abs=1e-5)
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-5)

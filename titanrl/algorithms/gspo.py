@@ -1,0 +1,47 @@
+"""GSPO: group sequence policy optimisation — one importance ratio per sequence.
+
+Zheng et al., "Group sequence policy optimization" (2025), arXiv:2507.18071. With group-relative
+advantages A_i (`grpo.group_advantages`) and the length-normalised sequence ratio
+
+    s_i = (pi(y_i) / pi_old(y_i)) ^ (1/|y_i|) = exp(1/|y_i| * sum_t log(pi(y_i,t) / pi_old(y_i,t))),
+
+the loss per sequence is max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high)) (the paper's
+clip ranges are ~3e-4 / 4e-4). It is written in the GSPO-token form
+s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)], whose value is s_i on every token and whose gradient
+equals the sequence form's under per-sequence mean aggregation ("seq-mean-token-mean").
+"""
+
+import torch
+
+from titanrl.algorithms.common import LossOutput, _finish
+
+
+def gspo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    num_global_tokens: float,
+    num_global_seqs: float,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    lengths_B = mask_BT.sum(-1).clamp(min=1.0)
+    seq_log_ratio_B = ((logprobs_BT - old_logprobs_BT) * mask_BT).sum(-1) / lengths_B
+    log_ratio_BT = seq_log_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach()
+    ratio_BT = torch.exp(log_ratio_BT)
+    adv_BT = advantages_B[:, None].expand_as(logprobs_BT)
+    unclipped = -adv_BT * ratio_BT
+    clipped = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    pg_BT = torch.maximum(unclipped, clipped)
+    if is_weights_BT is not None:
+        pg_BT = pg_BT * is_weights_BT
+    # The ratio reported is the sequence ratio: pass a log ratio that reproduces it.
+    old_for_stats_BT = logprobs_BT.detach() - log_ratio_BT.detach()
+    return _finish(pg_BT, clipped > unclipped, logprobs_BT, old_for_stats_BT, mask_BT, "seq-mean-token-mean",
+                   num_global_tokens, num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)

@@ -1,0 +1,253 @@
+"""Offline recipes beside RL: SFT, DPO and reward-model training, on the same model builder,
+parallelism, optimizer, data loader, checkpoints and metrics as `titanrl.train`.
+
+    torchrun --nproc_per_node=N -m titanrl.train_offline --job.config_file train_configs/dpo_reverse_debug.toml
+
+`offline.recipe` picks the loss:
+  sft           -log p(completion | prompt), token mean over the global batch
+  dpo           DPO against a frozen copy of the starting policy (`algorithms/dpo.py`)
+  reward_model  Bradley-Terry on a one-label score head (usable as RL's `reward.model_path`)
+Data: `data.task = "jsonl"` reads `data.path` ({prompt, answer[, solution]} rows for sft,
+{prompt, chosen, rejected} for dpo / reward_model; the first data.num_eval_samples rows are
+held out), or an embedded task gives SFT samples / synthetic preference pairs. The result goes
+to <dump_folder>/hf with `checkpoint.export_hf`, ready for `model.hf_checkpoint` (SFT, DPO) or
+`reward.model_path` (reward model).
+"""
+
+import dataclasses
+import os
+import random
+import sys
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
+from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
+from titanrl.components.metrics import MetricsLogger
+from titanrl.components.model_builder import build_model, init_full_state_dict
+from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
+from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.data.batch import build_sequence_batch
+from titanrl.data.preferences import PreferencePair, load_preferences, synthetic_preferences
+from titanrl.data.prompts import DatasetStream, build_prompt_loader, load_jsonl
+from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
+from titanrl.envs.tasks import build_task
+from titanrl.models.flavors import get_model_args
+from titanrl.models.hf import export_hf, from_hf_state_dict, load_safetensors_folder, read_hf_config
+from titanrl.models.model import Transformer
+from titanrl.models.tokenizer import Tokenizer, build_tokenizer
+from titanrl.rewards.reward_model import sequence_scores
+
+CONSOLE = {"loss": "loss", "grad_norm": "gnorm", "lr": "lr", "margin": "margin", "pref_accuracy": "pref_acc",
+           "eval_loss": "EVAL_LOSS", "eval_pref_accuracy": "EVAL_PREF_ACC", "eval_margin": "EVAL_MARGIN"}
+
+
+def load_rows(config: JobConfig) -> tuple[list, list]:
+    """(train rows, held-out eval rows): Samples for sft, PreferencePairs otherwise."""
+    n_eval, recipe = config.data.num_eval_samples, config.offline.recipe
+    if config.data.task == "jsonl":
+        rows = load_jsonl(config.data.path) if recipe == "sft" else load_preferences(config.data.path)
+        if len(rows) <= n_eval:
+            raise ValueError(f"data.path has {len(rows)} rows, not more than data.num_eval_samples ({n_eval})")
+        return rows[n_eval:], rows[:n_eval]
+    task = build_task(config.data.task)
+    n_train = config.training.steps * config.training.batch_size
+    if recipe == "sft":
+        return task.samples("train", n_train, config.job.seed), task.samples("eval", n_eval, config.job.seed)
+    return (synthetic_preferences(task, "train", n_train, config.job.seed),
+            synthetic_preferences(task, "eval", n_eval, config.job.seed))
+
+
+def encode(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return bos + tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_id]
+
+
+def pair_batch(tokenizer: Tokenizer, pairs: list[PreferencePair], device: torch.device) -> TensorDict:
+    """Chosen rows first, then rejected rows, in one right-padded batch."""
+    chosen = [encode(tokenizer, p.prompt, p.chosen) for p in pairs]
+    rejected = [encode(tokenizer, p.prompt, p.rejected) for p in pairs]
+    rows = chosen + rejected
+    return build_sequence_batch([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_id).to(device)
+
+
+def sequence_logprobs(model: Transformer, batch: TensorDict) -> torch.Tensor:
+    """Sum of completion-token logprobs per row [B]."""
+    tokens_BT = batch["tokens"]
+    logprobs_BT = token_logprobs(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
+    return (logprobs_BT * batch["loss_mask"]).sum(-1)
+
+
+def global_sum(values: list[float], dp_group) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dp_group is not None:
+        dist.all_reduce(t, group=dp_group)
+    return t.tolist()
+
+
+def build_models(config: JobConfig, dims: ParallelDims, device: torch.device,
+                 vocab: int) -> tuple[Transformer, Transformer | None]:
+    """(trained model, frozen DPO reference or None)."""
+    hf = config.model.hf_checkpoint
+    args = read_hf_config(hf) if hf else get_model_args(config.model.flavor)
+    if config.model.max_seq_len:
+        args.max_seq_len = config.model.max_seq_len
+    if vocab > args.vocab_size:
+        raise ValueError(f"tokenizer has {vocab} tokens but model vocab_size is {args.vocab_size}")
+    if config.offline.recipe != "reward_model":
+        model = build_model(args, dims, config, device, hf_checkpoint=hf)
+        reference = None
+        if config.offline.recipe == "dpo":
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            reference = build_model(args, dims, config, device, full_state_dict=full).requires_grad_(False)
+        return model, reference
+    # Reward model: the LM's trunk (or a fresh init) under a new one-label head.
+    rm_args = dataclasses.replace(args, num_labels=1)
+    if hf and args.num_labels == 1:
+        return build_model(rm_args, dims, config, device, hf_checkpoint=hf), None
+    sd = from_hf_state_dict(load_safetensors_folder(hf), args) if hf else init_full_state_dict(rm_args, config.job.seed)
+    if args.num_labels != 1:
+        sd.pop("output.weight", None)
+        sd["output.weight"] = torch.zeros(1, args.dim)
+    return build_model(rm_args, dims, config, device, full_state_dict=sd), None
+
+
+def step_loss(config: JobConfig, tokenizer: Tokenizer, model: Transformer, reference: Transformer | None,
+              rows: list, device: torch.device, dp_group, num_global_rows: float) -> tuple[torch.Tensor, dict]:
+    """(local share of the global loss, summed statistics) for one batch of this rank's rows."""
+    recipe = config.offline.recipe
+    if recipe == "sft":
+        encoded = [encode(tokenizer, s.prompt, s.solution) for s in rows]
+        batch = build_sequence_batch([e[0] for e in encoded], [e[1] for e in encoded], tokenizer.pad_id).to(device)
+        num_tokens = global_token_count(batch["loss_mask"], dp_group)
+        tokens_BT = batch["tokens"]
+        loss = sft_loss(model(tokens_BT[:, :-1]), tokens_BT[:, 1:], batch["loss_mask"], num_tokens)
+        return loss, {"loss": loss.item()}
+    batch = pair_batch(tokenizer, rows, device)
+    n = len(rows)
+    if recipe == "dpo":
+        policy_lp = sequence_logprobs(model, batch)
+        with torch.no_grad():
+            ref_lp = sequence_logprobs(reference, batch)
+        out = dpo_loss(policy_lp[:n], policy_lp[n:], ref_lp[:n], ref_lp[n:], config.offline.dpo_beta,
+                       config.offline.label_smoothing)
+        loss_B, margin_B = out.loss_B, out.chosen_reward_B - out.rejected_reward_B
+    else:
+        scores = model(batch["tokens"])[..., 0].float()
+        scores_B = scores.gather(1, (batch["length"] - 1)[:, None]).squeeze(1)
+        loss_B = bradley_terry_loss(scores_B[:n], scores_B[n:])
+        margin_B = (scores_B[:n] - scores_B[n:]).detach()
+    loss = loss_B.sum() / num_global_rows
+    return loss, {"loss": loss.item() * num_global_rows, "margin": margin_B.sum().item(),
+                  "pref_accuracy": (margin_B > 0).float().sum().item()}
+
+
+@torch.no_grad()
+def evaluate(config: JobConfig, tokenizer: Tokenizer, model: Transformer, reference: Transformer | None,
+             rows: list, dims: ParallelDims, device: torch.device, dp_group) -> dict[str, float]:
+    """Held-out loss (sft) or preference accuracy and margin (dpo, reward_model), over all ranks."""
+    mine = rows[dims.dp_rank :: dims.dp_size]
+    (n_global,) = global_sum([len(mine)], dp_group)
+    if config.offline.recipe == "sft":
+        loss, _ = step_loss(config, tokenizer, model, reference, mine, device, dp_group, n_global)
+        (total,) = global_sum([loss.item()], dp_group)
+        return {"eval_loss": total}
+    if config.offline.recipe == "dpo":
+        batch = pair_batch(tokenizer, mine, device)
+        n = len(mine)
+        diff = sequence_logprobs(model, batch) - sequence_logprobs(reference, batch)
+        margin_B = config.offline.dpo_beta * (diff[:n] - diff[n:])
+    else:
+        batch = pair_batch(tokenizer, mine, device)
+        scores = sequence_scores(model, batch["tokens"], batch["length"])
+        margin_B = scores[: len(mine)] - scores[len(mine) :]
+    margin, correct = global_sum([margin_B.sum().item(), (margin_B > 0).float().sum().item()], dp_group)
+    return {"eval_margin": margin / n_global, "eval_pref_accuracy": correct / n_global}
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return {}
+    config = load_config(argv)
+    train_rows, eval_rows = load_rows(config)  # bad data fails before anything is built
+    rank, world_size = init_distributed()
+    set_determinism(config.job.seed, config.job.deterministic)
+    if rank == 0 and config.job.print_config:
+        print(to_toml(config))
+    cfg = config.training
+    dims = ParallelDims(config.parallelism.dp_replicate, config.parallelism.dp_shard, config.parallelism.tp, world_size)
+    device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+    dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
+    tokenizer = build_tokenizer(config.model.tokenizer)
+    model, reference = build_models(config, dims, device, tokenizer.vocab_size)
+    optimizer = build_optimizer(model, config.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.steps, config.lr_scheduler)
+    loader = build_prompt_loader(DatasetStream(train_rows, config.job.seed), cfg.batch_size, dims.dp_rank, dims.dp_size)
+    ckpt = CheckpointManager(os.path.join(config.job.dump_folder, config.checkpoint.folder),
+                             config.checkpoint.keep_latest_k)
+    models = {"model": model, **({"reference": reference} if reference is not None else {})}
+    start = 1
+    restored = ckpt.load_latest(models, {"model": optimizer}) if config.checkpoint.enable else None
+    metrics = MetricsLogger(config, rank, append=restored is not None)
+    if restored is not None:
+        step, host = restored
+        scheduler.load_state_dict(host["scheduler"])
+        loader.load_state_dict(host["loader"])
+        torch.set_rng_state(host["torch_rng"])
+        random.setstate(host["py_rng"])
+        start = step + 1
+    first_eval = evaluate(config, tokenizer, model, reference, eval_rows, dims, device, dp_group)
+    if restored is None:
+        metrics.log(0, {"phase": config.offline.recipe, **first_eval}, CONSOLE)
+    batches = iter(loader)
+    last_eval = first_eval
+    for step in range(start, cfg.steps + 1):
+        rows = next(batches)
+        (n_global,) = global_sum([len(rows)], dp_group)
+        optimizer.zero_grad()
+        loss, stats = step_loss(config, tokenizer, model, reference, rows, device, dp_group, n_global)
+        loss.backward()
+        grad_norm = clip_grad_norm_(list(model.parameters()), cfg.max_norm)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError("non-finite gradient norm; lower optimizer.lr or check the data")
+        optimizer.step()
+        scheduler.step()
+        keys = sorted(stats)
+        totals = dict(zip(keys, global_sum([stats[k] for k in keys], dp_group)))
+        if config.offline.recipe != "sft":
+            totals = {k: v / n_global for k, v in totals.items()}
+        out = {"phase": config.offline.recipe, **totals, "grad_norm": grad_norm.item(),
+               "lr": scheduler.get_last_lr()[0]}
+        if step % config.offline.eval_freq == 0 or step == cfg.steps:
+            last_eval = evaluate(config, tokenizer, model, reference, eval_rows, dims, device, dp_group)
+            out.update(last_eval)
+        if step % config.metrics.log_freq == 0 or step == cfg.steps:
+            metrics.log(step, out, CONSOLE)
+        if config.checkpoint.enable and (step % config.checkpoint.interval == 0 or step == cfg.steps):
+            host = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
+                    "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}
+            ckpt.save(step, models, {"model": optimizer}, host)
+    if config.checkpoint.export_hf:
+        export_hf(model, os.path.join(config.job.dump_folder, "hf"))
+    if rank == 0:
+        summary = ", ".join(f"{k} {first_eval[k]:.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
+        print(f"{config.offline.recipe}: {summary}", flush=True)
+    metrics.close()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as e:
+        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
