@@ -75,6 +75,9 @@ def test_typo_section_and_cli_key():
         (["--algorithm.lam=1.5"], r"lam must be in \[0, 1\]"),
         (["--reward.verifier_weight=0"], r"nothing gives a reward"),
         (["--offline.recipe=ppo"], r"expected one of 'sft', 'dpo', 'reward_model'"),
+        (["--data.task=calculator"], r"task 'calculator' is multi-turn: set env.name = 'calculator'"),
+        (["--env.name=calculator", "--reward.function=m:f"], r"the environment's steps give the rewards"),
+        (["--env.max_turns=0"], r"\[env\] max_turns must be >= 1"),
         (["--offline.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
     ],
 )

@@ -139,6 +139,35 @@ def test_ppo_critic_resumes_exactly(tmp_path):
     assert math.isnan(a[1]["grad_norm"]) and math.isfinite(a[2]["grad_norm"])
 
 
+# ---- multi-turn tool use ----
+
+CALC = [*SMALL, "--generator.max_new_tokens=20", "--env.num_workers=1"]
+
+
+@pytest.fixture(scope="module")
+def calculator_one_rank(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("calc")
+    _train("grpo_calculator_debug", folder, CALC)
+    return _rl_steps(folder)
+
+
+def test_calculator_recipe_runs_multi_turn_episodes(calculator_one_rank):
+    steps = calculator_one_rank
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for m in steps:
+        assert m["env_failures"] == 0 and 1.0 <= m["env_turns"] <= 3.0
+        assert math.isfinite(m["grad_norm"]) and m["gen_logprob_diff"] < 1e-5
+
+
+@pytest.mark.multirank
+def test_calculator_recipe_two_ranks_match_one_rank(tmp_path, calculator_one_rank):
+    _train("grpo_calculator_debug", tmp_path, [*CALC, "--parallelism.dp_shard=2"], nproc=2)
+    for g, w in zip(_rl_steps(tmp_path), calculator_one_rank, strict=True):
+        for key in ["reward_mean", "response_len", "env_turns"]:
+            assert g[key] == pytest.approx(w[key], abs=1e-6), key
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
+
+
 # ---- offline recipes and reward models ----
 
 OFFLINE = ["--data.num_eval_samples=32", "--metrics.log_freq=1"]

@@ -50,8 +50,10 @@ from titanrl.config.job_config import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_batches, split_batch
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
 from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
+from titanrl.envs.pool import EnvPool, resolve_env
+from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
-from titanrl.generator import Completion, Generator, GeneratorOptions, SamplingParams
+from titanrl.generator import Completion, GenerationStats, Generator, GeneratorOptions, SamplingParams
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, read_hf_config
@@ -86,6 +88,8 @@ class Context:
     dp_group: dist.ProcessGroup | None
     watchdog: Watchdog
     reward_model: Transformer | None = None
+    envs: EnvPool | None = None
+    """Environment workers of a multi-turn task (env.name), else None."""
     critic: Transformer | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
 
@@ -139,6 +143,17 @@ def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool) -> 
 
 # ---- SFT warm-up ----
 
+def demonstration_tokens(tokenizer: Tokenizer, sample: Sample) -> tuple[list[int], list[int]]:
+    """(tokens, loss mask) of a sample's worked solution + eos; a multi-turn demonstration
+    (metadata 'demo' = [[text, from_model], ...]) masks out the environment's text."""
+    demo = sample.metadata.get("demo") or [[sample.solution, True]]
+    tokens, mask = [], []
+    for text, from_model in demo:
+        ids = tokenizer.encode(text)
+        tokens += ids
+        mask += [int(bool(from_model))] * len(ids)
+    return tokens + [tokenizer.eos_id], mask + [1]
+
 def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
     """Supervised steps on worked solutions (the task's, or the data's 'solution' field, else
     its answer) so that a from-scratch model can start RL."""
@@ -154,8 +169,8 @@ def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
     for step in range(1, cfg.warmup_sft_steps + 1):
         samples = next(batches)
         prompts = [encode_prompt(ctx, s) for s in samples]
-        answers = [ctx.tokenizer.encode(s.solution) + [eos] for s in samples]
-        batch = build_sequence_batch(prompts, answers, ctx.tokenizer.pad_id).to(ctx.device)
+        answers, masks = zip(*(demonstration_tokens(ctx.tokenizer, s) for s in samples))
+        batch = build_sequence_batch(prompts, list(answers), ctx.tokenizer.pad_id, None, list(masks)).to(ctx.device)
         num_tokens = global_token_count(batch["loss_mask"], ctx.dp_group)
         opt.zero_grad()
         tokens_BT = batch["tokens"]
@@ -181,9 +196,13 @@ def _evaluate(ctx: Context, eval_samples: list[Sample]) -> dict[str, float]:
     ctx.generator.wake()
     ctx.generator.load_weights(ctx.policy)
     params = SamplingParams(max_new_tokens=ctx.config.generator.max_new_tokens, temperature=0.0)
-    completions, _ = ctx.generator.generate([encode_prompt(ctx, s) for s in mine], params)
-    ctx.generator.sleep()
-    results = ctx.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)])
+    if ctx.envs is not None:
+        _, _, results, _ = generate_episodes(ctx, mine, params, list(range(len(mine))))
+        ctx.generator.sleep()
+    else:
+        completions, _ = ctx.generator.generate([encode_prompt(ctx, s) for s in mine], params)
+        ctx.generator.sleep()
+        results = ctx.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)])
     correct, total = dp_sum([sum(r.correct for r in results), len(results)], ctx)
     return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total}
 
@@ -210,29 +229,55 @@ class Rollouts:
                                                                                   "rewards")))
 
 
+def generate_episodes(ctx: Context, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+                      ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
+    """Multi-turn: every sample is an environment episode; its steps run in the env workers
+    while the other samples decode, and give its reward (summed over turns)."""
+    env = ctx.config.env
+    turns = MultiTurnRollout(ctx.envs, ctx.tokenizer, env.max_turns, env.max_total_tokens,
+                             ctx.config.reward.failure_reward)
+    bos = [ctx.tokenizer.bos_id] if ctx.tokenizer.bos_id is not None else []
+    prompts = turns.start([{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples],
+                          params.n, lambda text: bos + ctx.tokenizer.encode(text))
+    params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
+    completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids, turns=turns)
+    results = []
+    for c in completions:
+        episode = turns.episodes[(c.prompt_index, c.sample_index)]
+        results.append(RewardResult(episode.reward, episode.correct, episode.failed))
+    return prompts, completions, results, gen_stats
+
+
 def rollout(ctx: Context, samples: list[Sample], step: int, round_idx: int, timer: "PhaseTimer",
             stats: dict) -> Rollouts:
     """Generate G samples per prompt with the current weights, then score them."""
     cfg, G = ctx.config, ctx.config.algorithm.group_size
-    prompts = [encode_prompt(ctx, s) for s in samples]
     params = SamplingParams(
         max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
         top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=G,
         seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
     )
     # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
-    prompt_ids = [i * ctx.dims.dp_size + ctx.dims.dp_rank for i in range(len(prompts))]
+    prompt_ids = [i * ctx.dims.dp_size + ctx.dims.dp_rank for i in range(len(samples))]
+    results = None
     with timer("generate"):
         if fault_active("hang_generate", step):
             time.sleep(3600)
-        completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
+        if ctx.envs is not None:  # environment steps run inside generation, overlapped with decoding
+            prompts, completions, results, gen_stats = generate_episodes(ctx, samples, params, prompt_ids)
+            stats["env_turns"] += gen_stats.resumed_turns + len(completions)
+            stats["env_failures"] += sum(r.failed is not None for r in results)
+        else:
+            prompts = [encode_prompt(ctx, s) for s in samples]
+            completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
     stats["gen_tokens"] += gen_stats.decode_tokens + gen_stats.prefill_tokens
     with timer("reward"):
-        results = ctx.rewards([
-            RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
-                       samples[c.prompt_index].metadata)
-            for c in completions
-        ])
+        if results is None:
+            results = ctx.rewards([
+                RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
+                           samples[c.prompt_index].metadata)
+                for c in completions
+            ])
         rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
         if ctx.reward_model is not None:
             batch = build_sequence_batch([prompts[c.prompt_index] for c in completions],
@@ -297,6 +342,7 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
     batch = build_sequence_batch(
         [train.prompts[i // algo.group_size] for i in range(len(train.completions))],
         [c.token_ids for c in train.completions], ctx.tokenizer.pad_id, [c.logprobs for c in train.completions],
+        [c.model_mask for c in train.completions],  # environment tokens are not trained on
     ).to(ctx.device)
     if algo.overlong_filter:
         truncated = torch.tensor([c.finish_reason == "length" for c in train.completions], device=ctx.device)
@@ -378,6 +424,9 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
         metrics["overlong_filtered"] = overlong_filtered
     if ctx.reward_model is not None:
         metrics["rm_score"] = rm_sum / n
+    if ctx.envs is not None:
+        env_turns, env_failures = dp_sum([stats["env_turns"], stats["env_failures"]], ctx)
+        metrics.update(env_turns=env_turns / n, env_failures=env_failures)
     if ctx.critic is not None:
         metrics.update(value_loss=v_loss / max(v_tokens, 1.0), value_clip_frac=v_clipped / max(v_tokens, 1.0),
                        critic_grad_norm=_finite_max(critic_norms))
@@ -541,12 +590,15 @@ def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
         reward_fn, config.reward.num_workers, config.reward.timeout_s, config.reward.failure_reward,
         config.reward.memory_limit_mb,
     )
+    envs = None
+    if config.env.name:
+        envs = EnvPool(config.env.name, {}, config.env.num_workers, config.env.timeout_s, config.reward.memory_limit_mb)
     reward_model = None
     if config.reward.model_path:
         reward_model = build_reward_model(config.reward.model_path, dims, config, device, model_args)
     return Context(
         config=config, dims=dims, device=device, tokenizer=tokenizer, task=task, policy=policy, reference=None,
-        reward_model=reward_model,
+        reward_model=reward_model, envs=envs,
         generator=generator, rewards=rewards, metrics=MetricsLogger(config, rank, append=resuming(config)),
         dp_group=dims.dp_mesh.get_group() if dims.dp_size > 1 else None,
         watchdog=Watchdog(config.job.phase_timeout_s, rank),
@@ -673,6 +725,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if is_rank0:
         print(f"eval accuracy: {first_eval:.3f} -> {last_eval['eval_accuracy']:.3f}", flush=True)
     ctx.rewards.close()
+    if ctx.envs is not None:
+        ctx.envs.close()
     ctx.metrics.close()
     if dist.is_initialized():
         dist.barrier()

@@ -503,6 +503,32 @@ class Metrics:
 
 
 @dataclass
+class Env:
+    name: str = ""
+    """Multi-turn environment: '' for single-turn tasks, a built-in env ('calculator', 'python',
+    'guess_number'; pair it with the same data.task) or your 'module:Class' (see titanrl/envs/base.py)."""
+
+    max_turns: int = 4
+    """Most model turns per episode."""
+
+    max_total_tokens: int = 192
+    """Most completion tokens (model and environment) per episode; generator.max_new_tokens is per turn."""
+
+    num_workers: int = 2
+    """Worker processes that run environment episodes."""
+
+    timeout_s: float = 10.0
+    """Seconds one reset/step call may take before its episode fails (and its worker is replaced)."""
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[env] {name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"[env] timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
 class Offline:
     recipe: Literal["sft", "dpo", "reward_model"] = "sft"
     """What `python -m titanrl.train_offline` trains from data.path (JSONL): 'sft' on
@@ -546,6 +572,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
     critic: Critic = field(default_factory=Critic)
+    env: Env = field(default_factory=Env)
     offline: Offline = field(default_factory=Offline)
 
     def validate(self) -> None:
@@ -554,6 +581,11 @@ class JobConfig:
             section = getattr(self, section_name)
             if hasattr(section, "validate"):
                 section.validate()
+        multi_turn_tasks = ("calculator", "python", "guess_number")
+        if self.data.task in multi_turn_tasks and not self.env.name:
+            raise ValueError(f"[data] task '{self.data.task}' is multi-turn: set env.name = '{self.data.task}'")
+        if self.env.name and self.reward.function:
+            raise ValueError("[reward] function is not used with an [env]: the environment's steps give the rewards")
         if self.algorithm.name == "ppo" and not self.critic.enable:
             raise ValueError("[algorithm] 'ppo' needs a value model: add [critic] with enable = true")
         if self.critic.enable and self.algorithm.name != "ppo":

@@ -9,9 +9,11 @@ from tensordict import TensorDict
 
 
 def build_sequence_batch(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, gen_logprobs: list[list[float]] | None = None
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, gen_logprobs: list[list[float]] | None = None,
+    completion_masks: list[list[int] | None] | None = None,
 ) -> TensorDict:
-    """Rows are prompt + completion; loss_mask marks targets that are completion tokens."""
+    """Rows are prompt + completion; loss_mask marks targets that are completion tokens, times
+    `completion_masks` where given (multi-turn: 0 on environment tokens)."""
     assert len(prompts) == len(completions)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     B, T = len(prompts), max(lengths)
@@ -24,6 +26,9 @@ def build_sequence_batch(
         mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
         if gen_logprobs is not None:
             gen_lp_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(gen_logprobs[i])
+        if completion_masks is not None and completion_masks[i] is not None:
+            assert len(completion_masks[i]) == len(c), "one mask entry per completion token"
+            mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(completion_masks[i], dtype=mask_BT.dtype)
     return TensorDict(
         {"tokens": tokens_BT, "loss_mask": mask_BT, "gen_logprobs": gen_lp_BT, "length": torch.tensor(lengths)},
         batch_size=[B],

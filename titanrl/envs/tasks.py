@@ -194,9 +194,12 @@ TASKS: dict[str, Callable[[], Task]] = {
 
 
 def build_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"Unknown task '{name}'; embedded tasks: {', '.join(TASKS)} (or 'jsonl')")
-    return TASKS[name]()
+    from titanrl.envs.builtin import ENV_TASKS  # the multi-turn envs' tasks (that module imports this one)
+
+    tasks = {**TASKS, **ENV_TASKS}
+    if name not in tasks:
+        raise ValueError(f"Unknown task '{name}'; embedded tasks: {', '.join(tasks)} (or 'jsonl')")
+    return tasks[name]()
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -61,6 +61,20 @@ class Completion:
     finish_reason: Literal["stop", "length"]
     text: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    model_mask: list[int] | None = None
+    """Multi-turn only: 1 for tokens the model sampled, 0 for environment tokens (logprob 0)."""
+
+
+class TurnHandler(Protocol):
+    """Drives multi-turn generation (see `titanrl/envs/rollout.py`). A sample that stops
+    (eos, stop string, length) is handed to `submit` and keeps its KV blocks while its
+    environment step runs; the other samples keep decoding. `poll` returns the steps that are
+    done: (key, observation token ids) resumes the sample after appending them, (key, None)
+    ends it. `key` is (prompt_index, sample_index)."""
+
+    def submit(self, key: tuple[int, int], turn_token_ids: list[int], finish_reason: str) -> None: ...
+
+    def poll(self, block: bool) -> list[tuple[tuple[int, int], list[int] | None]]: ...
 
 
 @dataclass
@@ -71,6 +85,8 @@ class GenerationStats:
     prefix_cache_hit_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    resumed_turns: int = 0
+    """Multi-turn: turns resumed after an environment step, with their KV blocks kept."""
     steps: int = 0
     seconds: float = 0.0
 
@@ -94,10 +110,15 @@ class _Seq:
     finish_reason: str | None = None
     # A group's prompt before its samples are forked off; it samples n first tokens.
     is_group_prompt: bool = False
+    # Multi-turn: where the current model turn began, and 1/0 per completion token (sampled by
+    # the model / appended by the environment).
+    turn_start: int = 0
+    model_mask: list[int] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        """Tokens of the current turn (the whole completion when single-turn)."""
+        return len(self.token_ids) - max(self.prompt_len, self.turn_start)
 
 
 class Generator:
@@ -133,6 +154,7 @@ class Generator:
         self.num_blocks = options.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
+        self._multi_turn = False
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.wake()
 
@@ -254,12 +276,14 @@ class Generator:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None
+        self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None,
+        turns: TurnHandler | None = None,
     ) -> tuple[list[Completion], GenerationStats]:
         """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample).
 
         Sample j of prompt i draws from a random stream seeded by (params.seed, prompt_ids[i], j);
         passing global prompt ids makes samples independent of how prompts are split over ranks.
+        With `turns`, samples are multi-turn episodes (`TurnHandler`); max_new_tokens is per turn.
         """
         self._validate(prompts, params)
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
@@ -272,18 +296,62 @@ class Generator:
         ]
         running: list[_Seq] = []
         finished: list[_Seq] = []
+        paused: dict[tuple[int, int], _Seq] = {}
+        self._multi_turn = turns is not None
         seed = params.seed if params.seed is not None else 0
-        while waiting or running:
+        while waiting or running or paused:
             stats.steps += 1
+            if turns is not None:
+                self._resume(turns, paused, waiting, finished, stats, block=not (waiting or running))
+                self._pause(turns, finished, paused)
+                if not (waiting or running):
+                    continue
             prefill = self._admit(waiting, running, params)
             if prefill:
                 self._prefill(prefill, running, finished, stats, seed, prompt_ids)
             else:
                 self._decode(waiting, running, finished, stats)
+            if turns is not None:
+                self._pause(turns, finished, paused)
         assert all(rc == 0 for rc in self.allocator.ref_count), "KV blocks leaked"
         stats.seconds = time.perf_counter() - start
         finished.sort(key=lambda s: (s.prompt_index, s.sample_index))
         return [self._completion(s) for s in finished], stats
+
+    def _pause(self, turns: TurnHandler, finished: list[_Seq], paused: dict) -> None:
+        """Hand samples whose turn just ended to the environment; they keep their KV blocks."""
+        for seq in [s for s in finished if s.finish_reason is not None and not s.finish_reason.startswith("done")]:
+            finished.remove(seq)
+            key = (seq.prompt_index, seq.sample_index)
+            paused[key] = seq
+            turns.submit(key, seq.token_ids[max(seq.prompt_len, seq.turn_start) :], seq.finish_reason)
+
+    def _resume(self, turns: TurnHandler, paused: dict, waiting: list[_Seq], finished: list[_Seq],
+                stats: GenerationStats, block: bool) -> None:
+        """Append environment observations and send the samples back to the scheduler; samples
+        whose episode is over are finished and their blocks freed."""
+        for key, obs in turns.poll(block):
+            seq = paused.pop(key)
+            if obs is None or len(seq.token_ids) + len(obs) >= self.args.max_seq_len:
+                seq.finish_reason = "done:" + seq.finish_reason if obs is None else "done:length"
+                for b in seq.block_table:
+                    self.allocator.free(b)
+                seq.block_table = []
+                finished.append(seq)
+                continue
+            if any(not 0 <= t < self.args.vocab_size for t in obs) or not obs:
+                raise ValueError(f"observation for sample {key} has no tokens or ids outside the vocabulary")
+            # Tokens since the last observation were sampled by the model.
+            seq.model_mask.extend([1] * (len(seq.token_ids) - seq.prompt_len - len(seq.model_mask)))
+            seq.token_ids.extend(obs)
+            seq.logprobs.extend([0.0] * len(obs))
+            seq.model_mask.extend([0] * len(obs))
+            seq.turn_start = len(seq.token_ids)
+            seq.finish_reason = None
+            stats.resumed_turns += 1
+            # The sampled last token and the observation (but its last token) are prefilled;
+            # the earlier turns' K/V stay in the sample's blocks.
+            waiting.insert(0, seq)
 
     def _admit(self, waiting: list[_Seq], running: list[_Seq], params: SamplingParams) -> list[_Seq]:
         """Move waiting sequences whose prompt fits into blocks, up to the per-step token budget."""
@@ -295,20 +363,24 @@ class Generator:
             if num_seqs + n_after > self.options.max_num_seqs:
                 break
             to_compute = len(seq.token_ids) - (0 if seq.is_group_prompt else 1)
-            if admitted and to_compute > budget:
+            new_tokens = to_compute - seq.num_computed if seq.block_table else to_compute
+            if admitted and new_tokens > budget:
                 break
             # Blocks for the context, plus one per sample to start decoding, must be free now.
-            needed = math.ceil(to_compute / self.options.block_size) + n_after
+            needed = math.ceil(to_compute / self.options.block_size) + n_after - len(seq.block_table)
             if needed > self.allocator.num_free and (admitted or running):
                 break
             try:
-                self._allocate_context(seq, to_compute)
+                if seq.block_table:
+                    self._extend_context(seq, to_compute)
+                else:
+                    self._allocate_context(seq, to_compute)
             except OutOfBlocks:
                 if admitted or running:
                     break
                 raise
             admitted.append(waiting.pop(0))
-            budget -= to_compute
+            budget -= new_tokens
             num_seqs += n_after
         return admitted
 
@@ -334,6 +406,20 @@ class Generator:
             seq.num_computed = 0
             raise
         seq.block_table = table
+
+    def _extend_context(self, seq: _Seq, num_tokens: int) -> None:
+        """A resumed multi-turn sample keeps its blocks; add blocks up to `num_tokens` and make
+        the block it writes into first its own (it may still be shared with the group)."""
+        B = self.options.block_size
+        first = seq.num_computed // B
+        if first < len(seq.block_table) and self.allocator.ref_count[seq.block_table[first]] > 1:
+            block = seq.block_table[first]
+            new_block = self.pool.prepare(self.allocator.allocate())
+            self.pool.copy_block(block, new_block)
+            self.allocator.free(block)
+            seq.block_table[first] = new_block
+        while len(seq.block_table) * B < num_tokens:
+            seq.block_table.append(self.pool.prepare(self.allocator.allocate()))
 
     def _forward(self, slices: list[SeqSlice], tokens: list[int], decode: bool = False) -> torch.Tensor:
         """Logits [N, vocab] for the packed new tokens of `slices`."""
@@ -362,7 +448,8 @@ class Generator:
         for seq in seqs:
             end = len(seq.token_ids) - (0 if seq.is_group_prompt else 1)
             new = seq.token_ids[seq.num_computed : end]
-            stats.prefix_cache_hit_tokens += seq.num_computed
+            if seq.is_group_prompt:
+                stats.prefix_cache_hit_tokens += seq.num_computed
             slices.append(SeqSlice(seq.block_table, end, len(new)))
             tokens.extend(new)
             last_index.append(len(tokens) - 1)
@@ -422,16 +509,17 @@ class Generator:
                 running.append(seq)
                 continue
             seq.finish_reason = reason
-            for block in seq.block_table:
-                self.allocator.free(block)
-            seq.block_table = []
+            if not self._multi_turn:  # a multi-turn sample keeps its blocks for its next turn
+                for block in seq.block_table:
+                    self.allocator.free(block)
+                seq.block_table = []
             finished.append(seq)
 
     def _finish_reason(self, seq: _Seq, token: int) -> str | None:
         if token == self.eos_id or token in seq.params.stop_token_ids:
             return "stop"
         if seq.params.stop_strings:
-            text = self.tokenizer.decode(seq.token_ids[seq.prompt_len :])
+            text = self.tokenizer.decode(seq.token_ids[max(seq.prompt_len, seq.turn_start) :])
             if any(s in text for s in seq.params.stop_strings):
                 return "stop"
         if seq.num_generated >= seq.params.max_new_tokens or len(seq.token_ids) >= self.args.max_seq_len:
@@ -489,9 +577,10 @@ class Generator:
             sample_index=seq.sample_index,
             token_ids=ids,
             logprobs=seq.logprobs,
-            finish_reason=seq.finish_reason,
+            finish_reason=seq.finish_reason.removeprefix("done:"),
             text=self.tokenizer.decode(ids) if self.tokenizer is not None else None,
             top_logprobs=seq.top_logprobs if seq.params.num_top_logprobs else None,
+            model_mask=(seq.model_mask + [1] * (len(ids) - len(seq.model_mask))) if seq.model_mask else None,
         )
 
 
