@@ -58,6 +58,15 @@ def test_token_rewards_put_score_on_last_token_and_kl_everywhere():
     assert r[3].tolist() == [0.0] * 5  # no completion token: the score has nowhere to go
 
 
+def test_token_rewards_place_per_turn_rewards_at_the_end_of_each_turn():
+    # Row 0: two model turns (tokens 1-2 and 5), environment tokens 3-4 masked out.
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]]).float()
+    r = token_rewards(torch.zeros(3), mask, torch.full_like(mask, 1.0), 0.1, turn_scores=[[0.5, 2.0], [1.0, 3.0], [4.0]])
+    assert r[0].tolist() == pytest.approx([0, -0.1, 0.4, 0, 0, 1.9, 0])
+    assert r[1].tolist() == pytest.approx([-0.1, -0.1, -0.1, 3.9, 0, 0, 0])  # surplus on the last turn
+    assert r[2].tolist() == [0.0] * 7  # no model token: nowhere to put it
+
+
 def _returns_f64(rewards, mask, gamma):
     out = []
     for r_row, m_row in zip(rewards, mask):

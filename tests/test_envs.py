@@ -64,6 +64,7 @@ def test_calculator_and_guess_envs_by_hand():
 
 
 def test_python_sandbox_limits():
+    """Tool code that imports, reaches attributes, opens files, allocates 10 GB or loops 10^12 times -> an 'error: ...' result for the model; the episode goes on"""
     assert run_sandboxed("sum(i**2 for i in range(1, 8))") == "140"
     assert run_sandboxed("__import__('os')").startswith("error: name '__import__'")
     assert run_sandboxed("().__class__").startswith("error: attribute access")
@@ -169,6 +170,7 @@ def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
 
 
 def test_failing_environments_end_only_their_episode():
+    """Environment raising in step or reset, hanging past its timeout, returning garbage or a NaN reward -> only that episode ends, with the failure reward and a recorded reason; the hung worker is replaced, the other episodes finish"""
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights()

@@ -373,9 +373,7 @@ def test_sleep_returns_the_pool_memory_to_the_system():
 
 
 def test_uninitialised_pool_memory_never_leaks_into_outputs():
-    """The pool is allocated uninitialised and blocks are zeroed when first handed out: with
-    every never-used block poisoned with NaN, mixed-length greedy generation still equals the
-    reference (short block tables are padded with the zeroed scratch block)."""
+    """Never-used KV-pool memory poisoned with NaN (the pool is allocated uninitialised) -> mixed-length greedy generation still equals the reference: blocks are zeroed when first handed out"""
     model = _trainer_model()
     gen = _generator(model, block_size=4, num_blocks=64)
     scratch = gen.pool.num_blocks - 1

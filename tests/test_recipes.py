@@ -122,8 +122,7 @@ def test_dapo_dynamic_sampling_on_two_ranks(tmp_path):
 
 
 def test_ppo_critic_resumes_exactly(tmp_path):
-    """PPO with checkpoints: stopped after step 2 and re-run, every step's policy and critic
-    numbers equal an uninterrupted run's (critic weights and its optimizer are checkpointed)."""
+    """PPO run stopped after step 2, same command re-run -> resumes; every step's policy and critic numbers (value loss, critic grad norm) are bit-identical to an uninterrupted run"""
     extra = [*SMALL[1:], "--checkpoint.enable=true", "--checkpoint.interval=2", "--critic.warmup_steps=1"]
     full, parts = tmp_path / "full", tmp_path / "parts"
     _train("ppo_reverse_debug", full, [*extra, "--training.steps=4"])
@@ -157,6 +156,18 @@ def test_calculator_recipe_runs_multi_turn_episodes(calculator_one_rank):
     for m in steps:
         assert m["env_failures"] == 0 and 1.0 <= m["env_turns"] <= 3.0
         assert math.isfinite(m["grad_norm"]) and m["gen_logprob_diff"] < 1e-5
+
+
+def test_calculator_with_ppo_places_per_turn_rewards(tmp_path):
+    """Token-level algorithms on multi-turn episodes: PPO's critic and GAE over turns whose
+    environment tokens are masked (per-turn rewards at each turn's last token)."""
+    _train("grpo_calculator_debug", tmp_path, [*CALC, "--training.steps=2", "--algorithm.name=ppo",
+                                               "--critic.enable=true", "--training.warmup_sft_steps=30"])
+    steps = _rl_steps(tmp_path)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["env_turns"] > 1.0  # after 30 SFT steps the model calls the tool
+        assert math.isfinite(m["value_loss"]) and math.isfinite(m["grad_norm"])
 
 
 @pytest.mark.multirank
@@ -214,8 +225,7 @@ def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
 
 
 def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
-    """SFT on {prompt, answer} rows and DPO on {prompt, chosen, rejected} rows from files; a
-    malformed preference row fails before anything is built, naming file:line and the field."""
+    """Preference JSONL row without 'rejected' (offline DPO) -> exit code 2 before anything is built, naming file:line and the field"""
     sft_rows = [{"prompt": f"rev:{w}=", "answer": w[::-1]} for w in ["abc", "hgfe", "ijjd", "bead", "cab", "fig"]]
     pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1]} for r in sft_rows]
     for name, rows in [("sft.jsonl", sft_rows), ("pairs.jsonl", pairs)]:

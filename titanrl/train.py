@@ -49,7 +49,14 @@ from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.job_config import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_batches, split_batch
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
-from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
+from titanrl.distributed import (
+    ParallelDims,
+    all_reduce_values,
+    clip_grad_norm_,
+    device_type,
+    init_distributed,
+    set_determinism,
+)
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
@@ -95,34 +102,32 @@ class Context:
 
 
 class PhaseTimer:
-    """Times each phase of a step, under the watchdog."""
+    """Times each phase of a step, under the watchdog, and its memory: on CUDA the peak allocated
+    during the phase; on CPU the process's resident memory when the phase ends."""
 
-    def __init__(self, watchdog: Watchdog) -> None:
-        self.watchdog = watchdog
+    def __init__(self, watchdog: Watchdog, device: torch.device) -> None:
+        self.watchdog, self.device = watchdog, device
         self.seconds: dict[str, float] = defaultdict(float)
+        self.memory_gb: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         with self.watchdog.phase(phase):
             yield
         self.seconds[phase] += time.perf_counter() - start
-
-
-def _dp_all_reduce(values: list[float], ctx: Context, op: dist.ReduceOp) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if ctx.dp_group is not None:
-        dist.all_reduce(t, op=op, group=ctx.dp_group)
-    return t.tolist()
+        self.memory_gb[phase] = max(self.memory_gb[phase], phase_memory_gb(self.device))
 
 
 def dp_sum(values: list[float], ctx: Context) -> list[float]:
     """Sum each value over data-parallel ranks (TP peers hold equal copies and are not counted)."""
-    return _dp_all_reduce(values, ctx, dist.ReduceOp.SUM)
+    return all_reduce_values(values, ctx.dp_group, dist.ReduceOp.SUM)
 
 
 def dp_max(values: list[float], ctx: Context) -> list[float]:
-    return _dp_all_reduce(values, ctx, dist.ReduceOp.MAX)
+    return all_reduce_values(values, ctx.dp_group, dist.ReduceOp.MAX)
 
 
 def encode_prompt(ctx: Context, sample: Sample) -> list[int]:
@@ -244,7 +249,7 @@ def generate_episodes(ctx: Context, samples: list[Sample], params: SamplingParam
     results = []
     for c in completions:
         episode = turns.episodes[(c.prompt_index, c.sample_index)]
-        results.append(RewardResult(episode.reward, episode.correct, episode.failed))
+        results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
     return prompts, completions, results, gen_stats
 
 
@@ -328,7 +333,7 @@ def collect(ctx: Context, loader, step: int, timer: "PhaseTimer", stats: dict) -
 
 def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, float]:
     cfg, algo = ctx.config, ctx.config.algorithm
-    timer = PhaseTimer(ctx.watchdog)
+    timer = PhaseTimer(ctx.watchdog, ctx.device)
     stats: dict[str, float] = defaultdict(float)
 
     # 1. Generate G samples per prompt with the current policy weights, and score them.
@@ -360,7 +365,7 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
             batch["values"] = values(ctx.critic, batch["tokens"]) * batch["loss_mask"]
 
     # 3. Advantages.
-    batch["advantages"] = compute_advantages(ctx, batch, rewards_N)
+    batch["advantages"] = compute_advantages(ctx, batch, rewards_N, turn_scores(ctx, train))
 
     # 4. Updates: epochs x mini-batches of optimizer steps, micro-batches accumulate.
     sums = defaultdict(float)
@@ -413,7 +418,9 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
         "lr": scheduler.get_last_lr()[0],
         "tokens_per_s": gen_tokens / max(step_time, 1e-9),
         **{f"time_{k}": v for k, v in timer.seconds.items()},
-        "peak_mem_gb": peak_memory_gb(ctx.device),
+        **{f"mem_{k}_gb": v for k, v in timer.memory_gb.items()},
+        # (On CUDA each phase resets the peak counter, so the step's peak is the phases' max.)
+        "peak_mem_gb": max(timer.memory_gb.values()) if ctx.device.type == "cuda" else peak_memory_gb(ctx.device),
     }
     if algo.off_policy_correction != "none":
         metrics["is_dropped_frac"] = is_dropped / per_token
@@ -437,8 +444,23 @@ def _finite_max(values: list[float]) -> float:
     return max(values, key=lambda g: g if g == g else float("-inf")) if values else float("nan")
 
 
-def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor) -> torch.Tensor:
-    """Per-sequence [B] (group baselines) or per-token [B, T] (REINFORCE++, PPO) advantages."""
+def turn_scores(ctx: Context, rollouts: Rollouts) -> list[list[float]] | None:
+    """Multi-turn: each episode's per-turn rewards (weighted), with whatever else its total holds
+    (reward model, length penalty) on the last turn, so that they sum to the total."""
+    if ctx.envs is None:
+        return None
+    out = []
+    for result, total in zip(rollouts.results, rollouts.rewards):
+        scores = [ctx.config.reward.verifier_weight * r for r in result.turn_rewards or [0.0]]
+        scores[-1] += total - sum(scores)
+        out.append(scores)
+    return out
+
+
+def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor,
+                       turn_scores: list[list[float]] | None = None) -> torch.Tensor:
+    """Per-sequence [B] (group baselines) or per-token [B, T] (REINFORCE++, PPO) advantages; the
+    token-level ones place multi-turn episodes' per-turn rewards at the end of each turn."""
     algo, mask = ctx.config.algorithm, batch["loss_mask"]
     rewards_N = rewards_N.to(ctx.device)
     kl_BT = None
@@ -446,11 +468,11 @@ def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor)
         policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
         kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
     if algo.name == "ppo":
-        token_r = token_rewards(rewards_N, mask, kl_BT, algo.kl_coef)
+        token_r = token_rewards(rewards_N, mask, kl_BT, algo.kl_coef, turn_scores)
         adv_BT, batch["returns"] = gae(token_r, batch["values"], mask, algo.gamma, algo.lam)
         return masked_whiten(adv_BT, mask, ctx.dp_group)
     if algo.name == "reinforce_pp":
-        return reinforce_pp_advantages(rewards_N, mask, kl_BT, algo.kl_coef, algo.gamma, ctx.dp_group)
+        return reinforce_pp_advantages(rewards_N, mask, kl_BT, algo.kl_coef, algo.gamma, ctx.dp_group, turn_scores)
     # Group baselines (all G samples of a prompt live on this rank): sequence KL in the reward.
     shaped_N = rewards_N if kl_BT is None else rewards_N - algo.kl_coef * kl_BT.sum(-1)
     if algo.name == "rloo":
@@ -540,6 +562,13 @@ def _step_optimizer(ctx: Context, model: Transformer, optimizer, sums: dict, wha
         return float("nan")
     optimizer.step()
     return grad_norm.item()
+
+
+def phase_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -34,7 +34,14 @@ from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.preferences import PreferencePair, load_preferences, synthetic_preferences
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, load_jsonl
-from titanrl.distributed import ParallelDims, clip_grad_norm_, device_type, init_distributed, set_determinism
+from titanrl.distributed import (
+    ParallelDims,
+    all_reduce_values,
+    clip_grad_norm_,
+    device_type,
+    init_distributed,
+    set_determinism,
+)
 from titanrl.envs.tasks import build_task
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, from_hf_state_dict, load_safetensors_folder, read_hf_config
@@ -80,13 +87,6 @@ def sequence_logprobs(model: Transformer, batch: TensorDict) -> torch.Tensor:
     tokens_BT = batch["tokens"]
     logprobs_BT = token_logprobs(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
     return (logprobs_BT * batch["loss_mask"]).sum(-1)
-
-
-def global_sum(values: list[float], dp_group) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dp_group is not None:
-        dist.all_reduce(t, group=dp_group)
-    return t.tolist()
 
 
 def build_models(config: JobConfig, dims: ParallelDims, device: torch.device,
@@ -151,10 +151,10 @@ def evaluate(config: JobConfig, tokenizer: Tokenizer, model: Transformer, refere
              rows: list, dims: ParallelDims, device: torch.device, dp_group) -> dict[str, float]:
     """Held-out loss (sft) or preference accuracy and margin (dpo, reward_model), over all ranks."""
     mine = rows[dims.dp_rank :: dims.dp_size]
-    (n_global,) = global_sum([len(mine)], dp_group)
+    (n_global,) = all_reduce_values([len(mine)], dp_group)
     if config.offline.recipe == "sft":
         loss, _ = step_loss(config, tokenizer, model, reference, mine, device, dp_group, n_global)
-        (total,) = global_sum([loss.item()], dp_group)
+        (total,) = all_reduce_values([loss.item()], dp_group)
         return {"eval_loss": total}
     if config.offline.recipe == "dpo":
         batch = pair_batch(tokenizer, mine, device)
@@ -165,7 +165,7 @@ def evaluate(config: JobConfig, tokenizer: Tokenizer, model: Transformer, refere
         batch = pair_batch(tokenizer, mine, device)
         scores = sequence_scores(model, batch["tokens"], batch["length"])
         margin_B = scores[: len(mine)] - scores[len(mine) :]
-    margin, correct = global_sum([margin_B.sum().item(), (margin_B > 0).float().sum().item()], dp_group)
+    margin, correct = all_reduce_values([margin_B.sum().item(), (margin_B > 0).float().sum().item()], dp_group)
     return {"eval_margin": margin / n_global, "eval_pref_accuracy": correct / n_global}
 
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     last_eval = first_eval
     for step in range(start, cfg.steps + 1):
         rows = next(batches)
-        (n_global,) = global_sum([len(rows)], dp_group)
+        (n_global,) = all_reduce_values([len(rows)], dp_group)
         optimizer.zero_grad()
         loss, stats = step_loss(config, tokenizer, model, reference, rows, device, dp_group, n_global)
         loss.backward()
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         optimizer.step()
         scheduler.step()
         keys = sorted(stats)
-        totals = dict(zip(keys, global_sum([stats[k] for k in keys], dp_group)))
+        totals = dict(zip(keys, all_reduce_values([stats[k] for k in keys], dp_group)))
         if config.offline.recipe != "sft":
             totals = {k: v / n_global for k, v in totals.items()}
         out = {"phase": config.offline.recipe, **totals, "grad_norm": grad_norm.item(),

@@ -88,12 +88,24 @@ def masked_whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist
 
 
 def token_rewards(scores_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> torch.Tensor:
+                  kl_coef: float = 0.0, turn_scores: list[list[float]] | None = None) -> torch.Tensor:
     """Per-token rewards: -kl_coef * KL_t on every completion token, plus the sequence's score on
-    its last completion token (the token-level KL-in-reward of PPO / REINFORCE++)."""
+    its last completion token (the token-level KL-in-reward of PPO / REINFORCE++).
+
+    Multi-turn: with `turn_scores` (a list of per-turn rewards per row, non-empty), reward k of a
+    row goes on the last token of its k-th model turn (the k-th run of 1s in the mask; surplus
+    rewards go on the last turn) instead of `scores_B`.
+    """
     rewards_BT = torch.zeros_like(mask_BT, dtype=torch.float32)
     if kl_BT is not None and kl_coef > 0:
         rewards_BT = rewards_BT - kl_coef * kl_BT * mask_BT
+    if turn_scores is not None:
+        on = (mask_BT > 0).tolist()
+        for b, scores in enumerate(turn_scores):
+            ends = [t for t in range(len(on[b])) if on[b][t] and (t + 1 == len(on[b]) or not on[b][t + 1])]
+            for k, score in enumerate(scores if ends else []):
+                rewards_BT[b, ends[min(k, len(ends) - 1)]] += score
+        return rewards_BT
     positions = torch.arange(mask_BT.shape[1], device=mask_BT.device).expand_as(mask_BT)
     last_B = torch.where(mask_BT > 0, positions, -1).max(dim=1).values
     has_tokens = last_B >= 0

@@ -2,10 +2,10 @@
 file, or synthesised from an embedded task (the task's solution is chosen, a corrupted copy of
 it is rejected), so that the offline recipes run with no data files."""
 
-import json
 import random
 from dataclasses import dataclass
 
+from titanrl.data.prompts import read_jsonl_objects
 from titanrl.envs.tasks import Task
 
 
@@ -20,29 +20,16 @@ def load_preferences(path: str) -> list[PreferencePair]:
     """Rows {"prompt": str, "chosen": str, "rejected": str}; a malformed row is an error naming
     the file, the line and the problem."""
     pairs = []
-    try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"data.path '{path}' does not exist") from None
-    with f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            for key in ("prompt", "chosen", "rejected"):
-                if not isinstance(row.get(key), str) or not row[key]:
-                    raise ValueError(
-                        f"{path}:{line_no}: missing or empty '{key}' (preference rows need non-empty "
-                        "'prompt', 'chosen' and 'rejected' strings)"
-                    )
-            if row["chosen"] == row["rejected"]:
-                raise ValueError(f"{path}:{line_no}: 'chosen' and 'rejected' are identical")
-            pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"]))
+    for line_no, row in read_jsonl_objects(path):
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise ValueError(
+                    f"{path}:{line_no}: missing or empty '{key}' (preference rows need non-empty "
+                    "'prompt', 'chosen' and 'rejected' strings)"
+                )
+        if row["chosen"] == row["rejected"]:
+            raise ValueError(f"{path}:{line_no}: 'chosen' and 'rejected' are identical")
+        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"]))
     if not pairs:
         raise ValueError(f"data.path '{path}' has no rows")
     return pairs

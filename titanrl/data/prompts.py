@@ -54,12 +54,9 @@ def build_prompt_loader(stream, global_batch: int, dp_rank: int, dp_size: int) -
     return tn.Loader(node)
 
 
-def load_jsonl(path: str) -> list[Sample]:
-    """Rows {"prompt": str, "answer": str | number, ...}; other fields become metadata.
-
-    A malformed row is an error naming the file, the line and what is wrong.
-    """
-    samples = []
+def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-empty line; a missing file, invalid JSON or a non-object
+    row is an error naming the file and line."""
     try:
         f = open(path, encoding="utf-8")
     except FileNotFoundError:
@@ -74,14 +71,24 @@ def load_jsonl(path: str) -> list[Sample]:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-                raise ValueError(f"{path}:{line_no}: missing or empty 'prompt' (a non-empty string is required)")
-            answer = row.get("answer")
-            if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-                raise ValueError(f"{path}:{line_no}: 'answer' must be a string or a number, got {answer!r}")
-            metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
-            solution = row.get("solution", str(answer))
-            samples.append(Sample(prompt=row["prompt"], answer=str(answer), solution=str(solution), metadata=metadata))
+            yield line_no, row
+
+
+def load_jsonl(path: str) -> list[Sample]:
+    """Rows {"prompt": str, "answer": str | number, ...}; other fields become metadata.
+
+    A malformed row is an error naming the file, the line and what is wrong.
+    """
+    samples = []
+    for line_no, row in read_jsonl_objects(path):
+        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise ValueError(f"{path}:{line_no}: missing or empty 'prompt' (a non-empty string is required)")
+        answer = row.get("answer")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise ValueError(f"{path}:{line_no}: 'answer' must be a string or a number, got {answer!r}")
+        metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
+        solution = row.get("solution", str(answer))
+        samples.append(Sample(prompt=row["prompt"], answer=str(answer), solution=str(solution), metadata=metadata))
     if not samples:
         raise ValueError(f"data.path '{path}' has no rows")
     return samples

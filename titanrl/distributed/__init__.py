@@ -7,10 +7,11 @@ from titanrl.distributed.parallelize import (
     clip_grad_norm_,
     parallelize_model,
 )
-from titanrl.distributed.utils import init_distributed, set_determinism
+from titanrl.distributed.utils import all_reduce_values, init_distributed, set_determinism
 
 __all__ = [
     "ParallelDims",
+    "all_reduce_values",
     "apply_ac",
     "apply_compile",
     "apply_fsdp",

@@ -30,6 +30,8 @@ class RewardResult:
     correct: bool
     failed: str | None = None
     """None, or 'error' / 'timeout' / 'invalid' for a sample whose reward function failed."""
+    turn_rewards: list[float] | None = None
+    """Multi-turn episodes: the reward of each environment step (`reward` is their sum)."""
 
 
 def _init_worker(fn: object, memory_limit_mb: int) -> None:
