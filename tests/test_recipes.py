@@ -211,7 +211,8 @@ def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe,key", [("dpo_reverse_debug", "eval_margin"), ("sft_reverse_debug", "eval_loss")])
+@pytest.mark.parametrize("recipe,key", [("dpo_reverse_debug", "eval_margin"), ("sft_reverse_debug", "eval_loss"),
+                                        ("reward_model_reverse_debug", "eval_margin")])
 def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
     args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--offline.eval_freq=4",
             "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
