@@ -1,4 +1,4 @@
-"""Advantages and losses of RLOO, REINFORCE++, PPO (GAE, value loss), GSPO, DAPO, TIS/MIS and
+"""Advantages and losses of RLOO, ReMax, REINFORCE++, PPO (GAE, value loss), GSPO, DAPO, TIS/MIS and
 DPO, each against a float64 reference written independently here (plain Python loops)."""
 
 import math
@@ -14,6 +14,7 @@ from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
 from titanrl.algorithms.gspo import gspo_loss
 from titanrl.algorithms.ppo import gae, value_loss
 from titanrl.algorithms.reinforce_pp import discounted_returns, reinforce_pp_advantages
+from titanrl.algorithms.remax import remax_advantages
 from titanrl.algorithms.rloo import rloo_advantages
 
 
@@ -42,6 +43,22 @@ def test_rloo_is_invariant_to_group_order(rewards, perm):
     adv = rloo_advantages(r, 4).view(3, 4)
     adv_perm = rloo_advantages(r.view(3, 4)[:, list(perm)].reshape(-1), 4).view(3, 4)
     torch.testing.assert_close(adv_perm, adv[:, list(perm)].float(), atol=1e-5, rtol=1e-5)
+
+
+# ---- ReMax ----
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_remax_subtracts_each_prompts_greedy_reward(group_size):
+    rewards = [0.5, -1.0, 2.0, 0.0, 1.0, 1.0][: 2 * group_size]
+    greedy = [0.25, 1.0]
+    got = remax_advantages(torch.tensor(rewards), torch.tensor(greedy), group_size).tolist()
+    want = [rewards[i] - greedy[i // group_size] for i in range(len(rewards))]
+    assert got == pytest.approx(want, abs=1e-7)
+
+
+def test_remax_rejects_baselines_that_do_not_match_the_groups():
+    with pytest.raises(ValueError, match="greedy baselines"):
+        remax_advantages(torch.zeros(6), torch.zeros(2), 2)
 
 
 # ---- token rewards, returns, whitening, REINFORCE++ ----

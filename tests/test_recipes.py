@@ -20,6 +20,7 @@ SMALL = [
 RECIPES = {
     "ppo": ["value_loss", "value_clip_frac", "critic_grad_norm"],
     "rloo": ["is_dropped_frac"],
+    "remax": ["greedy_reward"],
     "reinforce_pp": ["kl"],
     "dapo": ["sampling_rounds", "dropped_groups", "sampling_short_groups"],
     "gspo": [],
@@ -27,7 +28,9 @@ RECIPES = {
 }
 # The PPO recipe trains the critic alone for 5 steps; here for 1 (step 1 has no policy update).
 # RLOO also runs with truncated importance sampling, to exercise the off-policy correction.
-EXTRA = {"ppo": ["--critic.warmup_steps=1"], "rloo": ["--algorithm.off_policy_correction=tis"]}
+# ReMax runs with one sample per prompt, the setting its baseline is made for.
+EXTRA = {"ppo": ["--critic.warmup_steps=1"], "rloo": ["--algorithm.off_policy_correction=tis"],
+         "remax": ["--algorithm.group_size=1"]}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -87,6 +90,7 @@ def test_recipe_runs_and_logs_its_metrics(one_rank, recipe):
     ("ppo", ["--parallelism.dp_shard=2"]),
     ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
     ("rloo", ["--parallelism.dp_shard=2"]),
+    ("remax", ["--parallelism.dp_shard=2"]),
     # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
     ("reinforce_pp", ["--parallelism.dp_shard=2"]),
     # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
@@ -111,6 +115,17 @@ def test_two_ranks_match_one_rank(tmp_path, one_rank, recipe, layout):
             # Critic values, GAE whitened over the global batch, value loss: layout-independent.
             assert g["value_loss"] == pytest.approx(w["value_loss"], rel=1e-3, abs=1e-6)
             assert g["critic_grad_norm"] == pytest.approx(w["critic_grad_norm"], rel=1e-3)
+
+
+def test_remax_greedy_sampling_has_zero_advantage(tmp_path):
+    """Sampling greedily too, every sample equals its prompt's greedy baseline: the reward of the
+    baseline matches the samples' exactly and the policy gradient is zero."""
+    _train("remax_reverse_debug", tmp_path, [*SMALL, "--algorithm.group_size=1", "--generator.temperature=0"])
+    steps = _rl_steps(tmp_path)
+    assert len(steps) == 3
+    for m in steps:
+        assert m["greedy_reward"] == m["reward_mean"], m
+        assert m["grad_norm"] == 0.0, m
 
 
 @pytest.mark.multirank

@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from titanrl.algorithms.grpo import group_advantages
 from titanrl.algorithms.gspo import gspo_loss
 from titanrl.algorithms.ppo import gae, value_loss
 from titanrl.algorithms.reinforce_pp import reinforce_pp_advantages
+from titanrl.algorithms.remax import remax_advantages
 from titanrl.algorithms.rloo import rloo_advantages
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
 from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
@@ -224,14 +225,17 @@ class Rollouts:
     rewards: list[float]
     """Total reward per completion: weighted verifier + reward model + overlong penalty."""
 
+    greedy_rewards: list[float] = field(default_factory=list)
+    """ReMax: total reward of each prompt's greedy completion (the baseline); empty otherwise."""
+
     def group(self, i: int, G: int) -> "Rollouts":
         return Rollouts([self.prompts[i]], self.completions[i * G : (i + 1) * G], self.results[i * G : (i + 1) * G],
-                        self.rewards[i * G : (i + 1) * G])
+                        self.rewards[i * G : (i + 1) * G], self.greedy_rewards[i : i + 1])
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
         return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in ("prompts", "completions", "results",
-                                                                                  "rewards")))
+                                                                                  "rewards", "greedy_rewards")))
 
 
 def generate_episodes(ctx: Context, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
@@ -253,9 +257,46 @@ def generate_episodes(ctx: Context, samples: list[Sample], params: SamplingParam
     return prompts, completions, results, gen_stats
 
 
+def generate(ctx: Context, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+             ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
+    """Completions of `samples` (and, with an environment, their episodes' rewards)."""
+    if ctx.envs is not None:  # environment steps run inside generation, overlapped with decoding
+        return generate_episodes(ctx, samples, params, prompt_ids)
+    prompts = [encode_prompt(ctx, s) for s in samples]
+    completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
+    return prompts, completions, None, gen_stats
+
+
+def score(ctx: Context, samples: list[Sample], prompts: list[list[int]], completions: list[Completion],
+          results: list[RewardResult] | None, stats: dict) -> tuple[list[RewardResult], torch.Tensor]:
+    """Verifier results and total rewards: weighted verifier + reward model + overlong penalty."""
+    cfg = ctx.config
+    if results is None:
+        results = ctx.rewards([
+            RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
+                       samples[c.prompt_index].metadata)
+            for c in completions
+        ])
+    rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
+    if ctx.reward_model is not None:
+        batch = build_sequence_batch([prompts[c.prompt_index] for c in completions],
+                                     [c.token_ids for c in completions], ctx.tokenizer.pad_id).to(ctx.device)
+        scores = torch.cat([sequence_scores(ctx.reward_model, mb["tokens"], mb["length"])
+                            for mb in equal_micro_batches(ctx, batch, sort=False)])
+        rewards_N = rewards_N + cfg.reward.model_weight * scores.cpu()
+        stats["rm_score_sum"] += scores.sum().item()
+    if cfg.algorithm.overlong_buffer_len:
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        rewards_N = rewards_N + overlong_penalty(lengths, cfg.generator.max_new_tokens,
+                                                 cfg.algorithm.overlong_buffer_len,
+                                                 cfg.algorithm.overlong_penalty_factor)
+    return results, rewards_N
+
+
 def rollout(ctx: Context, samples: list[Sample], step: int, round_idx: int, timer: "PhaseTimer",
             stats: dict) -> Rollouts:
-    """Generate G samples per prompt with the current weights, then score them."""
+    """Generate G samples per prompt with the current weights (and, for ReMax, one greedy
+    completion per prompt as the baseline), then score them."""
     cfg, G = ctx.config, ctx.config.algorithm.group_size
     params = SamplingParams(
         max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
@@ -264,39 +305,23 @@ def rollout(ctx: Context, samples: list[Sample], step: int, round_idx: int, time
     )
     # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
     prompt_ids = [i * ctx.dims.dp_size + ctx.dims.dp_rank for i in range(len(samples))]
-    results = None
+    remax = cfg.algorithm.name == "remax"
     with timer("generate"):
         if fault_active("hang_generate", step):
             time.sleep(3600)
-        if ctx.envs is not None:  # environment steps run inside generation, overlapped with decoding
-            prompts, completions, results, gen_stats = generate_episodes(ctx, samples, params, prompt_ids)
-            stats["env_turns"] += gen_stats.resumed_turns + len(completions)
-            stats["env_failures"] += sum(r.failed is not None for r in results)
-        else:
-            prompts = [encode_prompt(ctx, s) for s in samples]
-            completions, gen_stats = ctx.generator.generate(prompts, params, prompt_ids)
-    stats["gen_tokens"] += gen_stats.decode_tokens + gen_stats.prefill_tokens
+        prompts, completions, results, gen_stats = generate(ctx, samples, params, prompt_ids)
+        stats["gen_tokens"] += gen_stats.decode_tokens + gen_stats.prefill_tokens
+        stats["env_turns"] += gen_stats.resumed_turns + len(completions)
+        if remax:  # the baseline's tokens count in the throughput, not in the per-sample metrics
+            greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
+            *greedy_out, greedy_stats = generate(ctx, samples, greedy, prompt_ids)
+            stats["gen_tokens"] += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
     with timer("reward"):
-        if results is None:
-            results = ctx.rewards([
-                RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
-                           samples[c.prompt_index].metadata)
-                for c in completions
-            ])
-        rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
-        if ctx.reward_model is not None:
-            batch = build_sequence_batch([prompts[c.prompt_index] for c in completions],
-                                         [c.token_ids for c in completions], ctx.tokenizer.pad_id).to(ctx.device)
-            scores = torch.cat([sequence_scores(ctx.reward_model, mb["tokens"], mb["length"])
-                                for mb in equal_micro_batches(ctx, batch, sort=False)])
-            rewards_N = rewards_N + cfg.reward.model_weight * scores.cpu()
-            stats["rm_score_sum"] += scores.sum().item()
-        if cfg.algorithm.overlong_buffer_len:
-            lengths = torch.tensor([len(c.token_ids) for c in completions])
-            rewards_N = rewards_N + overlong_penalty(lengths, cfg.generator.max_new_tokens,
-                                                     cfg.algorithm.overlong_buffer_len,
-                                                     cfg.algorithm.overlong_penalty_factor)
-    return Rollouts(prompts, completions, results, rewards_N.tolist())
+        results, rewards_N = score(ctx, samples, prompts, completions, results, stats)
+        greedy_rewards = score(ctx, samples, *greedy_out, defaultdict(float))[1].tolist() if remax else []
+    if ctx.envs is not None:
+        stats["env_failures"] += sum(r.failed is not None for r in results)
+    return Rollouts(prompts, completions, results, rewards_N.tolist(), greedy_rewards)
 
 
 def collect(ctx: Context, loader, step: int, timer: "PhaseTimer", stats: dict) -> tuple[Rollouts, Rollouts]:
@@ -365,7 +390,7 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
             batch["values"] = values(ctx.critic, batch["tokens"]) * batch["loss_mask"]
 
     # 3. Advantages.
-    batch["advantages"] = compute_advantages(ctx, batch, rewards_N, turn_scores(ctx, train))
+    batch["advantages"] = compute_advantages(ctx, batch, rewards_N, turn_scores(ctx, train), train.greedy_rewards)
 
     # 4. Updates: epochs x mini-batches of optimizer steps, micro-batches accumulate.
     sums = defaultdict(float)
@@ -431,6 +456,9 @@ def rl_step(ctx: Context, loader, step: int, optimizer, scheduler) -> dict[str, 
         metrics["overlong_filtered"] = overlong_filtered
     if ctx.reward_model is not None:
         metrics["rm_score"] = rm_sum / n
+    if algo.name == "remax":
+        greedy_sum, greedy_n = dp_sum([sum(generated.greedy_rewards), len(generated.greedy_rewards)], ctx)
+        metrics["greedy_reward"] = greedy_sum / greedy_n
     if ctx.envs is not None:
         env_turns, env_failures = dp_sum([stats["env_turns"], stats["env_failures"]], ctx)
         metrics.update(env_turns=env_turns / n, env_failures=env_failures)
@@ -458,9 +486,11 @@ def turn_scores(ctx: Context, rollouts: Rollouts) -> list[list[float]] | None:
 
 
 def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor,
-                       turn_scores: list[list[float]] | None = None) -> torch.Tensor:
-    """Per-sequence [B] (group baselines) or per-token [B, T] (REINFORCE++, PPO) advantages; the
-    token-level ones place multi-turn episodes' per-turn rewards at the end of each turn."""
+                       turn_scores: list[list[float]] | None = None,
+                       greedy_rewards_P: list[float] | None = None) -> torch.Tensor:
+    """Per-sequence [B] (group or greedy baselines) or per-token [B, T] (REINFORCE++, PPO)
+    advantages; the token-level ones place multi-turn episodes' per-turn rewards at the end of
+    each turn."""
     algo, mask = ctx.config.algorithm, batch["loss_mask"]
     rewards_N = rewards_N.to(ctx.device)
     kl_BT = None
@@ -477,6 +507,8 @@ def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor,
     shaped_N = rewards_N if kl_BT is None else rewards_N - algo.kl_coef * kl_BT.sum(-1)
     if algo.name == "rloo":
         return rloo_advantages(shaped_N, algo.group_size)
+    if algo.name == "remax":
+        return remax_advantages(shaped_N, torch.tensor(greedy_rewards_P), algo.group_size)
     return group_advantages(shaped_N, algo.group_size, algo.normalize_std)
 
 

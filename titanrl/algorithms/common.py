@@ -169,7 +169,7 @@ def clipped_pg_loss(
     is_weights_BT: torch.Tensor | None = None,
 ) -> LossOutput:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), shared by GRPO, Dr.GRPO,
-    DAPO, RLOO, REINFORCE++ and PPO, which differ only in their advantages:
+    DAPO, RLOO, ReMax, REINFORCE++ and PPO, which differ only in their advantages:
 
         L_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) + beta * KL_t,
         r_t = pi(y_t) / pi_old(y_t),

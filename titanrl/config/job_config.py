@@ -265,11 +265,12 @@ class Generator:
 
 @dataclass
 class Algorithm:
-    name: Literal["grpo", "rloo", "reinforce_pp", "gspo", "ppo"] = "grpo"
+    name: Literal["grpo", "rloo", "remax", "reinforce_pp", "gspo", "ppo"] = "grpo"
     """Advantage estimator and policy loss, one file each under `titanrl/algorithms/`: 'grpo'
     (group mean/std; also Dr.GRPO and DAPO, see their recipes), 'rloo' (leave-one-out),
-    'reinforce_pp' (globally whitened token returns), 'gspo' (sequence-level ratio), 'ppo' (GAE
-    with a learned critic: needs [critic] enable = true)."""
+    'remax' (baseline: reward of one extra greedy completion per prompt), 'reinforce_pp'
+    (globally whitened token returns), 'gspo' (sequence-level ratio), 'ppo' (GAE with a learned
+    critic: needs [critic] enable = true)."""
 
     group_size: int = 8
     """Samples generated per prompt; advantages are normalised within each group."""
@@ -356,7 +357,7 @@ class Algorithm:
             )
         if self.dynamic_sampling and self.group_size < 2:
             raise ValueError("[algorithm] dynamic_sampling needs group_size >= 2 (it drops groups of equal rewards)")
-        if self.dynamic_sampling and self.name in ("ppo", "reinforce_pp"):
+        if self.dynamic_sampling and self.name in ("ppo", "reinforce_pp", "remax"):
             raise ValueError(
                 f"[algorithm] dynamic_sampling drops groups with equal rewards, which only carry no "
                 f"signal for group baselines ('grpo', 'rloo', 'gspo'), not for '{self.name}'"
