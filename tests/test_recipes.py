@@ -232,12 +232,38 @@ def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
     args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--offline.eval_freq=4",
             "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
     _train(recipe, tmp_path / "one", args, module="titanrl.train_offline")
-    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2"], nproc=2, module="titanrl.train_offline")
+    # Two ranks also accumulate micro-batches: as many on each rank, pairs kept together.
+    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"],
+           nproc=2, module="titanrl.train_offline")
     one, two = (_offline_evals(tmp_path / d, key) for d in ("one", "two"))
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6)
     assert one[-1][key] != one[0][key]  # it trained
+
+
+@pytest.mark.parametrize("recipe", ["sft_reverse_debug", "dpo_reverse_debug", "reward_model_reverse_debug"])
+def test_offline_micro_batches_match_one_batch(tmp_path, sft_export, recipe):
+    """Gradient accumulation over micro-batches of training.micro_batch_tokens (pairs kept
+    together) gives the same losses, gradient norms and evaluations as one forward per step."""
+    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=3", "--offline.eval_freq=3",
+            "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    _train(recipe, tmp_path / "one", args, module="titanrl.train_offline")
+    _train(recipe, tmp_path / "micro", [*args, "--training.micro_batch_tokens=128"], module="titanrl.train_offline")
+    one, micro = (_offline_evals(tmp_path / d, "loss") for d in ("one", "micro"))
+    assert [m["micro_batches"] for m in one] == [1, 1, 1]
+    assert all(m["micro_batches"] >= 3 for m in micro), micro
+    for a, b in zip(one, micro, strict=True):
+        for key in ["loss", "grad_norm", "margin", "pref_accuracy"]:
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a, b)
+    evals = [_offline_evals(tmp_path / d, "eval_loss" if recipe.startswith("sft") else "eval_margin")
+             for d in ("one", "micro")]
+    assert len(evals[0]) == len(evals[1]) == 2
+    for a, b in zip(*evals):
+        for key in ["eval_loss", "eval_margin", "eval_pref_accuracy"]:
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a, b)
 
 
 def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):

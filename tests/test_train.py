@@ -100,6 +100,22 @@ def test_off_policy_epochs_and_minibatches(tmp_path):
     assert len(steps) == 3 and any(m["ratio_max"] != 1.0 for m in steps)
 
 
+def test_sft_warmup_micro_batches_match_one_batch(tmp_path):
+    """Warm-up SFT accumulates micro-batches of training.micro_batch_tokens: the loss after one
+    update equals one forward per step."""
+    losses, micro_batches = [], []
+    for name, extra in [("one", []), ("micro", ["--training.micro_batch_tokens=48"])]:
+        args = ["--training.warmup_sft_steps=2", "--training.warmup_sft_batch_size=16", "--training.steps=0", *extra]
+        proc = _run_single(tmp_path / name, args)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        logged = [m for m in _metrics(tmp_path / name) if "sft_loss" in m]
+        assert len(logged) == 1
+        micro_batches.append(logged[0]["sft_micro_batches"])
+        losses.append(logged[0]["sft_loss"])
+    assert micro_batches[0] == 1 and micro_batches[1] >= 3, micro_batches
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 def test_bad_data_row_fails_fast_with_the_line(tmp_path):
     """JSONL data row without 'prompt' -> fails before the model is built, naming file:line and the field"""
     data = tmp_path / "prompts.jsonl"

@@ -179,14 +179,18 @@ def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
         batch = build_sequence_batch(prompts, list(answers), ctx.tokenizer.pad_id, None, list(masks)).to(ctx.device)
         num_tokens = global_token_count(batch["loss_mask"], ctx.dp_group)
         opt.zero_grad()
-        tokens_BT = batch["tokens"]
-        loss = sft_loss(ctx.policy(tokens_BT[:, :-1]), tokens_BT[:, 1:], batch["loss_mask"], num_tokens)
-        loss.backward()
+        local_loss, micros = 0.0, equal_micro_batches(ctx, batch)
+        for micro in micros:
+            tokens_BT = micro["tokens"]
+            loss = sft_loss(ctx.policy(tokens_BT[:, :-1]), tokens_BT[:, 1:], micro["loss_mask"], num_tokens)
+            loss.backward()
+            local_loss += loss.item()
         clip_grad_norm_(list(ctx.policy.parameters()), cfg.max_norm)
         opt.step()
         if step % 25 == 0 or step == cfg.warmup_sft_steps:
-            (global_loss,) = dp_sum([loss.item()], ctx)
-            ctx.metrics.log(step - cfg.warmup_sft_steps, {"phase": "sft", "sft_loss": global_loss})
+            (global_loss,) = dp_sum([local_loss], ctx)
+            ctx.metrics.log(step - cfg.warmup_sft_steps,
+                            {"phase": "sft", "sft_loss": global_loss, "sft_micro_batches": len(micros)})
 
 
 # ---- evaluation ----
@@ -515,7 +519,7 @@ def compute_advantages(ctx: Context, batch: TensorDict, rewards_N: torch.Tensor,
 def equal_micro_batches(ctx: Context, batch: TensorDict, sort: bool = True) -> list[TensorDict]:
     """Micro-batches of about training.micro_batch_tokens, as many on every dp rank (FSDP runs
     collectives in each forward/backward). Unsorted keeps row order (for scores)."""
-    (n_micro,) = dp_max([num_micro_batches(batch, ctx.config.training.micro_batch_tokens)], ctx)
+    (n_micro,) = dp_max([num_micro_batches(batch["length"].tolist(), ctx.config.training.micro_batch_tokens)], ctx)
     n = int(min(n_micro, batch.batch_size[0]))
     if sort:
         return micro_batches(batch, n)

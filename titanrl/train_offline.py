@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
 from titanrl.components.checkpoint import CheckpointManager
-from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
+from titanrl.components.loss import sft_loss, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.config import JobConfig, help_text, load_config, to_toml
-from titanrl.data.batch import build_sequence_batch
-from titanrl.data.preferences import PreferencePair, load_preferences, synthetic_preferences
+from titanrl.data.batch import build_sequence_batch, num_micro_batches
+from titanrl.data.preferences import load_preferences, synthetic_preferences
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, load_jsonl
 from titanrl.distributed import (
     ParallelDims,
@@ -47,7 +47,6 @@ from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, from_hf_state_dict, load_safetensors_folder, read_hf_config
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
-from titanrl.rewards.reward_model import sequence_scores
 
 CONSOLE = {"loss": "loss", "grad_norm": "gnorm", "lr": "lr", "margin": "margin", "pref_accuracy": "pref_acc",
            "eval_loss": "EVAL_LOSS", "eval_pref_accuracy": "EVAL_PREF_ACC", "eval_margin": "EVAL_MARGIN"}
@@ -74,12 +73,35 @@ def encode(tokenizer: Tokenizer, prompt: str, completion: str) -> tuple[list[int
     return bos + tokenizer.encode(prompt), tokenizer.encode(completion) + [tokenizer.eos_id]
 
 
-def pair_batch(tokenizer: Tokenizer, pairs: list[PreferencePair], device: torch.device) -> TensorDict:
-    """Chosen rows first, then rejected rows, in one right-padded batch."""
-    chosen = [encode(tokenizer, p.prompt, p.chosen) for p in pairs]
-    rejected = [encode(tokenizer, p.prompt, p.rejected) for p in pairs]
-    rows = chosen + rejected
-    return build_sequence_batch([r[0] for r in rows], [r[1] for r in rows], tokenizer.pad_id).to(device)
+def encode_rows(config: JobConfig, tokenizer: Tokenizer, rows: list) -> list[list[tuple[list[int], list[int]]]]:
+    """Each row's sequences as (prompt ids, completion ids): [demonstration] for sft, [chosen,
+    rejected] for a preference pair."""
+    if config.offline.recipe == "sft":
+        return [[encode(tokenizer, s.prompt, s.solution)] for s in rows]
+    return [[encode(tokenizer, p.prompt, p.chosen), encode(tokenizer, p.prompt, p.rejected)] for p in rows]
+
+
+def to_batch(encoded: list[list[tuple[list[int], list[int]]]], pad_id: int, device: torch.device) -> TensorDict:
+    """One right-padded batch; pairs put every chosen row first, then the rejected rows."""
+    seqs = [row[k] for k in range(len(encoded[0])) for row in encoded]  # column-major: chosen, then rejected
+    return build_sequence_batch([q for q, _ in seqs], [c for _, c in seqs], pad_id).to(device)
+
+
+def micro_batch_rows(config: JobConfig, encoded: list, dp_group) -> list[list]:
+    """This rank's encoded rows in micro-batches of about training.micro_batch_tokens padded
+    tokens (a pair's two sequences stay together: DPO's loss couples them), sorted by length,
+    as many on every dp rank (FSDP runs collectives in every forward and backward)."""
+    per_row = 1 if config.offline.recipe == "sft" else 2
+    lengths = [max(len(q) + len(c) for q, c in row) for row in encoded]
+    budget = config.training.micro_batch_tokens
+    needed = num_micro_batches(lengths, max(budget // per_row, 1) if budget else 0)
+    n, fewest_rows = all_reduce_values([needed, -len(encoded)], dp_group, op=dist.ReduceOp.MAX)
+    n = int(min(n, -fewest_rows))
+    if n == 0:  # some rank holds no rows (fewer held-out rows than ranks): nobody runs a forward
+        return []
+    order = sorted(range(len(encoded)), key=lambda i: lengths[i])
+    bounds = [len(order) * k // n for k in range(n + 1)]
+    return [[encoded[i] for i in order[a:b]] for a, b in zip(bounds, bounds[1:])]
 
 
 def sequence_logprobs(model: Transformer, batch: TensorDict) -> torch.Tensor:
@@ -116,57 +138,73 @@ def build_models(config: JobConfig, dims: ParallelDims, device: torch.device,
     return build_model(rm_args, dims, config, device, full_state_dict=sd), None
 
 
-def step_loss(config: JobConfig, tokenizer: Tokenizer, model: Transformer, reference: Transformer | None,
-              rows: list, device: torch.device, dp_group, num_global_rows: float) -> tuple[torch.Tensor, dict]:
-    """(local share of the global loss, summed statistics) for one batch of this rank's rows."""
+def normaliser(config: JobConfig, batches: list[TensorDict], dp_group) -> float:
+    """What the global loss is averaged over: loss tokens (sft) or preference pairs, all ranks."""
+    if config.offline.recipe == "sft":
+        count = sum(b["loss_mask"].sum().item() for b in batches)
+    else:
+        count = sum(b.batch_size[0] // 2 for b in batches)
+    (total,) = all_reduce_values([count], dp_group)
+    return max(total, 1.0)
+
+
+def batch_loss(config: JobConfig, model: Transformer, reference: Transformer | None, batch: TensorDict,
+               norm: float) -> tuple[torch.Tensor, dict]:
+    """(this micro-batch's share of the global loss, its summed statistics)."""
     recipe = config.offline.recipe
     if recipe == "sft":
-        encoded = [encode(tokenizer, s.prompt, s.solution) for s in rows]
-        batch = build_sequence_batch([e[0] for e in encoded], [e[1] for e in encoded], tokenizer.pad_id).to(device)
-        num_tokens = global_token_count(batch["loss_mask"], dp_group)
         tokens_BT = batch["tokens"]
-        loss = sft_loss(model(tokens_BT[:, :-1]), tokens_BT[:, 1:], batch["loss_mask"], num_tokens)
+        loss = sft_loss(model(tokens_BT[:, :-1]), tokens_BT[:, 1:], batch["loss_mask"], torch.tensor(norm))
         return loss, {"loss": loss.item()}
-    batch = pair_batch(tokenizer, rows, device)
-    n = len(rows)
-    if recipe == "dpo":
+    margin_B, loss_B = preference_margins(config, model, reference, batch)
+    loss = loss_B.sum() / norm
+    return loss, {"loss": loss.item() * norm, "margin": margin_B.sum().item(),
+                  "pref_accuracy": (margin_B > 0).float().sum().item()}
+
+
+def preference_margins(config: JobConfig, model: Transformer, reference: Transformer | None,
+                       batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen-minus-rejected margin [n], loss [n]) of the n pairs in a chosen-then-rejected batch:
+    DPO's implicit reward margin, or the reward model's score margin."""
+    n = batch.batch_size[0] // 2
+    if config.offline.recipe == "dpo":
         policy_lp = sequence_logprobs(model, batch)
         with torch.no_grad():
             ref_lp = sequence_logprobs(reference, batch)
         out = dpo_loss(policy_lp[:n], policy_lp[n:], ref_lp[:n], ref_lp[n:], config.offline.dpo_beta,
                        config.offline.label_smoothing)
-        loss_B, margin_B = out.loss_B, out.chosen_reward_B - out.rejected_reward_B
-    else:
-        scores = model(batch["tokens"])[..., 0].float()
-        scores_B = scores.gather(1, (batch["length"] - 1)[:, None]).squeeze(1)
-        loss_B = bradley_terry_loss(scores_B[:n], scores_B[n:])
-        margin_B = (scores_B[:n] - scores_B[n:]).detach()
-    loss = loss_B.sum() / num_global_rows
-    return loss, {"loss": loss.item() * num_global_rows, "margin": margin_B.sum().item(),
-                  "pref_accuracy": (margin_B > 0).float().sum().item()}
+        return (out.chosen_reward_B - out.rejected_reward_B).detach(), out.loss_B
+    scores_BT = model(batch["tokens"])[..., 0].float()  # with gradients, unlike sequence_scores
+    scores_B = scores_BT.gather(1, (batch["length"] - 1)[:, None]).squeeze(1)
+    return (scores_B[:n] - scores_B[n:]).detach(), bradley_terry_loss(scores_B[:n], scores_B[n:])
+
+
+def accumulate(config: JobConfig, model: Transformer, reference: Transformer | None, batches: list[TensorDict],
+               dp_group, backward: bool) -> tuple[dict, float]:
+    """Forward (and backward) every micro-batch: (statistics summed over this rank, normaliser)."""
+    norm = normaliser(config, batches, dp_group)
+    stats: dict[str, float] = {}
+    for batch in batches:
+        loss, part = batch_loss(config, model, reference, batch, norm)
+        if backward:
+            loss.backward()
+        for k, v in part.items():
+            stats[k] = stats.get(k, 0.0) + v
+    return stats, norm
 
 
 @torch.no_grad()
 def evaluate(config: JobConfig, tokenizer: Tokenizer, model: Transformer, reference: Transformer | None,
              rows: list, dims: ParallelDims, device: torch.device, dp_group) -> dict[str, float]:
     """Held-out loss (sft) or preference accuracy and margin (dpo, reward_model), over all ranks."""
-    mine = rows[dims.dp_rank :: dims.dp_size]
-    (n_global,) = all_reduce_values([len(mine)], dp_group)
+    encoded = encode_rows(config, tokenizer, rows[dims.dp_rank :: dims.dp_size])
+    batches = [to_batch(mb, tokenizer.pad_id, device) for mb in micro_batch_rows(config, encoded, dp_group)]
+    stats, norm = accumulate(config, model, reference, batches, dp_group, backward=False)
+    keys = sorted(stats)
+    totals = dict(zip(keys, all_reduce_values([stats[k] for k in keys], dp_group)))
     if config.offline.recipe == "sft":
-        loss, _ = step_loss(config, tokenizer, model, reference, mine, device, dp_group, n_global)
-        (total,) = all_reduce_values([loss.item()], dp_group)
-        return {"eval_loss": total}
-    if config.offline.recipe == "dpo":
-        batch = pair_batch(tokenizer, mine, device)
-        n = len(mine)
-        diff = sequence_logprobs(model, batch) - sequence_logprobs(reference, batch)
-        margin_B = config.offline.dpo_beta * (diff[:n] - diff[n:])
-    else:
-        batch = pair_batch(tokenizer, mine, device)
-        scores = sequence_scores(model, batch["tokens"], batch["length"])
-        margin_B = scores[: len(mine)] - scores[len(mine) :]
-    margin, correct = all_reduce_values([margin_B.sum().item(), (margin_B > 0).float().sum().item()], dp_group)
-    return {"eval_margin": margin / n_global, "eval_pref_accuracy": correct / n_global}
+        return {"eval_loss": totals["loss"]}
+    return {"eval_margin": totals["margin"] / norm, "eval_pref_accuracy": totals["pref_accuracy"] / norm}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -208,11 +246,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     batches = iter(loader)
     last_eval = first_eval
     for step in range(start, cfg.steps + 1):
-        rows = next(batches)
-        (n_global,) = all_reduce_values([len(rows)], dp_group)
+        encoded = encode_rows(config, tokenizer, next(batches))
+        micro = [to_batch(mb, tokenizer.pad_id, device) for mb in micro_batch_rows(config, encoded, dp_group)]
         optimizer.zero_grad()
-        loss, stats = step_loss(config, tokenizer, model, reference, rows, device, dp_group, n_global)
-        loss.backward()
+        stats, norm = accumulate(config, model, reference, micro, dp_group, backward=True)
         grad_norm = clip_grad_norm_(list(model.parameters()), cfg.max_norm)
         if not torch.isfinite(grad_norm):
             raise FloatingPointError("non-finite gradient norm; lower optimizer.lr or check the data")
@@ -221,9 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         keys = sorted(stats)
         totals = dict(zip(keys, all_reduce_values([stats[k] for k in keys], dp_group)))
         if config.offline.recipe != "sft":
-            totals = {k: v / n_global for k, v in totals.items()}
+            totals = {k: v / norm for k, v in totals.items()}
         out = {"phase": config.offline.recipe, **totals, "grad_norm": grad_norm.item(),
-               "lr": scheduler.get_last_lr()[0]}
+               "lr": scheduler.get_last_lr()[0], "micro_batches": len(micro)}
         if step % config.offline.eval_freq == 0 or step == cfg.steps:
             last_eval = evaluate(config, tokenizer, model, reference, eval_rows, dims, device, dp_group)
             out.update(last_eval)

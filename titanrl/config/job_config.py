@@ -90,8 +90,10 @@ class Training:
     """Global number of prompts per RL step (each sampled algorithm.group_size times), split across dp ranks."""
 
     micro_batch_tokens: int = 0
-    """Token budget of one forward/backward (gradient accumulation): sequences are sorted by
-    length and split into ceil(padded tokens / budget) micro-batches; 0 = the whole mini-batch."""
+    """Token budget of one forward/backward (gradient accumulation) in RL updates, SFT warm-up
+    and the offline recipes: sequences are sorted by length and split into about
+    padded tokens / budget micro-batches, as many on every dp rank (a preference pair stays in
+    one); 0 = the whole mini-batch."""
 
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""

@@ -54,11 +54,12 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     return out
 
 
-def num_micro_batches(batch: TensorDict, max_tokens: int) -> int:
-    """Micro-batches this rank needs so that each holds about `max_tokens` padded tokens."""
+def num_micro_batches(lengths: list[int], max_tokens: int) -> int:
+    """Micro-batches this rank needs so that each holds about `max_tokens` padded tokens, for
+    sequences of these lengths."""
     if max_tokens <= 0:
         return 1
-    lengths = sorted(batch["length"].tolist())
+    lengths = sorted(lengths)
     count, rows, longest = 1, 0, 0
     for length in lengths:
         if rows and max(longest, length) * (rows + 1) > max_tokens:
