@@ -15,7 +15,6 @@ import os
 import random
 import re
 import resource
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,30 +40,23 @@ from titanrl.algorithms.reinforce_pp import reinforce_pp_advantages
 from titanrl.algorithms.remax import remax_advantages
 from titanrl.algorithms.rloo import rloo_advantages
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
+from titanrl.components import launch
 from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.components.watchdog import Watchdog
-from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.config import JobConfig
 from titanrl.config.job_config import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch, micro_batches, num_micro_batches, split_batch
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
-from titanrl.distributed import (
-    ParallelDims,
-    all_reduce_values,
-    clip_grad_norm_,
-    device_type,
-    init_distributed,
-    set_determinism,
-)
+from titanrl.distributed import ParallelDims, all_reduce_values, clip_grad_norm_
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import Completion, GenerationStats, Generator, GeneratorOptions, SamplingParams
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
-from titanrl.models.flavors import get_model_args
-from titanrl.models.hf import export_hf, read_hf_config
+from titanrl.models.hf import export_hf
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
 from titanrl.rewards.reward_model import build_critic, build_reward_model, sequence_scores, values
@@ -621,21 +613,9 @@ def resuming(config: JobConfig) -> bool:
     return config.checkpoint.enable and (bool(config.checkpoint.load_path) or has_latest)
 
 
-def build_context(config: JobConfig, rank: int, world_size: int) -> Context:
-    dims = ParallelDims(config.parallelism.dp_replicate, config.parallelism.dp_shard, config.parallelism.tp, world_size)
-    device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+def build_context(config: JobConfig, rank: int, dims: ParallelDims, device: torch.device) -> Context:
     tokenizer = build_tokenizer(config.model.tokenizer)
-    if config.model.hf_checkpoint:
-        model_args = read_hf_config(config.model.hf_checkpoint)
-    else:
-        model_args = get_model_args(config.model.flavor)
-    if config.model.max_seq_len:
-        model_args.max_seq_len = config.model.max_seq_len
-    if tokenizer.vocab_size > model_args.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but model vocab_size is {model_args.vocab_size}; "
-            "pick a matching model.flavor / model.tokenizer"
-        )
+    model_args = launch.model_args(config, tokenizer.vocab_size)
     policy = build_model(model_args, dims, config, device, hf_checkpoint=config.model.hf_checkpoint)
     tp_mesh = dims.world_mesh["tp"] if dims.tp_enabled else None
     gcfg = config.generator
@@ -686,15 +666,10 @@ def import_callable(spec: str):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
+    config = launch.parse_args(argv)
+    if config is None:
         return {}
-    config = load_config(argv)
-    rank, world_size = init_distributed()
-    set_determinism(config.job.seed, config.job.deterministic)
-    if rank == 0 and config.job.print_config:
-        print(to_toml(config))
+    rank, dims, device = launch.start(config)
     # Read user data before building anything, so that a bad row fails in seconds.
     rows = load_jsonl(config.data.path) if config.data.task == "jsonl" else None
     train_samples = None
@@ -706,13 +681,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"({config.data.num_eval_samples}) held out for eval; lower it or add rows"
             )
         eval_rows, train_samples = rows[: config.data.num_eval_samples], rows[config.data.num_eval_samples :]
-    ctx = build_context(config, rank, world_size)
+    ctx = build_context(config, rank, dims, device)
     is_rank0 = rank == 0
     eval_samples = eval_rows if rows is not None else ctx.task.samples(
         "eval", config.data.num_eval_samples, config.job.seed)
     if is_rank0:
         n_params = sum(p.numel() for p in ctx.policy.parameters())
-        print(f"titanrl | {config.job.description} | {world_size} rank(s) {ctx.dims} | "
+        print(f"titanrl | {config.job.description} | {dims.world_size} rank(s) {ctx.dims} | "
               f"model {config.model.flavor} ({n_params / 1e6:.1f}M params local) | task {config.data.task}", flush=True)
 
     ckpt = CheckpointManager(os.path.join(config.job.dump_folder, config.checkpoint.folder),
@@ -793,16 +768,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if ctx.envs is not None:
         ctx.envs.close()
     ctx.metrics.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    launch.shutdown()
     return {"first_eval_accuracy": first_eval, **last_eval}
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:
-        # A user error (config, data, degrees): the message names the cause and the fix.
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    launch.run(main)

@@ -17,7 +17,6 @@ to <dump_folder>/hf with `checkpoint.export_hf`, ready for `model.hf_checkpoint`
 import dataclasses
 import os
 import random
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,25 +25,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
 from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components import launch
 from titanrl.components.loss import sft_loss, token_logprobs
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
-from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, num_micro_batches
 from titanrl.data.preferences import load_preferences, synthetic_preferences
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, load_jsonl
-from titanrl.distributed import (
-    ParallelDims,
-    all_reduce_values,
-    clip_grad_norm_,
-    device_type,
-    init_distributed,
-    set_determinism,
-)
+from titanrl.distributed import ParallelDims, all_reduce_values, clip_grad_norm_
 from titanrl.envs.tasks import build_task
-from titanrl.models.flavors import get_model_args
-from titanrl.models.hf import export_hf, from_hf_state_dict, load_safetensors_folder, read_hf_config
+from titanrl.models.hf import export_hf, from_hf_state_dict, load_safetensors_folder
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer, build_tokenizer
 
@@ -115,11 +107,7 @@ def build_models(config: JobConfig, dims: ParallelDims, device: torch.device,
                  vocab: int) -> tuple[Transformer, Transformer | None]:
     """(trained model, frozen DPO reference or None)."""
     hf = config.model.hf_checkpoint
-    args = read_hf_config(hf) if hf else get_model_args(config.model.flavor)
-    if config.model.max_seq_len:
-        args.max_seq_len = config.model.max_seq_len
-    if vocab > args.vocab_size:
-        raise ValueError(f"tokenizer has {vocab} tokens but model vocab_size is {args.vocab_size}")
+    args = launch.model_args(config, vocab)
     if config.offline.recipe != "reward_model":
         model = build_model(args, dims, config, device, hf_checkpoint=hf)
         reference = None
@@ -208,19 +196,12 @@ def evaluate(config: JobConfig, tokenizer: Tokenizer, model: Transformer, refere
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--help" in argv or "-h" in argv:
-        print(help_text())
+    config = launch.parse_args(argv)
+    if config is None:
         return {}
-    config = load_config(argv)
     train_rows, eval_rows = load_rows(config)  # bad data fails before anything is built
-    rank, world_size = init_distributed()
-    set_determinism(config.job.seed, config.job.deterministic)
-    if rank == 0 and config.job.print_config:
-        print(to_toml(config))
+    rank, dims, device = launch.start(config)
     cfg = config.training
-    dims = ParallelDims(config.parallelism.dp_replicate, config.parallelism.dp_shard, config.parallelism.tp, world_size)
-    device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
     dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
     tokenizer = build_tokenizer(config.model.tokenizer)
     model, reference = build_models(config, dims, device, tokenizer.vocab_size)
@@ -276,15 +257,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         summary = ", ".join(f"{k} {first_eval[k]:.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
         print(f"{config.offline.recipe}: {summary}", flush=True)
     metrics.close()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    launch.shutdown()
     return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    launch.run(main)
