@@ -171,7 +171,10 @@ def sft_warmup(ctx: Context, train_samples: list[Sample] | None) -> None:
         batch = build_sequence_batch(prompts, list(answers), ctx.tokenizer.pad_id, None, list(masks)).to(ctx.device)
         num_tokens = global_token_count(batch["loss_mask"], ctx.dp_group)
         opt.zero_grad()
-        local_loss, micros = 0.0, equal_micro_batches(ctx, batch)
+        # Without a token budget the batch stays whole and in order (sorting would change the
+        # sums' rounding, and with it every seeded run's numbers).
+        micros = equal_micro_batches(ctx, batch) if cfg.micro_batch_tokens else [batch]
+        local_loss = 0.0
         for micro in micros:
             tokens_BT = micro["tokens"]
             loss = sft_loss(ctx.policy(tokens_BT[:, :-1]), tokens_BT[:, 1:], micro["loss_mask"], num_tokens)

@@ -91,6 +91,8 @@ def micro_batch_rows(config: JobConfig, encoded: list, dp_group) -> list[list]:
     n = int(min(n, -fewest_rows))
     if n == 0:  # some rank holds no rows (fewer held-out rows than ranks): nobody runs a forward
         return []
+    if n == 1:  # in order: sorting would change the sums' rounding and every seeded run's numbers
+        return [encoded]
     order = sorted(range(len(encoded)), key=lambda i: lengths[i])
     bounds = [len(order) * k // n for k in range(n + 1)]
     return [[encoded[i] for i in order[a:b]] for a, b in zip(bounds, bounds[1:])]
