@@ -19,7 +19,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf, read_hf_config
 
@@ -49,9 +50,9 @@ def _time(fn) -> float:
 
 
 def bench_titanrl(folder: str, prompts, new_tokens: int, n: int = 1, prefix_caching: bool = True, compile: bool = False):
-    options = GeneratorOptions(block_size=16, num_blocks=4096, max_num_seqs=512, enable_prefix_caching=prefix_caching,
-                               compile=compile)
-    gen = Generator(read_hf_config(folder), options, torch.device("cpu"))
+    config = GeneratorConfig(block_size=16, num_blocks=4096, max_num_seqs=512, enable_prefix_caching=prefix_caching,
+                             compile=compile)
+    gen = Generator(read_hf_config(folder), config, torch.device("cpu"))
     gen.load_hf(folder)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, n=n)
     # Warm-up on the same batch (compiles the decode step for its bucket when compile=True).

@@ -23,7 +23,8 @@ import torch
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams  # noqa: E402
+from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
+from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models.args import TransformerModelArgs  # noqa: E402
 from titanrl.models.flavors import get_model_args  # noqa: E402
 from titanrl.models.model import Transformer  # noqa: E402
@@ -80,10 +81,10 @@ def bench_decode(args: TransformerModelArgs, device: torch.device, dtype: torch.
     max_batch = max(batch_sizes)
     block = 16
     blocks = max_batch * ((prompt_len + new_tokens) // block + 2)
-    gen = Generator(args, GeneratorOptions(block_size=block, num_blocks=blocks, max_num_seqs=max_batch,
-                                           max_num_batched_tokens=max(4096, prompt_len * 8),
-                                           enable_prefix_caching=False, compile=compile),
-                    device, dtype=dtype)
+    config = GeneratorConfig(block_size=block, num_blocks=blocks, max_num_seqs=max_batch,
+                             max_num_batched_tokens=max(4096, prompt_len * 8), enable_prefix_caching=False,
+                             compile=compile)
+    gen = Generator(args, config, device, dtype=dtype)
     gen.wake()
     weight_bytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
     rows = []
@@ -147,7 +148,7 @@ def bench_train(args: TransformerModelArgs, device: torch.device, batch: int, se
 
 def bench_sync(args: TransformerModelArgs, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
     trainer = build_on(args, device)
-    gen = Generator(args, GeneratorOptions(num_blocks=4), device, dtype=dtype)
+    gen = Generator(args, GeneratorConfig(num_blocks=4), device, dtype=dtype)
     seconds = timed(lambda: gen.load_weights(trainer), device, reps)
     nbytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
     return {"sync_s": seconds, "generator_weight_bytes": nbytes, "bytes_per_s": nbytes / seconds}

@@ -26,10 +26,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # env workers import FixedTurnsEnv from here
 
+from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
 from titanrl.envs.base import Environment  # noqa: E402
 from titanrl.envs.pool import EnvPool  # noqa: E402
 from titanrl.envs.rollout import MultiTurnRollout  # noqa: E402
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams  # noqa: E402
+from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models.flavors import get_model_args  # noqa: E402
 from titanrl.models.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -62,7 +63,7 @@ def main() -> None:
     a = p.parse_args()
     tok = ByteTokenizer()
     args = get_model_args("debug")
-    gen = Generator(args, GeneratorOptions(block_size=16, num_blocks=1024), torch.device("cpu"))  # no eos stop
+    gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=1024), torch.device("cpu"))  # no eos stop
     gen.wake()
     g = torch.Generator().manual_seed(0)
     texts = ["".join(chr(97 + int(i)) for i in torch.randint(0, 26, (a.prompt_len,), generator=g))

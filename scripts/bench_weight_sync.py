@@ -41,8 +41,9 @@ def worker(reps: int, out: str) -> None:
 
     from titanrl.components.model_builder import build_model, init_full_state_dict
     from titanrl.config.job_config import JobConfig
+    from titanrl.config.rl_sections import Generator as GeneratorConfig
     from titanrl.distributed import ParallelDims, init_distributed
-    from titanrl.generator import Generator, GeneratorOptions
+    from titanrl.generator import Generator
     from titanrl.models import TransformerModelArgs
 
     rank, world = init_distributed()
@@ -54,7 +55,7 @@ def worker(reps: int, out: str) -> None:
                                         hidden_dim=hidden, vocab_size=512, qk_norm=True, max_seq_len=256)
             trainer = build_model(args, dims, JobConfig(), torch.device("cpu"),
                                   full_state_dict=init_full_state_dict(args, 0))
-            gen = Generator(args, GeneratorOptions(num_blocks=16), torch.device("cpu"),
+            gen = Generator(args, GeneratorConfig(num_blocks=16), torch.device("cpu"),
                             tp_mesh=dims.world_mesh["tp"] if dims.tp_enabled else None)
             opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
             tokens = torch.randint(0, 512, (8 // dims.dp_size, 129))

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator import Generator, SamplingParams
 from titanrl.models.hf import read_hf_config
 from titanrl.models.tokenizer import build_tokenizer
 
@@ -41,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = build_tokenizer(tokenizer_spec)
     model_args = read_hf_config(args.hf_checkpoint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    options = GeneratorOptions(block_size=args.block_size, num_blocks=args.num_blocks, memory_fraction=0.2)
-    gen = Generator(model_args, options, device, tokenizer=tokenizer)
+    config = GeneratorConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_memory_fraction=0.2)
+    gen = Generator(model_args, config, device, tokenizer=tokenizer)
     gen.load_hf(args.hf_checkpoint)
 
     params = SamplingParams(

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.envs.base import parse_json_call, parse_tool_call
 from titanrl.envs.builtin import CalculatorEnv, CalculatorTask, GuessNumberEnv, GuessNumberTask, run_sandboxed
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.rollout import MultiTurnRollout
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.tokenizer import ByteTokenizer
@@ -100,7 +101,7 @@ def test_scripted_model_drives_a_calculator_episode_exactly():
     prompt = "4 boxes of 37 pens. pens? "
     call, result, answer = TOK.encode("<tool>4*37</tool>"), TOK.encode("<result>148</result>"), TOK.encode("148")
     script = _encode_prompt(prompt) + call + result + answer + [TOK.eos_id]
-    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=128), torch.device("cpu"), tokenizer=TOK)
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=128), torch.device("cpu"), tokenizer=TOK)
     gen.model = ScriptedModel(script, ARGS.vocab_size)
     pool = EnvPool("calculator", num_workers=1)
     try:
@@ -144,7 +145,7 @@ def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
     model = Transformer(ARGS)
     model.init_weights()
     model.eval()
-    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=256), torch.device("cpu"))
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
     pool = EnvPool("env_fns:EchoEnv", {"turns": 3}, num_workers=2)
     texts = ["abc ", "hello world ", "x"]
@@ -174,7 +175,7 @@ def test_failing_environments_end_only_their_episode():
     torch.manual_seed(0)
     model = Transformer(ARGS)
     model.init_weights()
-    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=256), torch.device("cpu"))
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
     faults = ["", "raise", "hang", "garbage", "nan", "reset_raise", ""]
     pool = EnvPool("env_fns:FaultyEnv", num_workers=len(faults), timeout_s=3.0)

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanrl.components.loss import token_logprobs
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.kv_cache import BlockAllocator, OutOfBlocks, block_hashes
 from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
@@ -27,8 +28,8 @@ def _trainer_model(seed: int = 0) -> Transformer:
     return model.eval()
 
 
-def _generator(model, **options) -> Generator:
-    gen = Generator(ARGS, GeneratorOptions(**options), torch.device("cpu"))
+def _generator(model, **config) -> Generator:
+    gen = Generator(ARGS, GeneratorConfig(**config), torch.device("cpu"))
     gen.load_weights(model)
     return gen
 
@@ -157,7 +158,8 @@ class _LetterTokenizer:
 
 def test_stop_strings_with_tokenizer():
     model = _trainer_model()
-    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=64), torch.device("cpu"), tokenizer=_LetterTokenizer())
+    config = GeneratorConfig(block_size=4, num_blocks=64)
+    gen = Generator(ARGS, config, torch.device("cpu"), tokenizer=_LetterTokenizer())
     gen.load_weights(model)
     prompt = _prompts([5])[0]
     (free,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0))

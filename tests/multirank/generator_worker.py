@@ -14,8 +14,9 @@ import torch.distributed as dist
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
+from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed import ParallelDims, init_distributed
-from titanrl.generator import Generator, GeneratorOptions, SamplingParams
+from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 
@@ -52,7 +53,7 @@ def run_layout(layout: str, world_size: int) -> dict:
     dims = ParallelDims(*LAYOUTS[layout], world_size=world_size)
     trainer = build_model(ARGS, dims, JobConfig(), torch.device("cpu"), full_state_dict=init_full_state_dict(ARGS, 0))
     tp_mesh = dims.world_mesh["tp"] if dims.tp_enabled else None
-    gen = Generator(ARGS, GeneratorOptions(block_size=4, num_blocks=64), torch.device("cpu"), tp_mesh=tp_mesh)
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"), tp_mesh=tp_mesh)
     # dp ranks generate different prompts; the ranks of a TP group generate the same ones.
     g = torch.Generator().manual_seed(100 + dims.dp_rank)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 9, 14)]

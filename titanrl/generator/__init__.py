@@ -1,4 +1,4 @@
-from titanrl.generator.engine import Completion, GenerationStats, Generator, GeneratorOptions
+from titanrl.generator.engine import Completion, GenerationStats, Generator
 from titanrl.generator.sampling import SamplingParams
 
-__all__ = ["Completion", "GenerationStats", "Generator", "GeneratorOptions", "SamplingParams"]
+__all__ = ["Completion", "GenerationStats", "Generator", "SamplingParams"]

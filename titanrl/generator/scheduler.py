@@ -1,0 +1,270 @@
+"""Continuous batching over the paged KV cache: admission, block tables, preemption, turns.
+
+One `Scheduler` lives for one `Generator.generate` call. Each step either prefills the waiting
+sequences that fit (a group's prompt once, then its `n` samples fork its blocks, copy-on-write
+for the partly filled last block) or decodes one token of every running sample. When blocks run
+out while decoding, the youngest sample is preempted: its blocks are freed and it is recomputed
+once it is admitted again. Decisions depend only on token ids and block counts, which agree
+across the ranks of a TP group, so every rank builds the same schedule.
+"""
+
+import math
+
+import torch
+
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
+from titanrl.generator.sampling import SamplingParams
+from titanrl.generator.sequence import GenerationStats, Seq, TurnHandler
+
+
+class Scheduler:
+    """Queues of one `generate` call: `waiting` (group prompts, preempted samples and resumed
+    multi-turn samples, front first), `running` (decode next step, oldest first), `paused`
+    (multi-turn samples in an environment step, holding their blocks) and `finished`."""
+
+    def __init__(
+        self,
+        pool: KVCachePool,
+        allocator: BlockAllocator,
+        config: GeneratorConfig,
+        prompts: list[list[int]],
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_seq_len: int,
+        vocab_size: int,
+        turns: TurnHandler | None = None,
+    ) -> None:
+        self.pool = pool
+        self.allocator = allocator
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.seed = params.seed if params.seed is not None else 0
+        self.max_seq_len = max_seq_len
+        self.vocab_size = vocab_size
+        self.turns = turns
+        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+        self.waiting: list[Seq] = [
+            Seq(i, 0, list(p), len(p), params, None, is_group_prompt=True) for i, p in enumerate(prompts)
+        ]
+        self.running: list[Seq] = []
+        self.finished: list[Seq] = []
+        self.paused: dict[tuple[int, int], Seq] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.paused)
+
+    def results(self) -> list[Seq]:
+        """The finished samples ordered by (prompt, sample), once every block is back."""
+        assert all(rc == 0 for rc in self.allocator.ref_count), "KV blocks leaked"
+        return sorted(self.finished, key=lambda s: (s.prompt_index, s.sample_index))
+
+    # ---- prefill ----
+
+    def admit(self) -> list[Seq]:
+        """Move waiting sequences whose context fits into blocks, up to the per-step token budget."""
+        admitted, budget = [], self.max_num_batched_tokens
+        num_seqs = len(self.running)  # sequences decoding once this step's admissions have forked
+        while self.waiting:
+            seq = self.waiting[0]
+            n_after = self.params.n if seq.is_group_prompt else 1
+            if num_seqs + n_after > self.max_num_seqs:
+                break
+            to_compute = seq.context_end
+            new_tokens = to_compute - seq.num_computed if seq.block_table else to_compute
+            if admitted and new_tokens > budget:
+                break
+            # Blocks for the context, plus one per sample to start decoding, must be free now.
+            needed = math.ceil(to_compute / self.block_size) + n_after - len(seq.block_table)
+            can_wait = bool(admitted or self.running)  # others will free blocks when they finish
+            if needed > self.allocator.num_free and can_wait:
+                break
+            if not self._reserve_context(seq, to_compute, can_wait):
+                break
+            admitted.append(self.waiting.pop(0))
+            budget -= new_tokens
+            num_seqs += n_after
+        return admitted
+
+    def _reserve_context(self, seq: Seq, num_tokens: int, can_wait: bool) -> bool:
+        """Blocks for `seq`'s first `num_tokens` tokens. False if they are not free and `seq`
+        can wait; OutOfBlocks if it cannot (nothing else would ever free a block)."""
+        try:
+            if seq.block_table:
+                self._extend_context(seq, num_tokens)
+            else:
+                self._allocate_context(seq, num_tokens)
+        except OutOfBlocks:
+            if can_wait:
+                return False
+            raise
+        return True
+
+    def _allocate_context(self, seq: Seq, num_tokens: int) -> None:
+        """Block table for the first `num_tokens` tokens, reusing cached full prompt blocks."""
+        B = self.block_size
+        hashes = block_hashes(seq.token_ids[: seq.prompt_len], B)
+        # Keep at least one token to compute: its logits start (or resume) the sample.
+        max_cached = (num_tokens - 1) // B
+        table: list[int] = []
+        try:
+            for h in hashes[:max_cached]:
+                block = self.allocator.lookup(h)
+                if block is None:
+                    break
+                table.append(block)
+            seq.num_computed = len(table) * B
+            while len(table) * B < num_tokens:
+                table.append(self.pool.prepare(self.allocator.allocate()))
+        except OutOfBlocks:
+            for block in table:
+                self.allocator.free(block)
+            seq.num_computed = 0
+            raise
+        seq.block_table = table
+
+    def _extend_context(self, seq: Seq, num_tokens: int) -> None:
+        """A resumed multi-turn sample keeps its blocks; add blocks up to `num_tokens` and make
+        the block it writes into first its own (it may still be shared with the group)."""
+        B = self.block_size
+        first = seq.num_computed // B
+        if first < len(seq.block_table) and self.allocator.ref_count[seq.block_table[first]] > 1:
+            self._copy_on_write(seq, first)
+        while len(seq.block_table) * B < num_tokens:
+            self._append_block(seq)
+
+    def after_prefill(self, seq: Seq) -> list[Seq]:
+        """Register `seq`'s full prompt blocks for prefix caching. A group prompt forks its `n`
+        samples (returned: they sample their first token from its last logits row) and lets go
+        of its blocks; any other sequence goes back to running."""
+        self._register_prompt_blocks(seq)
+        if not seq.is_group_prompt:
+            # Resumed (after preemption or an environment step): its next token is already sampled.
+            self.running.append(seq)
+            return []
+        group_seed = hash((self.seed, self.prompt_ids[seq.prompt_index]))
+        samples = [self._fork(seq, sample_index, group_seed) for sample_index in range(seq.params.n)]
+        self._free_blocks(seq)  # the samples hold their own references
+        return samples
+
+    def _register_prompt_blocks(self, seq: Seq) -> None:
+        B = self.block_size
+        full = min(seq.num_computed, seq.prompt_len) // B
+        for block, h in zip(seq.block_table[:full], block_hashes(seq.token_ids[: full * B], B)):
+            self.allocator.register(block, h)
+
+    def _fork(self, group: Seq, sample_index: int, seed: int) -> Seq:
+        """Sample `sample_index` of a group: its own random stream, the group's blocks shared."""
+        rng = None
+        if group.params.temperature > 0:
+            rng = torch.Generator(device="cpu")
+            rng.manual_seed(hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        return Seq(
+            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params, rng,
+            block_table=[self.allocator.fork(b) for b in group.block_table], num_computed=group.num_computed,
+        )
+
+    # ---- decode ----
+
+    def schedule_decode(self) -> list[Seq]:
+        """All running sequences, each with a writable slot for the token it feeds in. When
+        blocks run out, the youngest sequence is preempted and the slot retried."""
+        batch: list[Seq] = []
+        while self.running:
+            seq = self.running.pop(0)
+            try:
+                self._reserve_slot(seq)
+                batch.append(seq)
+            except OutOfBlocks:
+                # Preempt the youngest sequence (the last one admitted) and retry this one.
+                victims = self.running if self.running else batch
+                assert victims, "a lone sequence ran out of blocks; _validate should have refused it"
+                self.running.insert(0, seq)
+                self._preempt(victims.pop())
+        return batch
+
+    def _reserve_slot(self, seq: Seq) -> None:
+        """Make the block for the token at position len-1 writable by this sequence alone."""
+        B = self.block_size
+        pos = len(seq.token_ids) - 1
+        if pos // B == len(seq.block_table):
+            self._append_block(seq)
+            return
+        if self.allocator.ref_count[seq.block_table[pos // B]] > 1:  # shared with the group
+            self._copy_on_write(seq, pos // B)
+
+    def _preempt(self, seq: Seq) -> None:
+        """Free all of `seq`'s blocks; it resumes later by recomputing its context."""
+        self._free_blocks(seq)
+        seq.num_computed = 0
+        self.waiting.insert(0, seq)
+        self.stats.preemptions += 1
+
+    def after_sample(self, seq: Seq, finish_reason: str | None) -> None:
+        """`seq` has a new token: keep it running, or retire it with `finish_reason`."""
+        if finish_reason is None:
+            self.running.append(seq)
+            return
+        seq.finish_reason = finish_reason
+        if self.turns is None:  # a multi-turn sample keeps its blocks for its next turn
+            self._free_blocks(seq)
+        self.finished.append(seq)
+
+    # ---- multi-turn ----
+
+    def exchange_turns(self) -> bool:
+        """Start of a multi-turn step: resume the samples whose environment step is done
+        (waiting for one when nothing else could run) and hand over those whose turn ended.
+        False when no sample can run this step."""
+        self._resume(block=not (self.waiting or self.running))
+        self.pause()
+        return bool(self.waiting or self.running)
+
+    def pause(self) -> None:
+        """Hand samples whose turn just ended to the environment; they keep their KV blocks."""
+        for seq in [s for s in self.finished if s.finish_reason is not None and not s.finish_reason.startswith("done")]:
+            self.finished.remove(seq)
+            key = (seq.prompt_index, seq.sample_index)
+            self.paused[key] = seq
+            self.turns.submit(key, seq.turn_token_ids, seq.finish_reason)
+
+    def _resume(self, block: bool) -> None:
+        """Append environment observations and send the samples back to the scheduler; samples
+        whose episode is over are finished and their blocks freed."""
+        for key, obs in self.turns.poll(block):
+            seq = self.paused.pop(key)
+            if obs is None or len(seq.token_ids) + len(obs) >= self.max_seq_len:
+                seq.finish_reason = "done:" + seq.finish_reason if obs is None else "done:length"
+                self._free_blocks(seq)
+                self.finished.append(seq)
+                continue
+            if any(not 0 <= t < self.vocab_size for t in obs) or not obs:
+                raise ValueError(f"observation for sample {key} has no tokens or ids outside the vocabulary")
+            seq.append_observation(obs)
+            self.stats.resumed_turns += 1
+            # The sampled last token and the observation (but its last token) are prefilled;
+            # the earlier turns' K/V stay in the sample's blocks.
+            self.waiting.insert(0, seq)
+
+    # ---- blocks ----
+
+    def _append_block(self, seq: Seq) -> None:
+        seq.block_table.append(self.pool.prepare(self.allocator.allocate()))
+
+    def _copy_on_write(self, seq: Seq, index: int) -> None:
+        """Give `seq` its own copy of its shared block `block_table[index]`."""
+        block = seq.block_table[index]
+        new_block = self.pool.prepare(self.allocator.allocate())
+        self.pool.copy_block(block, new_block)
+        self.allocator.free(block)
+        seq.block_table[index] = new_block
+
+    def _free_blocks(self, seq: Seq) -> None:
+        for block in seq.block_table:
+            self.allocator.free(block)
+        seq.block_table = []

@@ -1,0 +1,116 @@
+"""What the generator hands back (`Completion`, `GenerationStats`), the multi-turn hook
+(`TurnHandler`), and the scheduler's per-sample state (`Seq`)."""
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from titanrl.generator.sampling import SamplingParams
+from titanrl.models.tokenizer import Tokenizer
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+    text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    model_mask: list[int] | None = None
+    """Multi-turn only: 1 for tokens the model sampled, 0 for environment tokens (logprob 0)."""
+
+
+class TurnHandler(Protocol):
+    """Drives multi-turn generation (see `titanrl/envs/rollout.py`). A sample that stops
+    (eos, stop string, length) is handed to `submit` and keeps its KV blocks while its
+    environment step runs; the other samples keep decoding. `poll` returns the steps that are
+    done: (key, observation token ids) resumes the sample after appending them, (key, None)
+    ends it. `key` is (prompt_index, sample_index)."""
+
+    def submit(self, key: tuple[int, int], turn_token_ids: list[int], finish_reason: str) -> None: ...
+
+    def poll(self, block: bool) -> list[tuple[tuple[int, int], list[int] | None]]: ...
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    """Tokens whose KV was computed in prefill (prompts once per group, plus recomputation)."""
+    prefix_cache_hit_tokens: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    resumed_turns: int = 0
+    """Multi-turn: turns resumed after an environment step, with their KV blocks kept."""
+    steps: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Seq:
+    """One sample being generated (or, before prefill, a group's prompt), with its block table."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    rng: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    # A group's prompt before its samples are forked off; it samples n first tokens.
+    is_group_prompt: bool = False
+    # Multi-turn: where the current model turn began, and 1/0 per completion token (sampled by
+    # the model / appended by the environment).
+    turn_start: int = 0
+    model_mask: list[int] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens of the current turn (the whole completion when single-turn)."""
+        return len(self.token_ids) - max(self.prompt_len, self.turn_start)
+
+    @property
+    def turn_token_ids(self) -> list[int]:
+        """Tokens of the current turn: what a stop string is searched in, what an environment reads."""
+        return self.token_ids[max(self.prompt_len, self.turn_start) :]
+
+    @property
+    def context_end(self) -> int:
+        """Tokens whose K/V must be computed before the next sampling step: all of a group
+        prompt (its last row samples the first tokens), all but the last otherwise (the last,
+        already sampled, is fed in by the next step)."""
+        return len(self.token_ids) - (0 if self.is_group_prompt else 1)
+
+    def append_observation(self, obs: list[int]) -> None:
+        """Multi-turn: append an environment's tokens (logprob 0, mask 0); a new model turn starts."""
+        # Tokens since the last observation were sampled by the model.
+        self.model_mask.extend([1] * (len(self.token_ids) - self.prompt_len - len(self.model_mask)))
+        self.token_ids.extend(obs)
+        self.logprobs.extend([0.0] * len(obs))
+        self.model_mask.extend([0] * len(obs))
+        self.turn_start = len(self.token_ids)
+        self.finish_reason = None
+
+    def to_completion(self, tokenizer: Tokenizer | None) -> Completion:
+        ids = self.token_ids[self.prompt_len :]
+        return Completion(
+            prompt_index=self.prompt_index,
+            sample_index=self.sample_index,
+            token_ids=ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason.removeprefix("done:"),
+            text=tokenizer.decode(ids) if tokenizer is not None else None,
+            top_logprobs=self.top_logprobs if self.params.num_top_logprobs else None,
+            model_mask=(self.model_mask + [1] * (len(ids) - len(self.model_mask))) if self.model_mask else None,
+        )
