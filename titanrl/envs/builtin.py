@@ -8,6 +8,8 @@
 
 Each env's task (`ENV_TASKS`) yields samples whose metadata holds a demonstration episode,
 `demo = [[text, from_model], ...]`, for the supervised warm-up (environment text masked).
+The task registry (`titanrl/envs/tasks.py`) imports `ENV_TASKS`; this module imports only the
+shared base types (`titanrl/envs/task_base.py`), never the registry.
 """
 
 import ast
@@ -16,7 +18,7 @@ import subprocess
 import sys
 
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
-from titanrl.envs.tasks import Sample, Task, safe_arithmetic
+from titanrl.envs.task_base import Sample, Task, safe_arithmetic
 
 # ---- calculator ----
 

@@ -2,9 +2,10 @@
 
 Each episode lives in one worker (its state is there); calls are sent without waiting and their
 results collected by `poll`, so the generator keeps decoding other samples meanwhile. Isolation
-is the reward runner's: a per-worker address-space limit, death with the trainer. A call that
-raises, returns garbage or runs past the timeout fails *its episode* (recorded, never raised);
-a hung or dead worker is killed and replaced, failing the episodes it held.
+is the reward runner's (`titanrl/components/workers.py`): a per-worker address-space limit,
+death with the trainer. A call that raises, returns garbage or runs past the timeout fails
+*its episode* (recorded, never raised); a hung or dead worker is killed and replaced, failing
+the episodes it held.
 """
 
 import importlib
@@ -15,9 +16,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from titanrl.components.workers import init_worker
 from titanrl.envs.base import StepResult
 from titanrl.envs.builtin import ENVS
-from titanrl.rewards.runner import _init_worker
 
 
 def resolve_env(spec: str) -> type:
@@ -35,7 +36,7 @@ def resolve_env(spec: str) -> type:
 
 
 def _worker_main(conn: Connection, spec: str, kwargs: dict, memory_limit_mb: int) -> None:
-    _init_worker(None, memory_limit_mb)
+    init_worker(memory_limit_mb)
     cls = resolve_env(spec)
     envs: dict[int, Any] = {}
     while True:

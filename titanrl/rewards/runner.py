@@ -7,12 +7,12 @@ step goes on. A hung or dead worker pool is replaced.
 
 import math
 import multiprocessing as mp
-import os
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from titanrl.components.workers import init_worker
 from titanrl.envs.tasks import Task
 
 
@@ -32,28 +32,6 @@ class RewardResult:
     """None, or 'error' / 'timeout' / 'invalid' for a sample whose reward function failed."""
     turn_rewards: list[float] | None = None
     """Multi-turn episodes: the reward of each environment step (`reward` is their sum)."""
-
-
-def _init_worker(fn: object, memory_limit_mb: int) -> None:
-    """Worker initializer: allow the reward function `memory_limit_mb` more address space than
-    the worker has after start-up (`fn` arrives unpickled, so its module is imported by now),
-    and die with the trainer process."""
-    del fn
-    if memory_limit_mb > 0 and os.path.exists("/proc/self/statm"):
-        import resource
-
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        limit = current + memory_limit_mb * 2**20
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        import ctypes
-        import signal
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux: workers then exit when their call queue closes
-        pass
 
 
 def _warm_up(fn: object) -> None:
@@ -83,10 +61,11 @@ class RewardRunner:
         self._pool: ProcessPoolExecutor | None = None
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn: workers never inherit the trainer's threads or process groups.
+        # spawn: workers never inherit the trainer's threads or process groups. `self.fn` is
+        # passed to the initializer so that its module is imported before the memory limit is set.
         pool = ProcessPoolExecutor(
-            self.num_workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-            initargs=(self.fn, self.memory_limit_mb),
+            self.num_workers, mp_context=mp.get_context("spawn"), initializer=init_worker,
+            initargs=(self.memory_limit_mb, self.fn),
         )
         # Start every worker now, so that start-up time is never charged to a sample's timeout.
         for fut in [pool.submit(_warm_up, self.fn) for _ in range(self.num_workers)]:
