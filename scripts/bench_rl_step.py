@@ -129,7 +129,7 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, compiled: bool) -> dict
         sys.executable, "-m", "titanrl.train", "--job.config_file", os.path.join(REPO_ROOT, "train_configs",
                                                                                "grpo_reverse_debug.toml"),
         f"--job.dump_folder={dump}", f"--model.hf_checkpoint={model}", f"--model.tokenizer={model}",
-        "--training.warmup_sft_steps=0", f"--training.steps={a.steps}", f"--training.batch_size={a.batch_size}",
+        "--sft_warmup.steps=0", f"--training.steps={a.steps}", f"--training.batch_size={a.batch_size}",
         f"--algorithm.group_size={a.group_size}", f"--generator.max_new_tokens={a.max_new_tokens}",
         "--data.task=jsonl", f"--data.path={jsonl}", "--data.num_eval_samples=1", "--metrics.eval_freq=0",
         f"--optimizer.lr={a.lr}", "--reward.num_workers=1", "--job.print_config=false",

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from titanrl.algorithms import ALGORITHMS, validate_algorithm
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.manager import field_docs, parse_cli_args
 
@@ -74,11 +75,11 @@ def test_typo_section_and_cli_key():
         (["--algorithm.is_cap=0.5"], r"is_cap must be > 1"),
         (["--algorithm.lam=1.5"], r"lam must be in \[0, 1\]"),
         (["--reward.verifier_weight=0"], r"nothing gives a reward"),
-        (["--offline.recipe=ppo"], r"expected one of 'sft', 'dpo', 'reward_model'"),
+        (["--job.recipe=ppo"], r"expected one of 'rl', 'sft', 'dpo', 'reward_model'"),
         (["--data.task=calculator"], r"task 'calculator' is multi-turn: set env.name = 'calculator'"),
         (["--env.name=calculator", "--reward.function=m:f"], r"the environment's steps give the rewards"),
         (["--env.max_turns=0"], r"\[env\] max_turns must be >= 1"),
-        (["--offline.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
+        (["--dpo.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
     ],
 )
 def test_invalid_values_are_clear_errors(args, pattern):
@@ -139,7 +140,9 @@ def _configs(draw):
         obj = getattr(config, section.name)
         for name, tp in typing.get_type_hints(type(obj)).items():
             if draw(st.booleans()):
-                setattr(obj, name, draw(_value_strategy(tp)))
+                # algorithm.name is free text checked against the registry: draw registered names.
+                strategy = st.sampled_from(list(ALGORITHMS)) if (section.name, name) == ("algorithm", "name") else None
+                setattr(obj, name, draw(strategy or _value_strategy(tp)))
     config.job.config_file = ""  # naming a file would load it
     return config
 
@@ -147,6 +150,7 @@ def _configs(draw):
 def _is_valid(config: JobConfig) -> bool:
     try:
         config.validate()
+        validate_algorithm(config)
         return True
     except ValueError:
         return False

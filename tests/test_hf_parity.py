@@ -133,7 +133,7 @@ def test_unsupported_config_is_an_error(tmp_path):
 def test_sequence_classification_reward_model_matches_transformers(tmp_path, family):
     """A one-label HF reward model loads as a titanrl score head: the score at each row's last
     real token (right padding) equals transformers' pooled logit; export reloads in transformers."""
-    from titanrl.rewards.reward_model import sequence_scores
+    from titanrl.models.scalar_head import sequence_scores
 
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

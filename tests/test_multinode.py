@@ -14,8 +14,8 @@ from conftest import REPO_ROOT, run_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
-    f"--job.config_file={CONFIG}", "--training.steps=2", "--training.warmup_sft_steps=2",
-    "--training.warmup_sft_batch_size=8", "--training.batch_size=4", "--algorithm.group_size=4",
+    f"--job.config_file={CONFIG}", "--training.steps=2", "--sft_warmup.steps=2",
+    "--sft_warmup.batch_size=8", "--training.batch_size=4", "--algorithm.group_size=4",
     "--generator.max_new_tokens=6", "--data.num_eval_samples=8", "--reward.num_workers=1",
     "--metrics.eval_freq=0",
 ]

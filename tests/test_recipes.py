@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO_ROOT, run_cmd
 
 SMALL = [
-    "--training.steps=3", "--training.warmup_sft_steps=4", "--training.warmup_sft_batch_size=8",
+    "--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8",
     "--training.batch_size=4", "--algorithm.group_size=4", "--data.num_eval_samples=8",
     "--reward.num_workers=1", "--metrics.eval_freq=0",
 ]
@@ -38,13 +38,13 @@ def _config(name):
     return os.path.join(REPO_ROOT, "train_configs", f"{name}.toml")
 
 
-def _train(recipe, folder, extra=(), nproc=1, module="titanrl.train"):
+def _train(recipe, folder, extra=(), nproc=1):
     args = [f"--job.config_file={_config(recipe)}", f"--job.dump_folder={folder}", *extra]
     if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
+        cmd = [sys.executable, "-m", "titanrl.train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", module, *args]
+               "-m", "titanrl.train", *args]
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -177,7 +177,7 @@ def test_calculator_with_ppo_places_per_turn_rewards(tmp_path):
     """Token-level algorithms on multi-turn episodes: PPO's critic and GAE over turns whose
     environment tokens are masked (per-turn rewards at each turn's last token)."""
     _train("grpo_calculator_debug", tmp_path, [*CALC, "--training.steps=2", "--algorithm.name=ppo",
-                                               "--critic.enable=true", "--training.warmup_sft_steps=30"])
+                                               "--critic.enable=true", "--sft_warmup.steps=30"])
     steps = _rl_steps(tmp_path)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
@@ -203,8 +203,7 @@ OFFLINE = ["--data.num_eval_samples=32", "--metrics.log_freq=1"]
 def sft_export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")
     out = _train("sft_reverse_debug", folder, [*OFFLINE, "--training.steps=30", "--training.batch_size=32",
-                                                "--offline.eval_freq=30", "--checkpoint.interval=30"],
-                 module="titanrl.train_offline")
+                                                "--metrics.eval_freq=30", "--checkpoint.interval=30"])
     first, last = (float(x) for x in out.stdout.split("eval_loss ")[1].split()[0:3:2])
     assert last < 0.6 * first, out.stdout[-2000:]
     assert os.path.exists(folder / "hf" / "model.safetensors")
@@ -218,8 +217,7 @@ def _offline_evals(folder, key="eval_margin") -> list[dict]:
 
 def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
     _train("dpo_reverse_debug", tmp_path, [*OFFLINE, f"--model.hf_checkpoint={sft_export}",
-                                           "--training.steps=12", "--offline.eval_freq=12"],
-           module="titanrl.train_offline")
+                                           "--training.steps=12", "--metrics.eval_freq=12"])
     evals = _offline_evals(tmp_path)
     assert evals[0]["eval_margin"] == 0.0  # policy == reference at the start
     assert evals[-1]["eval_margin"] > 0.05 and evals[-1]["eval_pref_accuracy"] > 0.6, evals
@@ -229,12 +227,12 @@ def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
 @pytest.mark.parametrize("recipe,key", [("dpo_reverse_debug", "eval_margin"), ("sft_reverse_debug", "eval_loss"),
                                         ("reward_model_reverse_debug", "eval_margin")])
 def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
-    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--offline.eval_freq=4",
+    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--metrics.eval_freq=4",
             "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
-    _train(recipe, tmp_path / "one", args, module="titanrl.train_offline")
+    _train(recipe, tmp_path / "one", args)
     # Two ranks also accumulate micro-batches: as many on each rank, pairs kept together.
     _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"],
-           nproc=2, module="titanrl.train_offline")
+           nproc=2)
     one, two = (_offline_evals(tmp_path / d, key) for d in ("one", "two"))
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
@@ -246,10 +244,10 @@ def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
 def test_offline_micro_batches_match_one_batch(tmp_path, sft_export, recipe):
     """Gradient accumulation over micro-batches of training.micro_batch_tokens (pairs kept
     together) gives the same losses, gradient norms and evaluations as one forward per step."""
-    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=3", "--offline.eval_freq=3",
+    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=3", "--metrics.eval_freq=3",
             "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
-    _train(recipe, tmp_path / "one", args, module="titanrl.train_offline")
-    _train(recipe, tmp_path / "micro", [*args, "--training.micro_batch_tokens=128"], module="titanrl.train_offline")
+    _train(recipe, tmp_path / "one", args)
+    _train(recipe, tmp_path / "micro", [*args, "--training.micro_batch_tokens=128"])
     one, micro = (_offline_evals(tmp_path / d, "loss") for d in ("one", "micro"))
     assert [m["micro_batches"] for m in one] == [1, 1, 1]
     assert all(m["micro_batches"] >= 3 for m in micro), micro
@@ -273,16 +271,14 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
     for name, rows in [("sft.jsonl", sft_rows), ("pairs.jsonl", pairs)]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["--data.task=jsonl", "--data.num_eval_samples=2", "--training.steps=3", "--training.batch_size=2",
-              "--offline.eval_freq=3", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
-    _train("sft_reverse_debug", tmp_path / "sft", [*common, f"--data.path={tmp_path / 'sft.jsonl'}"],
-           module="titanrl.train_offline")
+              "--metrics.eval_freq=3", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    _train("sft_reverse_debug", tmp_path / "sft", [*common, f"--data.path={tmp_path / 'sft.jsonl'}"])
     assert len(_offline_evals(tmp_path / "sft", "eval_loss")) == 2
     _train("dpo_reverse_debug", tmp_path / "dpo", [*common, f"--data.path={tmp_path / 'pairs.jsonl'}",
-                                                   f"--model.hf_checkpoint={sft_export}"],
-           module="titanrl.train_offline")
+                                                   f"--model.hf_checkpoint={sft_export}"])
     assert len(_offline_evals(tmp_path / "dpo")) == 2
     (tmp_path / "bad.jsonl").write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
-    cmd = [sys.executable, "-m", "titanrl.train_offline", f"--job.config_file={_config('dpo_reverse_debug')}",
+    cmd = [sys.executable, "-m", "titanrl.train", f"--job.config_file={_config('dpo_reverse_debug')}",
            *common, f"--data.path={tmp_path / 'bad.jsonl'}", f"--job.dump_folder={tmp_path / 'bad'}"]
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 2 and "bad.jsonl:2: missing or empty 'rejected'" in proc.stderr, proc.stderr
@@ -293,8 +289,7 @@ def test_reward_model_trains_then_scores_rl_on_tp2(tmp_path, sft_export):
     """Bradley-Terry reward model from the SFT export, exported as *ForSequenceClassification,
     then used (weighted with the verifier) by GRPO on 1 rank and on tp=2 with equal scores."""
     _train("reward_model_reverse_debug", tmp_path / "rm",
-           [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=20", "--offline.eval_freq=20"],
-           module="titanrl.train_offline")
+           [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=20", "--metrics.eval_freq=20"])
     evals = _offline_evals(tmp_path / "rm")
     assert evals[-1]["eval_pref_accuracy"] > 0.6 and evals[-1]["eval_margin"] > evals[0]["eval_margin"]
     config = json.load(open(tmp_path / "rm" / "hf" / "config.json"))

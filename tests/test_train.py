@@ -12,7 +12,7 @@ from conftest import REPO_ROOT, run_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
-    "--training.steps=3", "--training.warmup_sft_steps=4", "--training.warmup_sft_batch_size=8",
+    "--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8",
     "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
     "--data.num_eval_samples=8", "--reward.num_workers=1", "--metrics.eval_freq=0",
 ]
@@ -59,7 +59,7 @@ def test_single_rank_run_logs_every_metric(single_rank):
     # Generator and trainer logprobs of the sampled tokens agree to float32 rounding.
     assert all(m["gen_logprob_diff"] < 1e-5 for m in steps)
     assert "eval_accuracy" in steps[-1]
-    assert "eval accuracy:" in stdout
+    assert "rl: eval_accuracy" in stdout
 
 
 @pytest.mark.multirank
@@ -105,7 +105,7 @@ def test_sft_warmup_micro_batches_match_one_batch(tmp_path):
     update equals one forward per step."""
     losses, micro_batches = [], []
     for name, extra in [("one", []), ("micro", ["--training.micro_batch_tokens=48"])]:
-        args = ["--training.warmup_sft_steps=2", "--training.warmup_sft_batch_size=16", "--training.steps=0", *extra]
+        args = ["--sft_warmup.steps=2", "--sft_warmup.batch_size=16", "--training.steps=0", *extra]
         proc = _run_single(tmp_path / name, args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         logged = [m for m in _metrics(tmp_path / name) if "sft_loss" in m]

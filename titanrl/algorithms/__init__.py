@@ -1,0 +1,54 @@
+"""The algorithm registry: built-in algorithms by name, or a user's as 'package.module:Class'.
+
+Adding a built-in is one file under `titanrl/algorithms/` (a subclass of `base.Algorithm`) and
+one entry in `ALGORITHMS`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING
+
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+from titanrl.algorithms.grpo import GRPO
+from titanrl.algorithms.gspo import GSPO
+from titanrl.algorithms.ppo import PPO
+from titanrl.algorithms.reinforce_pp import ReinforcePP
+from titanrl.algorithms.remax import ReMax
+from titanrl.algorithms.rloo import RLOO
+from titanrl.components.plugins import load_object
+
+if TYPE_CHECKING:
+    from titanrl.config.job_config import JobConfig
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls for cls in (GRPO, RLOO, ReMax, ReinforcePP, GSPO, PPO)
+}
+
+
+def get_algorithm(name: str) -> type[Algorithm]:
+    """The class registered as `name`, or the one `name` = 'package.module:Class' points to."""
+    if ":" in name:
+        cls = load_object(name, "algorithm.name")
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            raise ValueError(
+                f"algorithm.name '{name}' is not a subclass of titanrl.algorithms.base.Algorithm"
+            )
+        return cls
+    if name not in ALGORITHMS:
+        close = difflib.get_close_matches(name, list(ALGORITHMS), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ValueError(
+            f"[algorithm] unknown name '{name}'; choose one of {', '.join(ALGORITHMS)} or your own "
+            f"as 'package.module:Class'.{hint}"
+        )
+    return ALGORITHMS[name]
+
+
+def validate_algorithm(config: JobConfig) -> None:
+    """The configured algorithm's own checks (what it needs: critic, group size, aggregation)."""
+    critic_algorithms = [name for name, cls in ALGORITHMS.items() if cls.needs_critic]
+    get_algorithm(config.algorithm.name).validate(config, critic_algorithms)
+
+
+__all__ = ["ALGORITHMS", "AdvantageInputs", "Advantages", "Algorithm", "get_algorithm", "validate_algorithm"]

@@ -14,6 +14,8 @@ clip-higher, a token-level loss and the sampling/length shaping in `dapo.py`.
 
 import torch
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+
 
 def group_advantages(rewards_N: torch.Tensor, group_size: int, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
     """Advantages for rewards laid out as consecutive groups of `group_size` samples."""
@@ -25,3 +27,14 @@ def group_advantages(rewards_N: torch.Tensor, group_size: int, normalize_std: bo
         # Unbiased std, as in the paper's implementation; a group of equal rewards gets 0.
         centred = centred / (r_GS.std(dim=1, keepdim=True) + eps)
     return centred.view(-1)
+
+
+class GRPO(Algorithm):
+    """Group-relative advantages (`group_advantages`); with the KL in the reward, the sequence
+    KL is subtracted from each reward first."""
+
+    name = "grpo"
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        c = self.config
+        return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, c.normalize_std))

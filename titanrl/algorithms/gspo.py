@@ -13,7 +13,9 @@ equals the sequence form's under per-sequence mean aggregation ("seq-mean-token-
 
 import torch
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
 from titanrl.algorithms.common import LossOutput, _finish
+from titanrl.algorithms.grpo import group_advantages
 
 
 def gspo_loss(
@@ -45,3 +47,33 @@ def gspo_loss(
     old_for_stats_BT = logprobs_BT.detach() - log_ratio_BT.detach()
     return _finish(pg_BT, clipped > unclipped, logprobs_BT, old_for_stats_BT, mask_BT, "seq-mean-token-mean",
                    num_global_tokens, num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+
+
+class GSPO(Algorithm):
+    """Group-relative advantages with one clipped ratio per sequence (`gspo_loss`)."""
+
+    name = "gspo"
+
+    @classmethod
+    def validate(cls, config, critic_algorithms: list[str]) -> None:
+        super().validate(config, critic_algorithms)
+        if config.algorithm.loss_agg != "seq-mean-token-mean":
+            raise ValueError(
+                "[algorithm] 'gspo' clips one ratio per sequence and averages per sequence; set "
+                "loss_agg = 'seq-mean-token-mean'"
+            )
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        c = self.config
+        return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, c.normalize_std))
+
+    def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
+             ref_logprobs_BT, is_weights_BT) -> LossOutput:
+        c = self.config
+        kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
+        return gspo_loss(
+            logprobs_BT, old_logprobs_BT, advantages, mask_BT, clip_low=c.clip_eps_low, clip_high=c.clip_eps_high,
+            num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
+            ref_logprobs_BT=ref_logprobs_BT if kl_in_loss else None, kl_coef=c.kl_coef if kl_in_loss else 0.0,
+            kl_estimator=c.kl_estimator, is_weights_BT=is_weights_BT,
+        )

@@ -18,6 +18,9 @@ The policy loss is `common.clipped_pg_loss` on the (globally whitened) A_t.
 
 import torch
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+from titanrl.algorithms.common import masked_whiten, token_rewards
+
 
 def gae(
     rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float, lam: float
@@ -53,3 +56,19 @@ def value_loss(
     else:
         loss_BT, n_clipped = unclipped_BT, values_BT.new_tensor(0.0)
     return 0.5 * (loss_BT * mask_BT).sum() / num_global_tokens, n_clipped
+
+
+class PPO(Algorithm):
+    """GAE advantages (whitened over the global batch) from the critic's values; the critic
+    regresses on the returns with `value_loss`."""
+
+    name = "ppo"
+    needs_critic = True
+    group_baseline = False
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        c = self.config
+        assert inputs.values_BT is not None, "PPO needs the critic's values"
+        rewards_BT = token_rewards(inputs.rewards_N, inputs.mask_BT, inputs.kl_BT, c.kl_coef, inputs.turn_scores)
+        adv_BT, returns_BT = gae(rewards_BT, inputs.values_BT, inputs.mask_BT, c.gamma, c.lam)
+        return Advantages(masked_whiten(adv_BT, inputs.mask_BT, inputs.dp_group), returns_BT)

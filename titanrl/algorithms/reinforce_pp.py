@@ -13,6 +13,7 @@ is `common.clipped_pg_loss` with these per-token advantages.
 import torch
 import torch.distributed as dist
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
 from titanrl.algorithms.common import masked_whiten, token_rewards
 
 
@@ -33,3 +34,13 @@ def reinforce_pp_advantages(
 ) -> torch.Tensor:
     rewards_BT = token_rewards(scores_B, mask_BT, kl_BT, kl_coef, turn_scores)
     return masked_whiten(discounted_returns(rewards_BT, mask_BT, gamma), mask_BT, dp_group)
+
+
+class ReinforcePP(Algorithm):
+    name = "reinforce_pp"
+    group_baseline = False
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        c = self.config
+        return Advantages(reinforce_pp_advantages(inputs.rewards_N, inputs.mask_BT, inputs.kl_BT, c.kl_coef, c.gamma,
+                                                  inputs.dp_group, inputs.turn_scores))

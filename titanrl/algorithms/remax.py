@@ -13,6 +13,8 @@ needs no second sample, which is why ReMax works with G = 1. The loss is
 
 import torch
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+
 
 def remax_advantages(rewards_N: torch.Tensor, greedy_rewards_P: torch.Tensor, group_size: int) -> torch.Tensor:
     """Advantages of P * group_size rewards (consecutive groups per prompt) against each
@@ -24,3 +26,14 @@ def remax_advantages(rewards_N: torch.Tensor, greedy_rewards_P: torch.Tensor, gr
         )
     r_PG = rewards_N.float().view(-1, group_size)
     return (r_PG - greedy_rewards_P.float().to(r_PG.device)[:, None]).view(-1)
+
+
+class ReMax(Algorithm):
+    name = "remax"
+    needs_baseline_rollout = True
+    group_baseline = False
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        assert inputs.baseline_rewards_P is not None, "ReMax needs the greedy baseline's rewards"
+        return Advantages(remax_advantages(self.sequence_rewards(inputs), inputs.baseline_rewards_P,
+                                           self.config.group_size))

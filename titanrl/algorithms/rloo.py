@@ -10,6 +10,8 @@ an unbiased baseline (it does not depend on sample i). The loss is `common.clipp
 
 import torch
 
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+
 
 def rloo_advantages(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
     """Leave-one-out advantages for rewards laid out as consecutive groups of `group_size`."""
@@ -20,3 +22,16 @@ def rloo_advantages(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
     r_GS = rewards_N.float().view(-1, group_size)
     baseline_GS = (r_GS.sum(dim=1, keepdim=True) - r_GS) / (group_size - 1)
     return (r_GS - baseline_GS).view(-1)
+
+
+class RLOO(Algorithm):
+    name = "rloo"
+
+    @classmethod
+    def validate(cls, config, critic_algorithms: list[str]) -> None:
+        super().validate(config, critic_algorithms)
+        if config.algorithm.group_size < 2:
+            raise ValueError("[algorithm] 'rloo' needs group_size >= 2 (the baseline leaves one sample out)")
+
+    def advantages(self, inputs: AdvantageInputs) -> Advantages:
+        return Advantages(rloo_advantages(self.sequence_rewards(inputs), self.config.group_size))

@@ -1,5 +1,5 @@
-"""What every entry point (`titanrl.train`, `titanrl.train_offline`) does around its loop:
-parse the config, join the process group, place the model, shut down, report user errors."""
+"""What the entry point (`titanrl.train`) and the `Trainer` do around the loop: parse the
+config, join the process group, size the model, shut down, report user errors."""
 
 import os
 import sys

@@ -47,7 +47,8 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         labels = console if console is not None else {k: k for k in metrics}
-        parts = [f"{label} {_fmt(record[k])}" for k, label in labels.items() if k in record]
+        parts = [f"{label} {_duration(record[k]) if k == 'eta_s' else _fmt(record[k])}"
+                 for k, label in labels.items() if k in record]
         print(f"step {step:>4} | " + " | ".join(parts), flush=True)
 
     def close(self) -> None:
@@ -69,3 +70,9 @@ def _fmt(value: Any) -> str:
             return f"{value:.2e}"
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -1,13 +1,21 @@
-"""Build the trainer's model: meta init -> parallelize -> materialise -> load weights."""
+"""Build the trainer's models: meta init -> parallelize -> materialise -> load weights.
+
+Policies, references, critics and reward models are all `Transformer`s on the same mesh; a
+critic or reward model has a one-label scalar head (`num_labels = 1`, HF's
+`*ForSequenceClassification` layout: `score.weight` instead of the LM head).
+"""
+
+from dataclasses import replace
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.distributed.parallelize import parallelize_model
 from titanrl.models.args import TransformerModelArgs
-from titanrl.models.hf import load_hf_weights
+from titanrl.models.hf import from_hf_state_dict, load_hf_weights, load_safetensors_folder, read_hf_config
 from titanrl.models.model import Transformer
 
 
@@ -46,3 +54,53 @@ def build_model(
             full_state_dict = init_full_state_dict(model_args, job_config.job.seed)
         set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True, strict=True))
     return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a (parallelized) model, on every rank."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@torch.no_grad()
+def copy_weights(dst: nn.Module, src: nn.Module, skip: tuple[str, ...] = ()) -> None:
+    """dst's parameters := src's, by name, in place (same shapes and sharding), except `skip`."""
+    src_params = dict(src.named_parameters())
+    for name, param in dst.named_parameters():
+        if name not in skip:
+            param.copy_(src_params[name])
+
+
+def build_reward_model(folder: str, dims: ParallelDims, config: JobConfig, device: torch.device,
+                       policy_args: TransformerModelArgs) -> Transformer:
+    """A frozen one-label score model from an HF folder, checked against the policy's vocabulary."""
+    args = read_hf_config(folder)
+    if args.num_labels != 1:
+        raise ValueError(
+            f"reward.model_path '{folder}' is not a one-label sequence-classification model "
+            f"(num_labels={args.num_labels}); export a *ForSequenceClassification with num_labels=1"
+        )
+    if args.vocab_size < policy_args.vocab_size:
+        raise ValueError(
+            f"reward model vocab ({args.vocab_size}) is smaller than the policy's ({policy_args.vocab_size}); "
+            "the reward model must share the policy's tokenizer"
+        )
+    return build_model(args, dims, config, device, hf_checkpoint=folder).requires_grad_(False)
+
+
+def build_critic(policy: Transformer, dims: ParallelDims, config: JobConfig, device: torch.device) -> Transformer:
+    """A value model: from critic.hf_checkpoint, or the policy's current weights; a new head
+    (zeros, so the first values are 0) unless the checkpoint already has a one-label head."""
+    folder = config.critic.hf_checkpoint
+    if folder:
+        src_args = read_hf_config(folder)
+        if src_args.num_labels not in (0, 1):
+            raise ValueError(f"critic.hf_checkpoint '{folder}' has {src_args.num_labels} labels; need 0 (LM) or 1")
+        sd = from_hf_state_dict(load_safetensors_folder(folder), src_args)
+        args = replace(src_args, num_labels=1)
+        if src_args.num_labels == 0:
+            sd.pop("output.weight")
+    else:
+        args = replace(policy.args, num_labels=1)
+        sd = {k: v for k, v in full_state_dict(policy).items() if k != "output.weight"}
+    sd.setdefault("output.weight", torch.zeros(1, args.dim))
+    return build_model(args, dims, config, device, full_state_dict=sd)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli
 
+from titanrl.algorithms import validate_algorithm
 from titanrl.config.job_config import JobConfig
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -176,6 +177,7 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         apply_overrides(config, load_toml(config_file), source=config_file, from_cli=False)
     apply_overrides(config, cli, source="the command line", from_cli=True)
     config.validate()
+    validate_algorithm(config)
     return config
 
 

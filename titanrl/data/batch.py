@@ -68,14 +68,13 @@ def num_micro_batches(lengths: list[int], max_tokens: int) -> int:
     return count
 
 
-def micro_batches(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
-    """`num_chunks` micro-batches of rows sorted by length (less padding), with about equal
-    token counts, padding trimmed per micro-batch. Every row lands in exactly one of them."""
-    B = batch.batch_size[0]
+def micro_batch_plan(lengths_B: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """Row indices of `num_chunks` micro-batches: rows sorted by length (less padding), cut at
+    about equal token counts, none empty. Every row lands in exactly one of them."""
+    B = lengths_B.shape[0]
     assert 1 <= num_chunks <= B, f"cannot split {B} rows into {num_chunks} micro-batches"
-    order = torch.argsort(batch["length"], stable=True)
-    batch = batch[order]
-    cum = torch.cumsum(batch["length"].float(), 0)
+    order = torch.argsort(lengths_B, stable=True)
+    cum = torch.cumsum(lengths_B[order].float(), 0)
     bounds, start = [], 0
     for k in range(1, num_chunks):
         # First row past the k-th token quantile, keeping every chunk non-empty.
@@ -85,4 +84,9 @@ def micro_batches(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
         bounds.append((start, end))
         start = end
     bounds.append((start, B))
-    return [trim_padding(batch[a:b]) for a, b in bounds]
+    return [order[a:b] for a, b in bounds]
+
+
+def micro_batches(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
+    """`micro_batch_plan`'s micro-batches of `batch`, padding trimmed per micro-batch."""
+    return [trim_padding(batch[rows]) for rows in micro_batch_plan(batch["length"], num_chunks)]

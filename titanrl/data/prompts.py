@@ -92,3 +92,13 @@ def load_jsonl(path: str) -> list[Sample]:
     if not samples:
         raise ValueError(f"data.path '{path}' has no rows")
     return samples
+
+
+def held_out_split(rows: list, n_eval: int) -> tuple[list, list]:
+    """(train rows, eval rows) of a data file: its first `n_eval` rows are held out for eval."""
+    if len(rows) <= n_eval:
+        raise ValueError(
+            f"data.path has {len(rows)} rows, not more than data.num_eval_samples ({n_eval}) held out "
+            "for eval; lower it or add rows"
+        )
+    return rows[n_eval:], rows[:n_eval]

@@ -4,6 +4,8 @@ from functools import cached_property
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titanrl.config.sections import Parallelism
+
 
 @dataclass
 class ParallelDims:
@@ -23,9 +25,9 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
+        # Each degree's own range is the [parallelism] section's rule (one place); here only how
+        # the degrees fit the world size.
+        Parallelism(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp).validate()
         if self.dp_shard == -1:
             rest, remainder = divmod(self.world_size, self.dp_replicate * self.tp)
             if remainder or rest < 1:
@@ -34,8 +36,6 @@ class ParallelDims:
                     f"does not divide the world size {self.world_size}; change the degrees or the number of ranks"
                 )
             self.dp_shard = rest
-        if self.dp_shard < 1:
-            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(

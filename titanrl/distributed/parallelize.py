@@ -88,6 +88,14 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
         model.output.weight = model.tok_embeddings.weight
 
+    block_plan = _block_tp_plan(args, residual, sequence_parallel)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def _block_tp_plan(args, residual, sequence_parallel: bool) -> dict:
+    """The per-block TP plan: projections column/row-wise; with sequence parallelism the norms run
+    on sequence shards and attention / MLP inputs are all-gathered first."""
     block_plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
@@ -111,8 +119,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
             # and its gradient all-reduced over tp by DTensor.
             block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+    return block_plan
 
 
 def _op_sac_policy():

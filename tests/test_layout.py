@@ -1,0 +1,33 @@
+"""The shape the codebase keeps (issue: a controller that takes the next features without
+growing): short files and functions, a short entry point, no branching on algorithm names."""
+
+import ast
+import pathlib
+import re
+
+from conftest import REPO_ROOT
+
+PACKAGE = pathlib.Path(REPO_ROOT) / "titanrl"
+
+
+def test_files_and_functions_stay_short():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        if source.count("\n") > 400:
+            too_long.append(f"{path.relative_to(REPO_ROOT)}: {source.count(chr(10))} lines (max 400)")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 60:
+                    too_long.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {node.name}: {length} lines (max 60)")
+    assert not too_long, "\n".join(too_long)
+    assert (PACKAGE / "train.py").read_text().count("\n") < 80
+
+
+def test_no_module_branches_on_an_algorithm_name():
+    pattern = re.compile(r"(algorithm|algo)\.name\s*(==|!=|in\b)")
+    offenders = [f"{p.relative_to(REPO_ROOT)}:{i}: {line.strip()}"
+                 for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "algorithms"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not offenders, "\n".join(offenders)

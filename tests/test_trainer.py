@@ -1,0 +1,170 @@
+"""The Trainer and its recipes in-process (no subprocess): one RL step and one offline step
+checked against independent computations; every recipe honours checkpoint.load_path, the
+watchdog and training.on_nonfinite alike; the algorithm registry and a plug-in algorithm."""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, run_cmd
+from titanrl import train
+from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm
+from titanrl.config import load_config
+from titanrl.recipes.sft import demonstration
+from titanrl.trainer import Trainer
+
+CONFIGS = os.path.join(REPO_ROOT, "train_configs")
+RL_SMALL = [
+    f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml", "--training.steps=2", "--sft_warmup.steps=0",
+    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=4", "--reward.num_workers=1", "--metrics.eval_freq=0",
+]
+OFFLINE_SMALL = ["--training.steps=4", "--training.batch_size=8", "--data.num_eval_samples=8", "--metrics.eval_freq=0",
+                 "--metrics.log_freq=1", "--checkpoint.export_hf=false"]
+
+
+def _offline_args(recipe, folder, *extra):
+    # DPO and the reward model start from the flavor (no exported SFT model needed in-process).
+    return [f"--job.config_file={CONFIGS}/{recipe}_reverse_debug.toml", f"--job.dump_folder={folder}",
+            "--model.hf_checkpoint=", "--model.flavor=debug", *OFFLINE_SMALL, *extra]
+
+
+def _rows(folder) -> list[dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_one_rl_step_in_process(tmp_path):
+    """One GRPO step: the policy moves, on-policy ratios are exactly 1, generator and trainer
+    logprobs agree, and the advantages the step trained on are GRPO's of its rewards."""
+    trainer = Trainer(load_config([*RL_SMALL, f"--job.dump_folder={tmp_path}"]))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    seen = {}
+    advantages = trainer.recipe.algorithm.advantages
+    trainer.recipe.algorithm.advantages = lambda inputs: seen.setdefault("out", (inputs, advantages(inputs)))[1]
+    metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
+    trainer.close()
+    inputs, out = seen["out"]
+    r_PG = inputs.rewards_N.double().view(-1, 4)
+    expected = ((r_PG - r_PG.mean(1, keepdim=True)) / (r_PG.std(1, keepdim=True) + 1e-6)).view(-1)
+    torch.testing.assert_close(out.advantages.double(), expected, rtol=1e-5, atol=1e-6)
+    assert metrics["reward_mean"] == pytest.approx(inputs.rewards_N.mean().item(), rel=1e-6)
+    assert metrics["ratio_max"] == 1.0 and metrics["gen_logprob_diff"] < 1e-5
+    assert math.isfinite(metrics["grad_norm"]) and metrics["skipped_updates"] == 0
+    moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert moved if torch.any(out.advantages != 0) else not moved
+
+
+def test_one_sft_step_in_process_matches_a_float64_reference(tmp_path):
+    """The SFT recipe's logged loss is the token-mean NLL of its batch, computed here in float64
+    with the model's weights before the step."""
+    trainer = Trainer(load_config(_offline_args("sft", tmp_path)))
+    samples = next(iter(trainer.recipe.loader))  # a fresh iterator yields the same first batch
+    model64 = type(trainer.model)(trainer.model.args).double()
+    model64.load_state_dict({k: v.double() for k, v in trainer.model.state_dict().items()})
+    nll, count = 0.0, 0
+    for s in samples:
+        prompt, completion, mask = demonstration(trainer.tokenizer, s)
+        tokens = torch.tensor([prompt + completion])
+        logp = torch.log_softmax(model64(tokens[:, :-1]), -1)[0, len(prompt) - 1 :]
+        nll -= sum(logp[t, c].item() * m for t, (c, m) in enumerate(zip(completion, mask)))
+        count += sum(mask)
+    metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
+    trainer.close()
+    assert metrics["loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["micro_batches"] == 1
+
+
+def test_first_dpo_step_has_zero_margin_and_loss_log_2(tmp_path):
+    """At step 1 the policy is its own reference: every implicit-reward margin is 0 and the DPO
+    loss is exactly -log sigmoid(0) = log 2."""
+    trainer = Trainer(load_config(_offline_args("dpo", tmp_path)))
+    metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
+    trainer.close()
+    assert metrics["margin"] == 0.0 and metrics["pref_accuracy"] == 0.0
+    assert metrics["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert math.isfinite(metrics["grad_norm"])
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo"])
+def test_offline_recipes_honour_checkpoint_load_path(tmp_path, recipe):
+    """checkpoint.load_path branches an SFT / DPO run from a given checkpoint into a new folder;
+    the branch's steps equal the original run's exactly."""
+    first = tmp_path / "first"
+    train.main(_offline_args(recipe, first, "--checkpoint.enable=true", "--checkpoint.interval=2",
+                             "--checkpoint.keep_latest_k=0"))
+    branch = tmp_path / "branch"
+    train.main(_offline_args(recipe, branch, "--checkpoint.enable=true",
+                             f"--checkpoint.load_path={first / 'checkpoint' / 'step-2'}"))
+    original = {r["step"]: r for r in _rows(first) if r["step"] > 2}
+    branched = {r["step"]: r for r in _rows(branch)}
+    assert sorted(branched) == [3, 4]
+    for step, row in branched.items():
+        assert row["loss"] == original[step]["loss"] and row["grad_norm"] == original[step]["grad_norm"]
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo"])
+def test_offline_recipes_honour_on_nonfinite(tmp_path, monkeypatch, recipe):
+    """A NaN loss at step 2: 'skip' drops that update (grad_norm nan, later steps finite); 'stop'
+    ends the run with the cause, as in RL."""
+    monkeypatch.setenv("TITANRL_FAULT", "nan_loss:2:0")
+    train.main(_offline_args(recipe, tmp_path / "skip", "--training.on_nonfinite=skip"))
+    norms = [r["grad_norm"] for r in _rows(tmp_path / "skip") if "grad_norm" in r]
+    assert math.isnan(norms[1]) and all(math.isfinite(n) for n in norms[:1] + norms[2:]), norms
+    with pytest.raises(FloatingPointError, match="non-finite gradient norm in the .* update"):
+        train.main(_offline_args(recipe, tmp_path / "stop", "--training.on_nonfinite=stop"))
+
+
+def test_offline_recipe_hang_is_reported_by_the_watchdog(tmp_path):
+    """An SFT step that hangs -> the watchdog exits the rank (code 3) naming rank and phase."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_FAULT": "hang_train:2:0"}
+    proc = run_cmd([sys.executable, "-m", "titanrl.train", *_offline_args("sft", tmp_path),
+                    "--job.phase_timeout_s=5"], env, timeout_s=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "titanrl watchdog: rank 0 stuck in phase 'train'" in proc.stderr
+
+
+# ---- the algorithm registry ----
+
+
+def test_registry_names_and_errors():
+    assert set(ALGORITHMS) == {"grpo", "rloo", "remax", "reinforce_pp", "gspo", "ppo"}
+    with pytest.raises(ValueError, match=r"unknown name 'grpoo'.*Did you mean 'grpo'"):
+        load_config(["--algorithm.name=grpoo"])
+    with pytest.raises(ValueError, match=r"'torch:Tensor' is not a subclass of .*Algorithm"):
+        get_algorithm("torch:Tensor")
+    with pytest.raises(ValueError, match=r"'no_such_module:X' cannot be imported"):
+        load_config(["--algorithm.name=no_such_module:X"])
+
+
+def test_plugin_algorithm_loads_validates_and_computes(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "tests"))
+    cls = get_algorithm("plugin_algorithms:MaxBaseline")
+    with pytest.raises(ValueError, match="'max_baseline' needs group_size >= 2"):
+        load_config(["--algorithm.name=plugin_algorithms:MaxBaseline", "--algorithm.group_size=1"])
+    algo = cls(load_config(["--algorithm.name=plugin_algorithms:MaxBaseline", "--algorithm.group_size=2"]).algorithm)
+    rewards = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    out = algo.advantages(AdvantageInputs(rewards, torch.ones(4, 3), None, None, None, None, None))
+    torch.testing.assert_close(out.advantages, torch.tensor([-2.0, 0.0, 0.0, 0.0]))
+
+
+@pytest.mark.multirank
+def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
+    """algorithm.name = 'plugin_algorithms:MaxBaseline' (defined in tests/, not in titanrl) runs
+    a 2-rank GRPO-style job: both ranks compute its advantages every step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_TEST_PLUGIN_LOG": str(tmp_path / "plugin"),
+           "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanrl.train",
+           *RL_SMALL, f"--job.dump_folder={tmp_path}", "--algorithm.name=plugin_algorithms:MaxBaseline",
+           "--parallelism.dp_shard=2"]
+    proc = run_cmd(cmd, env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        lines = (tmp_path / f"plugin.{rank}").read_text().split()
+        assert lines == ["8", "True"] * 2  # 2 prompts x 4 samples per rank, all advantages <= 0
+    steps = [r for r in _rows(tmp_path) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["grad_norm"]) for r in steps)

@@ -1,0 +1,188 @@
+"""Rollouts for RL: G completions per prompt from the in-process generator, scored.
+
+`RolloutCollector.collect` is the "generate -> reward" half of an RL step: single-turn prompts,
+or multi-turn environment episodes whose steps run in the env workers while the other samples
+decode; the total reward is the weighted verifier + reward model + overlong shaping; DAPO's
+dynamic sampling draws more prompts until the batch holds enough informative groups; an
+algorithm that needs a baseline rollout (ReMax) also gets one greedy completion per prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from titanrl.algorithms.dapo import informative_groups, overlong_penalty
+from titanrl.components.checkpoint import fault_active
+from titanrl.components.timer import PhaseTimer
+from titanrl.data.batch import build_sequence_batch, trim_padding
+from titanrl.envs.pool import EnvPool, resolve_env
+from titanrl.envs.rollout import MultiTurnRollout
+from titanrl.envs.tasks import Sample
+from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
+from titanrl.models.model import Transformer
+from titanrl.models.scalar_head import sequence_scores
+from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
+
+if TYPE_CHECKING:
+    from titanrl.recipes.rl import RLStats
+    from titanrl.trainer import Trainer
+
+
+@dataclass
+class Rollouts:
+    """Generated and scored samples of some prompts: G consecutive completions per prompt."""
+
+    prompts: list[list[int]]
+    completions: list[Completion]
+    results: list[RewardResult]
+    rewards: list[float]
+    """Total reward per completion: weighted verifier + reward model + overlong penalty."""
+
+    baseline_rewards: list[float] = field(default_factory=list)
+    """Total reward of each prompt's greedy completion (baseline rollouts); empty otherwise."""
+
+    def group(self, i: int, G: int) -> Rollouts:
+        return Rollouts([self.prompts[i]], self.completions[i * G : (i + 1) * G], self.results[i * G : (i + 1) * G],
+                        self.rewards[i * G : (i + 1) * G], self.baseline_rewards[i : i + 1])
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        fields = ("prompts", "completions", "results", "rewards", "baseline_rewards")
+        return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in fields))
+
+
+class RolloutCollector:
+    def __init__(self, trainer: Trainer, generator: Generator, rewards: RewardRunner, envs: EnvPool | None,
+                 reward_model: Transformer | None, baseline_rollout: bool) -> None:
+        self.trainer, self.config = trainer, trainer.config
+        self.generator, self.rewards, self.envs, self.reward_model = generator, rewards, envs, reward_model
+        self.baseline_rollout = baseline_rollout
+
+    def encode_prompt(self, text: str) -> list[int]:
+        tokenizer = self.trainer.tokenizer
+        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
+
+    def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+                 ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
+        """Completions of `samples` (and, with an environment, their episodes' rewards)."""
+        if self.envs is not None:  # environment steps run inside generation, overlapped with decoding
+            return self.generate_episodes(samples, params, prompt_ids)
+        prompts = [self.encode_prompt(s.prompt) for s in samples]
+        completions, gen_stats = self.generator.generate(prompts, params, prompt_ids)
+        return prompts, completions, None, gen_stats
+
+    def generate_episodes(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+                          ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
+        """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
+        env = self.config.env
+        turns = MultiTurnRollout(self.envs, self.trainer.tokenizer, env.max_turns, env.max_total_tokens,
+                                 self.config.reward.failure_reward)
+        prompts = turns.start([{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples],
+                              params.n, self.encode_prompt)
+        params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
+        completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, turns=turns)
+        results = []
+        for c in completions:
+            episode = turns.episodes[(c.prompt_index, c.sample_index)]
+            results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
+        return prompts, completions, results, gen_stats
+
+    def score(self, samples: list[Sample], prompts: list[list[int]], completions: list[Completion],
+              results: list[RewardResult] | None) -> tuple[list[RewardResult], torch.Tensor, float]:
+        """(verifier results, total rewards [N], reward-model score sum)."""
+        cfg = self.config
+        if results is None:
+            results = self.rewards([
+                RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
+                           samples[c.prompt_index].metadata)
+                for c in completions
+            ])
+        rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
+        rm_sum = 0.0
+        if self.reward_model is not None:
+            scores = self.reward_model_scores([prompts[c.prompt_index] for c in completions],
+                                              [c.token_ids for c in completions])
+            rewards_N = rewards_N + cfg.reward.model_weight * scores
+            rm_sum = scores.sum().item()
+        if cfg.algorithm.overlong_buffer_len:
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            rewards_N = rewards_N + overlong_penalty(lengths, cfg.generator.max_new_tokens,
+                                                     cfg.algorithm.overlong_buffer_len,
+                                                     cfg.algorithm.overlong_penalty_factor)
+        return results, rewards_N, rm_sum
+
+    def reward_model_scores(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+        """The reward model's score of each sequence [N], in micro-batches, in row order."""
+        trainer = self.trainer
+        batch = build_sequence_batch(prompts, completions, trainer.tokenizer.pad_id).to(trainer.device)
+        scores_N = torch.zeros(len(prompts))
+        for rows in trainer.plan_micro_batches(batch["length"].tolist()):
+            mb = trim_padding(batch[rows])
+            scores_N[rows] = sequence_scores(self.reward_model, mb["tokens"], mb["length"]).cpu()
+        return scores_N
+
+    def rollout(self, samples: list[Sample], step: int, round_idx: int, timer: PhaseTimer, stats: RLStats
+                ) -> Rollouts:
+        """Generate G samples per prompt with the current weights (and a baseline rollout when
+        the algorithm needs one), then score them."""
+        cfg, dims = self.config, self.trainer.dims
+        params = SamplingParams(
+            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
+            seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
+        )
+        # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
+        prompt_ids = [i * dims.dp_size + dims.dp_rank for i in range(len(samples))]
+        with timer("generate"):
+            if fault_active("hang_generate", step):
+                time.sleep(3600)
+            prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids)
+            stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
+            stats.env_turns += gen_stats.resumed_turns + len(completions)
+            if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
+                greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
+                *greedy_out, greedy_stats = self.generate(samples, greedy, prompt_ids)
+                stats.gen_tokens += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
+        with timer("reward"):
+            results, rewards_N, rm_sum = self.score(samples, prompts, completions, results)
+            stats.rm_score_sum += rm_sum
+            baseline = self.score(samples, *greedy_out)[1].tolist() if self.baseline_rollout else []
+        if self.envs is not None:
+            stats.env_failures += sum(r.failed is not None for r in results)
+        return Rollouts(prompts, completions, results, rewards_N.tolist(), baseline)
+
+    def collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+        """(rollouts to train on, every rollout generated this step, for metrics).
+
+        With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and further
+        prompts are drawn until this rank has its share of batch_size groups, for at most max_sampling_rounds
+        rounds, all ranks in step; a batch still short is filled with dropped groups (zero advantage).
+        """
+        algo, G = self.config.algorithm, self.config.algorithm.group_size
+        first = self.rollout(next(batches), step, 0, timer, stats)
+        quota = len(first.prompts)  # this rank's share of training.batch_size
+        if not algo.dynamic_sampling:
+            return first, first
+        generated, kept, dropped = [first], [], []
+        for round_idx in range(1, algo.max_sampling_rounds + 1):
+            latest = generated[-1]
+            for i, keep in enumerate(informative_groups(torch.tensor(latest.rewards), G).tolist()):
+                (kept if keep else dropped).append(latest.group(i, G))
+            # Every dp rank runs the same number of rounds (generation may be collective over tp).
+            (deficit,) = self.trainer.dp_max([float(quota - len(kept))])
+            if deficit <= 0 or round_idx == algo.max_sampling_rounds:
+                break
+            samples = next(batches)
+            if len(kept) >= quota:
+                continue
+            generated.append(self.rollout(samples, step, round_idx, timer, stats))
+        short = max(quota - len(kept), 0)
+        stats.sampling_rounds = len(generated)
+        stats.dropped_groups += len(dropped)
+        stats.short_groups += short
+        return Rollouts.concat(kept[:quota] + dropped[:short]), Rollouts.concat(generated)

@@ -1,0 +1,302 @@
+"""Sections of the job configuration that the RL recipe reads: the generator, the algorithm,
+the critic, rewards, environments, and the SFT warm-up before RL; and the DPO recipe's section."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class Generator:
+    block_size: int = 16
+    """Tokens per paged KV-cache block."""
+
+    kv_cache_memory_fraction: float = 0.3
+    """Fraction of free device memory given to the KV block pool while generating."""
+
+    max_num_seqs: int = 256
+    """Most sequences decoded together in one continuous batch."""
+
+    max_new_tokens: int = 64
+    """Most tokens generated per sample."""
+
+    temperature: float = 1.0
+    """Sampling temperature; 0 is greedy."""
+
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]; 1 disables it."""
+
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 disables it."""
+
+    num_blocks: int = 0
+    """KV-cache blocks in the pool; 0 sizes the pool from kv_cache_memory_fraction."""
+
+    enable_prefix_caching: bool = True
+    """Reuse cached K/V of full prompt blocks across requests (group samples always share)."""
+
+    compile: bool = False
+    """Compile the decode step (power-of-two batch buckets; CUDA graphs on GPU)."""
+
+    batch_invariant: bool = False
+    """Batch-invariant kernels in generator and trainer: bitwise-equal logprobs, much slower."""
+
+    max_num_batched_tokens: int = 4096
+    """Most prompt tokens prefilled in one scheduler step (a longer prompt is prefilled alone)."""
+
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """`torch.compile` backend of the decode step when `compile` is on."""
+
+    attention_impl: Literal["sdpa", "flex"] = "sdpa"
+    """Paged attention: 'sdpa' gathers pages then runs SDPA (portable); 'flex' runs FlexAttention
+    with a block mask over the pages (the fast path on GPU; correct but slow on CPU)."""
+
+    def validate(self) -> None:
+        if self.num_blocks < 0:
+            raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")
+        if self.compile and self.batch_invariant:
+            raise ValueError("[generator] compile and batch_invariant cannot be combined; pick one")
+        for name in ("block_size", "max_num_seqs", "max_new_tokens", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.temperature < 0:
+            raise ValueError(f"[generator] temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"[generator] top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"[generator] top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+@dataclass
+class Algorithm:
+    name: str = "grpo"
+    """Advantage estimator and policy loss, from the registry in `titanrl/algorithms/` (one file
+    each): 'grpo' (group mean/std; also Dr.GRPO and DAPO, see their recipes), 'rloo'
+    (leave-one-out), 'remax' (baseline: reward of one extra greedy completion per prompt),
+    'reinforce_pp' (globally whitened token returns), 'gspo' (sequence-level ratio), 'ppo' (GAE
+    with a learned critic: needs [critic] enable = true); or your own as 'package.module:Class'."""
+
+    group_size: int = 8
+    """Samples generated per prompt; advantages are normalised within each group."""
+
+    clip_eps_low: float = 0.2
+    """Lower PPO clip range: ratios below 1 - clip_eps_low are clipped."""
+
+    clip_eps_high: float = 0.2
+    """Upper PPO clip range (clip-higher when larger than clip_eps_low)."""
+
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference model; 0 skips the reference model."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman's k1/k2/k3) used for the penalty."""
+
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become one number: over all tokens, per sequence then mean, or Dr.GRPO."""
+
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (off for Dr.GRPO)."""
+
+    kl_in_reward: bool = False
+    """Put the KL penalty in the reward instead of the loss: per token for 'ppo' and
+    'reinforce_pp', as kl_coef * (sequence KL) subtracted from the reward otherwise."""
+
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+
+    num_minibatches: int = 1
+    """Optimizer steps per pass; more than one (or several epochs) makes later updates off-policy."""
+
+    gamma: float = 1.0
+    """Discount of token rewards ('ppo' GAE, 'reinforce_pp' returns)."""
+
+    lam: float = 1.0
+    """GAE lambda ('ppo')."""
+
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
+
+    max_sampling_rounds: int = 4
+    """Cap on generation rounds per step with dynamic_sampling; if the batch is still short, it
+    is filled with dropped groups (zero advantage), counted in the 'sampling_short_groups' metric."""
+
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: completions longer than max_new_tokens - this get a linear penalty
+    reaching -overlong_penalty_factor at max_new_tokens; 0 disables it."""
+
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty."""
+
+    overlong_filter: bool = False
+    """DAPO overlong filtering: truncated completions (no stop within max_new_tokens) are masked
+    out of the loss."""
+
+    off_policy_correction: Literal["none", "tis", "mis"] = "none"
+    """Importance weights pi_trainer / pi_generator on the loss: 'tis' truncates them at
+    is_cap, 'mis' drops tokens whose ratio is outside [1/is_cap, is_cap]."""
+
+    is_cap: float = 2.0
+    """Cap C of the off-policy importance ratio (tis, mis)."""
+
+    def validate(self) -> None:
+        for name in ("ppo_epochs", "num_minibatches", "max_sampling_rounds"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[algorithm] {name} must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 1:
+            raise ValueError(f"[algorithm] group_size must be >= 1, got {self.group_size}")
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "overlong_buffer_len", "overlong_penalty_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[algorithm] {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"[algorithm] {name} must be in [0, 1], got {getattr(self, name)}")
+        if not self.is_cap > 1.0:
+            raise ValueError(f"[algorithm] is_cap must be > 1, got {self.is_cap}")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("[algorithm] dynamic_sampling needs group_size >= 2 (it drops groups of equal rewards)")
+
+
+@dataclass
+class Critic:
+    enable: bool = False
+    """Train a value model beside the policy (required by algorithm 'ppo', unused otherwise)."""
+
+    hf_checkpoint: str = ""
+    """Initialise the critic from this HF folder (a causal LM, or a *ForSequenceClassification
+    with one label); empty starts from the policy's weights as RL begins, with a new value head."""
+
+    lr: float = 1e-4
+    """AdamW learning rate of the critic (its own optimizer; betas and weight decay from [optimizer])."""
+
+    warmup_steps: int = 0
+    """First RL steps that train only the critic (the policy is not updated)."""
+
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values; 0 disables it."""
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"[critic] lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0 or self.value_clip < 0:
+            raise ValueError("[critic] warmup_steps and value_clip must be >= 0")
+
+
+@dataclass
+class Reward:
+    timeout_s: float = 5.0
+    """Seconds a reward function may run on one sample before it counts as failed."""
+
+    failure_reward: float = 0.0
+    """Reward given to a sample whose reward function raised, hung or returned a non-finite value."""
+
+    num_workers: int = 2
+    """Worker processes that run reward functions."""
+
+    memory_limit_mb: int = 2048
+    """Address-space limit of each reward worker (a runaway reward function gets MemoryError,
+    counted as a failure); 0 means no limit."""
+
+    function: str = ""
+    """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
+    returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier."""
+
+    verifier_weight: float = 1.0
+    """Weight of the verifier / reward function in the total reward."""
+
+    model_path: str = ""
+    """A reward model: HF folder of a *ForSequenceClassification with one label (e.g. written by
+    the 'reward_model' offline recipe), sharing the policy's tokenizer; scored on the same mesh."""
+
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the total reward."""
+
+    def validate(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"[reward] num_workers must be >= 1, got {self.num_workers}")
+        if self.memory_limit_mb < 0:
+            raise ValueError(f"[reward] memory_limit_mb must be >= 0 (0 = no limit), got {self.memory_limit_mb}")
+        if self.verifier_weight == 0 and not self.model_path:
+            raise ValueError("[reward] verifier_weight is 0 and no model_path is set: nothing gives a reward")
+
+
+@dataclass
+class Env:
+    name: str = ""
+    """Multi-turn environment: '' for single-turn tasks, a built-in env ('calculator', 'python',
+    'guess_number'; pair it with the same data.task) or your 'module:Class' (see titanrl/envs/base.py)."""
+
+    max_turns: int = 4
+    """Most model turns per episode."""
+
+    max_total_tokens: int = 192
+    """Most completion tokens (model and environment) per episode; generator.max_new_tokens is per turn."""
+
+    num_workers: int = 2
+    """Worker processes that run environment episodes."""
+
+    timeout_s: float = 10.0
+    """Seconds one reset/step call may take before its episode fails (and its worker is replaced)."""
+
+    def validate(self) -> None:
+        for name in ("max_turns", "max_total_tokens", "num_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[env] {name} must be >= 1, got {getattr(self, name)}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"[env] timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass
+class SFTWarmup:
+    steps: int = 0
+    """Supervised steps on worked solutions before RL (the 'sft' recipe's step), so that a model
+    trained from scratch can start; skipped when the run resumes from a checkpoint."""
+
+    lr: float = 1e-3
+    """Learning rate of the warm-up (constant; its own optimizer, of [optimizer]'s kind)."""
+
+    batch_size: int = 64
+    """Global sequences per warm-up step."""
+
+    beta1: float = 0.9
+    """Adam beta1 of the warm-up optimizer."""
+
+    beta2: float = 0.99
+    """Adam beta2 of the warm-up optimizer."""
+
+    weight_decay: float = 0.0
+    """Weight decay of the warm-up optimizer."""
+
+    seed_offset: int = 7919
+    """The warm-up's data order is seeded with job.seed + seed_offset, so that it differs from
+    the RL prompts' order."""
+
+    def validate(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"[sft_warmup] steps must be >= 0, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"[sft_warmup] lr must be > 0, got {self.lr}")
+        if self.batch_size < 1:
+            raise ValueError(f"[sft_warmup] batch_size must be >= 1, got {self.batch_size}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"[sft_warmup] {name} must be in [0, 1), got {getattr(self, name)}")
+
+
+@dataclass
+class DPO:
+    beta: float = 0.1
+    """DPO's beta: strength of the implicit KL to the reference (the starting policy)."""
+
+    label_smoothing: float = 0.0
+    """Conservative-DPO label smoothing in [0, 0.5): assumed fraction of flipped preferences."""
+
+    def validate(self) -> None:
+        if not self.beta > 0:
+            raise ValueError(f"[dpo] beta must be > 0, got {self.beta}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"[dpo] label_smoothing must be in [0, 0.5), got {self.label_smoothing}")

@@ -1,0 +1,270 @@
+"""Sections of the job configuration shared by every recipe: the job, the model and its
+placement, the optimizer, data, checkpoints and metrics. A docstring under every field; each
+section checks its own fields in `validate()`."""
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str = ""
+    """TOML file with the job configuration; values given on the command line override it."""
+
+    recipe: Literal["rl", "sft", "dpo", "reward_model"] = "rl"
+    """What the job trains (one file each under `titanrl/recipes/`): 'rl' (GRPO family, PPO: see
+    [algorithm]), 'sft' on worked solutions, 'dpo' and 'reward_model' (Bradley-Terry score head)
+    on {prompt, chosen, rejected} pairs."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes: metrics, checkpoints, exported models."""
+
+    description: str = "titanrl job"
+    """Free-text description, printed at start-up and stored with the metrics."""
+
+    seed: int = 0
+    """Seed for model init, data order and sampling; the same seed gives the same run."""
+
+    deterministic: bool = False
+    """Use deterministic kernels (`torch.use_deterministic_algorithms`); slower, bitwise repeatable."""
+
+    print_config: bool = False
+    """Print the resolved configuration as TOML on rank 0 at start-up."""
+
+    phase_timeout_s: float = 0.0
+    """Watchdog: a phase (sync, generate, reward, logprob, train, eval, checkpoint) running longer
+    than this ends the process with a message naming the rank and phase; 0 disables it."""
+
+    def validate(self) -> None:
+        if self.phase_timeout_s < 0:
+            raise ValueError(f"[job] phase_timeout_s must be >= 0 (0 = off), got {self.phase_timeout_s}")
+        if self.seed < 0:
+            raise ValueError(f"[job] seed must be >= 0, got {self.seed}")
+
+
+@dataclass
+class Model:
+    flavor: str = "debug"
+    """Named model shape from the registry (`titanrl.models.flavors`), e.g. 'debug', 'qwen3-0.6b'."""
+
+    hf_checkpoint: str = ""
+    """Hugging Face folder (config.json + safetensors) to load; empty trains the flavor from scratch."""
+
+    tokenizer: str = "byte"
+    """'byte' for the built-in byte tokenizer, or a folder holding a Hugging Face tokenizer.json."""
+
+    max_seq_len: int = 0
+    """Override of the flavor's maximum sequence length (RoPE table size); 0 keeps the flavor's."""
+
+    def validate(self) -> None:
+        if self.max_seq_len < 0:
+            raise ValueError(f"[model] max_seq_len must be >= 0 (0 = flavor default), got {self.max_seq_len}")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas (HSDP outer dimension): each replica holds a full copy, sharded by dp_shard."""
+
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1 takes whatever the world size leaves after dp_replicate and tp."""
+
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style column/row sharding with sequence parallelism)."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """FSDP2 resharding: 'default' reshards every block but the root, 'always'/'never' force it."""
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "tp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"[parallelism] dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
+
+
+@dataclass
+class Training:
+    steps: int = 100
+    """Number of optimizer steps."""
+
+    batch_size: int = 16
+    """Global rows per step, split across dp ranks: prompts for 'rl' (each sampled
+    algorithm.group_size times), demonstrations for 'sft', preference pairs for 'dpo' / 'reward_model'."""
+
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward (gradient accumulation) in every recipe and the SFT
+    warm-up: sequences are sorted by length and split into about
+    padded tokens / budget micro-batches, as many on every dp rank (a preference pair stays in
+    one); 0 = the whole mini-batch."""
+
+    max_norm: float = 1.0
+    """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
+
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of parameters in forward/backward under FSDP2 (master weights stay float32)."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the gradient reduce-scatter under FSDP2."""
+
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A non-finite loss or gradient norm: 'skip' drops that update (counted in metrics), 'stop' ends the run."""
+
+    def validate(self) -> None:
+        for name in ("steps", "micro_batch_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size < 1:
+            raise ValueError(f"[training] batch_size must be >= 1, got {self.batch_size}")
+        if self.max_norm < 0:
+            raise ValueError(f"[training] max_norm must be >= 0 (0 disables clipping), got {self.max_norm}")
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam", "SGD"] = "AdamW"
+    """Optimizer class from `torch.optim`."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam beta1 (ignored by SGD)."""
+
+    beta2: float = 0.95
+    """Adam beta2 (ignored by SGD)."""
+
+    eps: float = 1e-8
+    """Adam epsilon (ignored by SGD)."""
+
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam, SGD)."""
+
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+    """Kernel style of the optimizer step; 'fused' needs a device that supports it."""
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"[optimizer] lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"[optimizer] {name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"[optimizer] weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr * 1/(warmup_steps+1) to lr."""
+
+    decay_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Shape of the decay after warm-up, down to lr * min_lr_factor at the last step."""
+
+    min_lr_factor: float = 0.0
+    """Final learning rate as a fraction of the peak (for 'linear' and 'cosine')."""
+
+    def validate(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"[lr_scheduler] warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_factor <= 1.0:
+            raise ValueError(f"[lr_scheduler] min_lr_factor must be in [0, 1], got {self.min_lr_factor}")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """'full' recomputes each block in backward; 'selective' recomputes per `selective_ac_option`."""
+
+    selective_ac_option: str = "op"
+    """'op': save matmul/attention outputs and recompute the rest; an integer N: checkpoint every Nth block."""
+
+    def validate(self) -> None:
+        opt = self.selective_ac_option
+        if self.mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) >= 1):
+            raise ValueError(
+                f"[activation_checkpoint] selective_ac_option must be 'op' or a positive integer, got '{opt}'"
+            )
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile each transformer block with `torch.compile(fullgraph=True)`."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """`torch.compile` backend; 'aot_eager' is a fast-to-compile debugging aid."""
+
+
+@dataclass
+class Data:
+    task: str = "arithmetic"
+    """Embedded task name (e.g. 'arithmetic'), or 'jsonl' to read prompts from `path`."""
+
+    path: str = ""
+    """Prompt file for task 'jsonl': one JSON object per line with 'prompt' and 'answer'."""
+
+    num_eval_samples: int = 64
+    """Held-out prompts used by the periodic greedy evaluation (task 'jsonl': the file's first
+    rows, which are then not trained on)."""
+
+    def validate(self) -> None:
+        if self.task == "jsonl" and not self.path:
+            raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl file of prompts)")
+        if self.num_eval_samples < 0:
+            raise ValueError(f"[data] num_eval_samples must be >= 0, got {self.num_eval_samples}")
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save sharded checkpoints with `torch.distributed.checkpoint`, and resume from the latest
+    complete one in `folder` when the job starts (re-running the command resumes)."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to job.dump_folder."""
+
+    interval: int = 100
+    """Save every this many RL steps (and at the last step)."""
+
+    keep_latest_k: int = 2
+    """Keep this many most recent checkpoints; 0 keeps all."""
+
+    export_hf: bool = False
+    """At the end of the run, write the policy as a Hugging Face folder to <dump_folder>/hf."""
+
+    load_path: str = ""
+    """Resume from this step-N checkpoint folder instead of the latest one in `folder` (e.g. to
+    branch a run into a new dump_folder); empty resumes from the latest, if any."""
+
+    def validate(self) -> None:
+        if self.load_path and not self.enable:
+            raise ValueError("[checkpoint] load_path needs checkpoint.enable = true")
+        if self.interval < 1:
+            raise ValueError(f"[checkpoint] interval must be >= 1, got {self.interval}")
+        if self.keep_latest_k < 0:
+            raise ValueError(f"[checkpoint] keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 1
+    """Print and record metrics every this many steps."""
+
+    eval_freq: int = 0
+    """Run the greedy evaluation every this many steps; 0 only at the start and the end."""
+
+    jsonl_file: str = "metrics.jsonl"
+    """Metrics file (one JSON object per step), relative to job.dump_folder; empty disables it."""
+
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (offline unless `wandb_mode` says otherwise)."""
+
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """W&B mode when enabled; offline never needs a network."""
+
+    def validate(self) -> None:
+        if self.log_freq < 1:
+            raise ValueError(f"[metrics] log_freq must be >= 1, got {self.log_freq}")
+        if self.eval_freq < 0:
+            raise ValueError(f"[metrics] eval_freq must be >= 0, got {self.eval_freq}")

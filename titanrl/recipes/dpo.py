@@ -1,0 +1,53 @@
+"""DPO against a frozen copy of the starting policy (`algorithms/dpo.py`).
+
+    python -m titanrl.train --job.config_file train_configs/dpo_reverse_debug.toml
+
+Pairs as in `preference.py`; [dpo] sets beta and label smoothing. Export with
+`checkpoint.export_hf` to continue from the result (`model.hf_checkpoint`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from titanrl.algorithms.dpo import dpo_loss
+from titanrl.components.loss import token_logprobs
+from titanrl.components.model_builder import build_model, full_state_dict
+from titanrl.models.model import Transformer
+from titanrl.recipes.preference import PreferencePair, PreferenceRecipe
+
+if TYPE_CHECKING:
+    from titanrl.trainer import Trainer
+
+
+def sequence_logprobs(model: Transformer, batch: TensorDict) -> torch.Tensor:
+    """Sum of completion-token logprobs per row [B]."""
+    tokens_BT = batch["tokens"]
+    logprobs_BT = token_logprobs(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
+    return (logprobs_BT * batch["loss_mask"]).sum(-1)
+
+
+class DPORecipe(PreferenceRecipe):
+    name = "dpo"
+
+    def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
+        super().__init__(trainer, data)
+        self.reference = build_model(trainer.model_args, trainer.dims, self.config, trainer.device,
+                                     full_state_dict=full_state_dict(trainer.model)).requires_grad_(False)
+
+    def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        return {"reference": self.reference}, {}
+
+    def margins(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO's implicit reward margin and loss per pair."""
+        n = batch.batch_size[0] // 2
+        policy_lp = sequence_logprobs(self.trainer.model, batch)
+        with torch.no_grad():
+            ref_lp = sequence_logprobs(self.reference, batch)
+        cfg = self.config.dpo
+        out = dpo_loss(policy_lp[:n], policy_lp[n:], ref_lp[:n], ref_lp[n:], cfg.beta, cfg.label_smoothing)
+        return (out.chosen_reward_B - out.rejected_reward_B).detach(), out.loss_B

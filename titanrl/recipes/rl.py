@@ -1,0 +1,390 @@
+"""RL: the GRPO family and PPO, with the in-process generator.
+
+    python -m titanrl.train --job.config_file train_configs/grpo_reverse_debug.toml
+
+One step, top to bottom in `RLRecipe.step`:
+  sync weights into the generator -> generate G samples per prompt and score them -> free the
+  KV pool -> reference / old logprobs, critic values -> advantages (the algorithm's) -> policy
+  (and critic) updates in mini-batches and micro-batches -> metrics.
+What differs between GRPO, RLOO, ReMax, REINFORCE++, GSPO and PPO lives in their algorithm
+object (`titanrl/algorithms/`); this file never branches on an algorithm's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from titanrl.algorithms import AdvantageInputs, get_algorithm
+from titanrl.algorithms.common import entropy_from_logits, importance_weights, kl_estimate
+from titanrl.algorithms.ppo import value_loss
+from titanrl.components.loss import global_token_count, token_logprobs
+from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
+from titanrl.components.optimizer import build_optimizer
+from titanrl.components.plugins import load_object
+from titanrl.components.rollouts import RolloutCollector, Rollouts
+from titanrl.components.stats import StepStats, finite_max, maximum
+from titanrl.components.timer import PhaseTimer
+from titanrl.config import JobConfig
+from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
+from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, load_jsonl
+from titanrl.envs.pool import EnvPool
+from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
+from titanrl.generator import Generator, SamplingParams
+from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
+from titanrl.models.model import Transformer
+from titanrl.models.scalar_head import values
+from titanrl.recipes.base import Recipe
+from titanrl.recipes.sft import warmup
+from titanrl.rewards.runner import RewardItem, RewardRunner
+
+if TYPE_CHECKING:
+    from titanrl.trainer import Trainer
+
+
+@dataclasses.dataclass
+class RLStats(StepStats):
+    """One RL step's sums (and maxima) on this rank; `reduced` combines the ranks."""
+
+    samples: float = 0.0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    correct: float = 0.0
+    response_tokens: float = 0.0
+    reward_failures: float = 0.0
+    gen_tokens: float = 0.0
+    rm_score_sum: float = 0.0
+    baseline_reward_sum: float = 0.0
+    baseline_samples: float = 0.0
+    env_turns: float = 0.0
+    env_failures: float = 0.0
+    sampling_rounds: float = maximum(0.0)
+    dropped_groups: float = 0.0
+    short_groups: float = 0.0
+    overlong_filtered: float = 0.0
+    update_tokens: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    gen_diff: float = 0.0
+    mismatch_kl: float = 0.0
+    is_dropped: float = 0.0
+    ratio_max: float = maximum(0.0)
+    mismatch_ratio_max: float = maximum(0.0)
+    skipped_updates: float = maximum(0.0)  # counted alike on every rank (the grad norm is global)
+    value_loss: float = 0.0
+    value_clipped: float = 0.0
+    value_tokens: float = 0.0
+
+    def add_rollouts(self, generated: Rollouts) -> None:
+        rewards = torch.tensor(generated.rewards)
+        self.samples += len(generated.results)
+        self.reward_sum += rewards.sum().item()
+        self.reward_sq_sum += (rewards**2).sum().item()
+        self.correct += sum(r.correct for r in generated.results)
+        self.response_tokens += sum(len(c.token_ids) for c in generated.completions)
+        self.reward_failures += sum(r.failed is not None for r in generated.results)
+        self.baseline_reward_sum += sum(generated.baseline_rewards)
+        self.baseline_samples += len(generated.baseline_rewards)
+
+
+def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
+    """(verifier task, training prompts or None for the task's endless stream, held-out prompts)."""
+    if config.data.task == "jsonl":
+        train, held_out = held_out_split(load_jsonl(config.data.path), config.data.num_eval_samples)
+        return NumericMath(), train, held_out
+    task = build_task(config.data.task)
+    return task, None, task.samples("eval", config.data.num_eval_samples, config.job.seed)
+
+
+def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs of the next tokens [B, T-1], logits [B, T-1, V]) as the trainer computes them."""
+    tokens_BT = batch["tokens"]
+    if invariant:
+        with batch_invariant_mode():
+            logits = model(tokens_BT[:, :-1], backend=ExactCausalAttention())
+    else:
+        logits = model(tokens_BT[:, :-1])
+    return token_logprobs(logits, tokens_BT[:, 1:]), logits
+
+
+class RLRecipe(Recipe):
+    name = "rl"
+    console = {
+        "reward_mean": "reward", "reward_std": "std", "accuracy": "acc", "response_len": "len", "kl": "kl",
+        "entropy": "ent", "clip_frac": "clip", "grad_norm": "gnorm", "lr": "lr", "tokens_per_s": "tok/s",
+        "time_generate": "gen_s", "time_reward": "rew_s", "time_logprob": "lp_s", "time_train": "train_s",
+        "time_sync": "sync_s", "peak_mem_gb": "mem_gb", "eta_s": "eta", "eval_accuracy": "EVAL_ACC",
+    }
+
+    @classmethod
+    def load_data(cls, config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
+        return prompt_data(config)
+
+    def __init__(self, trainer: Trainer, data: tuple[Task, list[Sample] | None, list[Sample]]) -> None:
+        super().__init__(trainer, data)
+        cfg = self.config
+        self.task, self.train_samples, self.eval_samples = data
+        self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
+        self.policy = trainer.model
+        # The reference and the critic start as copies of the policy; `prepare` copies it again
+        # after the SFT warm-up, and a resumed run loads them from its checkpoint.
+        self.reference = self.critic = self.critic_optimizer = None
+        if self.algorithm.needs_reference:
+            self.reference = build_model(trainer.model_args, trainer.dims, cfg, trainer.device,
+                                         full_state_dict=full_state_dict(self.policy)).requires_grad_(False)
+        if self.algorithm.needs_critic:
+            self.critic = build_critic(self.policy, trainer.dims, cfg, trainer.device)
+            self.critic_optimizer = build_optimizer(self.critic, dataclasses.replace(cfg.optimizer, lr=cfg.critic.lr))
+        tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
+        self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
+                                   tokenizer=trainer.tokenizer)
+        reward_fn = self.task
+        if cfg.reward.function:
+            reward_fn = load_object(cfg.reward.function, "reward.function")
+            if not callable(reward_fn):
+                raise ValueError(f"reward.function '{cfg.reward.function}' is not callable")
+        r = cfg.reward
+        self.rewards = RewardRunner(reward_fn, r.num_workers, r.timeout_s, r.failure_reward, r.memory_limit_mb)
+        self.envs = None
+        if cfg.env.name:
+            self.envs = EnvPool(cfg.env.name, {}, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
+        reward_model = None
+        if r.model_path:
+            reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
+        self.rollouts = RolloutCollector(trainer, self.generator, self.rewards, self.envs, reward_model,
+                                         self.algorithm.needs_baseline_rollout)
+        stream = (DatasetStream(self.train_samples, cfg.job.seed) if self.train_samples
+                  else TaskStream(self.task, cfg.job.seed))
+        self.loader = build_prompt_loader(stream, cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)
+
+    def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        models = {"reference": self.reference, "critic": self.critic}
+        return {k: m for k, m in models.items() if m is not None}, (
+            {"critic": self.critic_optimizer} if self.critic is not None else {})
+
+    def prepare(self) -> None:
+        """A fresh run: the SFT warm-up (if configured), then the reference (and a critic that
+        has no checkpoint of its own) start from the policy as RL begins."""
+        if self.config.sft_warmup.steps:
+            before = self.trainer.evaluate()["eval_accuracy"]
+            self.trainer.metrics.log(-self.config.sft_warmup.steps,
+                                     {"phase": "sft", "eval_accuracy_before_sft": before})
+            warmup(self.trainer, self.task, self.train_samples)
+        if self.reference is not None:
+            copy_weights(self.reference, self.policy)
+        if self.critic is not None and not self.config.critic.hf_checkpoint:
+            copy_weights(self.critic, self.policy, skip=("output.weight",))
+
+    # ---- one step ----
+
+    def step(self, batches: Iterator, step: int) -> dict[str, float]:
+        cfg, algo = self.config, self.config.algorithm
+        timer = PhaseTimer(self.trainer.watchdog, self.trainer.device)
+        stats = RLStats()
+
+        # 1. Generate G samples per prompt with the current policy weights, and score them.
+        with timer("sync"):
+            self.generator.wake()
+            self.generator.load_weights(self.policy)
+        train, generated = self.rollouts.collect(batches, step, timer, stats)
+        self.generator.sleep()  # the KV pool's memory goes to training
+        stats.add_rollouts(generated)
+        batch = self.build_batch(train, stats)
+
+        # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
+        off_policy = algo.ppo_epochs * algo.num_minibatches > 1
+        invariant = cfg.generator.batch_invariant
+        with timer("logprob"), torch.no_grad():
+            if self.reference is not None:
+                batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant)
+            if off_policy:
+                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant)
+            if self.critic is not None:
+                batch["values"] = values(self.critic, batch["tokens"]) * batch["loss_mask"]
+
+        # 3. Advantages (and the critic's targets).
+        advantages = self.algorithm.advantages(self.advantage_inputs(batch, train))
+        batch["advantages"] = advantages.advantages
+        if advantages.returns_BT is not None:
+            batch["returns"] = advantages.returns_BT
+
+        # 4. Updates: epochs x mini-batches of optimizer steps, micro-batches accumulate.
+        grad_norms, critic_norms = [], []
+        train_policy = self.critic is None or step > cfg.critic.warmup_steps
+        with timer("train"):
+            for _ in range(algo.ppo_epochs):
+                for minibatch in split_batch(batch, algo.num_minibatches):
+                    if train_policy:
+                        grad_norms.append(self.update_policy(minibatch, off_policy, stats, step))
+                    if self.critic is not None:
+                        critic_norms.append(self.update_critic(minibatch, stats, step))
+            if train_policy:
+                self.trainer.lr_scheduler.step()
+
+        # 5. Metrics, over data-parallel ranks.
+        return self.step_metrics(stats.reduced(self.trainer.dp_group), timer, grad_norms, critic_norms)
+
+    def build_batch(self, train: Rollouts, stats: RLStats) -> TensorDict:
+        G, completions = self.config.algorithm.group_size, train.completions
+        batch = build_sequence_batch(
+            [train.prompts[i // G] for i in range(len(completions))], [c.token_ids for c in completions],
+            self.trainer.tokenizer.pad_id, [c.logprobs for c in completions],
+            [c.model_mask for c in completions],  # environment tokens are not trained on
+        ).to(self.trainer.device)
+        if self.config.algorithm.overlong_filter:
+            truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.trainer.device)
+            batch["loss_mask"] = batch["loss_mask"] * (~truncated)[:, None]
+            stats.overlong_filtered += truncated.sum().item()
+        return batch
+
+    def advantage_inputs(self, batch: TensorDict, train: Rollouts) -> AdvantageInputs:
+        algo, mask = self.config.algorithm, batch["loss_mask"]
+        kl_BT = None
+        if algo.kl_coef > 0 and algo.kl_in_reward:
+            policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
+            kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
+        return AdvantageInputs(
+            rewards_N=torch.tensor(train.rewards).to(self.trainer.device), mask_BT=mask, kl_BT=kl_BT,
+            values_BT=batch["values"] if self.critic is not None else None, turn_scores=self.turn_scores(train),
+            baseline_rewards_P=torch.tensor(train.baseline_rewards) if self.algorithm.needs_baseline_rollout else None,
+            dp_group=self.trainer.dp_group,
+        )
+
+    def turn_scores(self, rollouts: Rollouts) -> list[list[float]] | None:
+        """Multi-turn: each episode's per-turn rewards (weighted), with whatever else its total
+        holds (reward model, length penalty) on the last turn, so that they sum to the total."""
+        if self.envs is None:
+            return None
+        out = []
+        for result, total in zip(rollouts.results, rollouts.rewards):
+            scores = [self.config.reward.verifier_weight * r for r in result.turn_rewards or [0.0]]
+            scores[-1] += total - sum(scores)
+            out.append(scores)
+        return out
+
+    def micro_batches(self, minibatch: TensorDict) -> list[TensorDict]:
+        # Sorted by length even when whole: the rounding of every published seeded run depends on it.
+        plan = self.trainer.plan_micro_batches(minibatch["length"].tolist(), sort_single=True)
+        return [trim_padding(minibatch[rows]) for rows in plan]
+
+    def update_policy(self, minibatch: TensorDict, off_policy: bool, stats: RLStats, step: int) -> float:
+        """One optimizer step over `minibatch`, accumulated over micro-batches; returns the grad norm."""
+        algo, trainer = self.config.algorithm, self.trainer
+        num_tokens = global_token_count(minibatch["loss_mask"], trainer.dp_group).item()
+        (num_seqs,) = trainer.dp_sum([float(minibatch.batch_size[0])])
+        trainer.optimizer.zero_grad()
+        for mb in self.micro_batches(minibatch):
+            logprobs, logits = forward_logprobs(self.policy, mb, self.config.generator.batch_invariant)
+            mask = mb["loss_mask"]
+            # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
+            old = mb["old_logprobs"] if off_policy else logprobs.detach()
+            is_weights, is_dropped = importance_weights(old, mb["gen_logprobs"], algo.off_policy_correction,
+                                                        algo.is_cap)
+            out = self.algorithm.loss(
+                logprobs, old, mb["advantages"], mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
+                ref_logprobs_BT=mb["ref_logprobs"] if self.reference is not None else None,
+                is_weights_BT=is_weights if algo.off_policy_correction != "none" else None,
+            )
+            trainer.backward(out.loss, step)
+            with torch.no_grad():
+                if self.reference is not None:
+                    stats.kl += (kl_estimate(logprobs, mb["ref_logprobs"], algo.kl_estimator) * mask).sum().item()
+                stats.entropy += (entropy_from_logits(logits) * mask).sum().item()
+                stats.clipped += out.clipped_tokens.item()
+                stats.update_tokens += mask.sum().item()
+                stats.gen_diff += ((old - mb["gen_logprobs"]).abs() * mask).sum().item()
+                stats.mismatch_kl += (kl_estimate(mb["gen_logprobs"], old, "k3") * mask).sum().item()
+                stats.is_dropped += (is_dropped.float() * mask).sum().item()
+                stats.ratio_max = max(stats.ratio_max, out.ratio_max.item())
+                if mask.any():
+                    mismatch = torch.exp(old - mb["gen_logprobs"])[mask > 0].max().item()
+                    stats.mismatch_ratio_max = max(stats.mismatch_ratio_max, mismatch)
+        grad_norm = trainer.optimizer_step(self.policy, trainer.optimizer, "policy")
+        stats.skipped_updates += math.isnan(grad_norm)
+        return grad_norm
+
+    def update_critic(self, minibatch: TensorDict, stats: RLStats, step: int) -> float:
+        """One critic optimizer step on the clipped value loss toward the returns."""
+        num_tokens = global_token_count(minibatch["loss_mask"], self.trainer.dp_group).item()
+        self.critic_optimizer.zero_grad()
+        for mb in self.micro_batches(minibatch):
+            mask = mb["loss_mask"]
+            v_BT = values(self.critic, mb["tokens"])
+            loss, n_clipped = value_loss(v_BT, mb["values"], mb["returns"], mask, self.config.critic.value_clip,
+                                         num_tokens)
+            self.trainer.backward(loss, step)
+            stats.value_loss += loss.item() * num_tokens
+            stats.value_clipped += n_clipped.item()
+            stats.value_tokens += mask.sum().item()
+        grad_norm = self.trainer.optimizer_step(self.critic, self.critic_optimizer, "critic")
+        stats.skipped_updates += math.isnan(grad_norm)
+        return grad_norm
+
+    def step_metrics(self, s: RLStats, timer: PhaseTimer, grad_norms: list[float], critic_norms: list[float]
+                     ) -> dict[str, float]:
+        algo, n, per_token = self.config.algorithm, s.samples, max(s.update_tokens, 1.0)
+        r_mean = s.reward_sum / n
+        metrics = {
+            "reward_mean": r_mean, "reward_std": max(s.reward_sq_sum / n - r_mean**2, 0.0) ** 0.5,
+            "accuracy": s.correct / n, "response_len": s.response_tokens / n, "reward_failures": s.reward_failures,
+            "kl": s.kl / per_token, "entropy": s.entropy / per_token, "clip_frac": s.clipped / per_token,
+            "ratio_max": s.ratio_max,
+            # Generator vs trainer logprobs of the sampled tokens (0 only in batch-invariant mode):
+            # mean |diff|, k3 KL(pi_gen || pi_trainer), the largest ratio pi_trainer / pi_gen.
+            "gen_logprob_diff": s.gen_diff / per_token, "mismatch_kl": s.mismatch_kl / per_token,
+            "mismatch_ratio_max": s.mismatch_ratio_max,
+            "grad_norm": finite_max(grad_norms), "skipped_updates": s.skipped_updates,
+            "lr": self.trainer.lr_scheduler.get_last_lr()[0],
+            "tokens_per_s": s.gen_tokens / max(sum(timer.seconds.values()), 1e-9),
+            **timer.metrics(),
+        }
+        if algo.off_policy_correction != "none":
+            metrics["is_dropped_frac"] = s.is_dropped / per_token
+        if algo.dynamic_sampling:
+            metrics.update(sampling_rounds=s.sampling_rounds, dropped_groups=s.dropped_groups,
+                           sampling_short_groups=s.short_groups)
+        if algo.overlong_filter:
+            metrics["overlong_filtered"] = s.overlong_filtered
+        if self.config.reward.model_path:
+            metrics["rm_score"] = s.rm_score_sum / n
+        if self.algorithm.needs_baseline_rollout:
+            metrics["greedy_reward"] = s.baseline_reward_sum / s.baseline_samples
+        if self.envs is not None:
+            metrics.update(env_turns=s.env_turns / n, env_failures=s.env_failures)
+        if self.critic is not None:
+            metrics.update(value_loss=s.value_loss / max(s.value_tokens, 1.0),
+                           value_clip_frac=s.value_clipped / max(s.value_tokens, 1.0),
+                           critic_grad_norm=finite_max(critic_norms))
+        return metrics
+
+    # ---- evaluation ----
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks."""
+        dims = self.trainer.dims
+        mine = self.eval_samples[dims.dp_rank :: dims.dp_size]
+        self.generator.wake()
+        self.generator.load_weights(self.policy)
+        params = SamplingParams(max_new_tokens=self.config.generator.max_new_tokens, temperature=0.0)
+        if self.envs is not None:
+            _, _, results, _ = self.rollouts.generate_episodes(mine, params, list(range(len(mine))))
+            self.generator.sleep()
+        else:
+            completions, _ = self.generator.generate([self.rollouts.encode_prompt(s.prompt) for s in mine], params)
+            self.generator.sleep()
+            results = self.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata)
+                                    for s, c in zip(mine, completions)])
+        correct, total = self.trainer.dp_sum([sum(r.correct for r in results), len(results)])
+        return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total}
+
+    def close(self) -> None:
+        self.rewards.close()
+        if self.envs is not None:
+            self.envs.close()

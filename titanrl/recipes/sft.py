@@ -1,0 +1,138 @@
+"""SFT: -log p(demonstration | prompt), token mean over the global batch.
+
+    python -m titanrl.train --job.config_file train_configs/sft_reverse_debug.toml
+
+Data: `data.task = "jsonl"` reads {prompt, answer[, solution]} rows from data.path (the first
+data.num_eval_samples rows are held out), or an embedded task gives worked solutions. The same
+step is the RL recipe's supervised warm-up (`warmup`, configured by [sft_warmup]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from titanrl.components.loss import global_token_count, sft_loss
+from titanrl.components.optimizer import build_optimizer
+from titanrl.config import JobConfig
+from titanrl.data.batch import build_sequence_batch
+from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, load_jsonl
+from titanrl.envs.tasks import Sample, Task, build_task
+from titanrl.models.model import Transformer
+from titanrl.models.tokenizer import Tokenizer
+from titanrl.recipes.base import Recipe
+
+if TYPE_CHECKING:
+    from titanrl.trainer import Trainer
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return bos + tokenizer.encode(prompt)
+
+
+def demonstration(tokenizer: Tokenizer, sample: Sample) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, completion ids, completion loss mask) of a sample's worked solution + eos; a
+    multi-turn demonstration (metadata 'demo' = [[text, from_model], ...]) masks out the
+    environment's text."""
+    demo = sample.metadata.get("demo") or [[sample.solution, True]]
+    tokens, mask = [], []
+    for text, from_model in demo:
+        ids = tokenizer.encode(text)
+        tokens += ids
+        mask += [int(bool(from_model))] * len(ids)
+    return encode_prompt(tokenizer, sample.prompt), tokens + [tokenizer.eos_id], mask + [1]
+
+
+def sft_losses(trainer: Trainer, model: Transformer, samples: list[Sample], step: int, train: bool
+               ) -> tuple[float, int]:
+    """Forward (and, when `train`, backward) this rank's samples in micro-batches: (this rank's
+    share of the global token-mean loss, number of micro-batches)."""
+    rows = [demonstration(trainer.tokenizer, s) for s in samples]
+    micros = []
+    for idx in trainer.plan_micro_batches([len(p) + len(c) for p, c, _ in rows]):
+        part = [rows[i] for i in idx.tolist()]
+        micros.append(build_sequence_batch([p for p, _, _ in part], [c for _, c, _ in part],
+                                           trainer.tokenizer.pad_id, None, [m for _, _, m in part]).to(trainer.device))
+    num_tokens = global_token_count(sum((mb["loss_mask"].sum() for mb in micros), torch.tensor(0.0)),
+                                    trainer.dp_group)
+    total = 0.0
+    for mb in micros:
+        tokens_BT = mb["tokens"]
+        with torch.set_grad_enabled(train):
+            loss = sft_loss(model(tokens_BT[:, :-1]), tokens_BT[:, 1:], mb["loss_mask"], num_tokens)
+        if train:
+            trainer.backward(loss, step)
+        total += loss.item()
+    return total, len(micros)
+
+
+def sft_step(trainer: Trainer, model: Transformer, optimizer: torch.optim.Optimizer, samples: list[Sample],
+             step: int) -> dict[str, float]:
+    """One optimizer step on `samples` (this rank's share of the global batch)."""
+    optimizer.zero_grad()
+    with trainer.watchdog.phase("train"):
+        local_loss, n_micro = sft_losses(trainer, model, samples, step, train=True)
+        grad_norm = trainer.optimizer_step(model, optimizer, "sft")
+    (loss,) = trainer.dp_sum([local_loss])
+    return {"loss": loss, "grad_norm": grad_norm, "micro_batches": n_micro}
+
+
+def warmup(trainer: Trainer, task: Task, train_samples: list[Sample] | None) -> None:
+    """RL's supervised warm-up ([sft_warmup]): SFT steps on worked solutions (the data's
+    'solution' field, else its answer, or the task's), with their own optimizer, so that a
+    from-scratch model can start RL. Logged at steps -N .. 0 with phase 'sft'."""
+    cfg, config = trainer.config.sft_warmup, trainer.config
+    optimizer = build_optimizer(trainer.model, dataclasses.replace(
+        config.optimizer, lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay))
+    seed = config.job.seed + cfg.seed_offset
+    stream = DatasetStream(train_samples, seed) if train_samples else TaskStream(task, seed)
+    batches = iter(build_prompt_loader(stream, cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size))
+    for step in range(1, cfg.steps + 1):
+        out = sft_step(trainer, trainer.model, optimizer, next(batches), step - cfg.steps)
+        if step % 25 == 0 or step == cfg.steps:
+            trainer.metrics.log(step - cfg.steps, {"phase": "sft", "sft_loss": out["loss"],
+                                                   "sft_micro_batches": out["micro_batches"]})
+
+
+def sft_data(config: JobConfig) -> tuple[list[Sample], list[Sample]]:
+    """(train rows, held-out rows): data.path's rows, or the embedded task's worked solutions."""
+    n_eval = config.data.num_eval_samples
+    if config.data.task == "jsonl":
+        return held_out_split(load_jsonl(config.data.path), n_eval)
+    task = build_task(config.data.task)
+    n_train = config.training.steps * config.training.batch_size
+    return task.samples("train", n_train, config.job.seed), task.samples("eval", n_eval, config.job.seed)
+
+
+class SFTRecipe(Recipe):
+    name = "sft"
+    console = {"loss": "loss", "grad_norm": "gnorm", "lr": "lr", "eval_loss": "EVAL_LOSS", "eta_s": "eta"}
+
+    @classmethod
+    def load_data(cls, config: JobConfig) -> tuple[list[Sample], list[Sample]]:
+        return sft_data(config)
+
+    def __init__(self, trainer: Trainer, data: tuple[list[Sample], list[Sample]]) -> None:
+        super().__init__(trainer, data)
+        train_rows, self.eval_rows = data
+        dims = trainer.dims
+        stream = DatasetStream(train_rows, self.config.job.seed)
+        self.loader = build_prompt_loader(stream, self.config.training.batch_size, dims.dp_rank, dims.dp_size)
+
+    def step(self, batches: Iterator, step: int) -> dict[str, float]:
+        out = sft_step(self.trainer, self.trainer.model, self.trainer.optimizer, next(batches), step)
+        self.trainer.lr_scheduler.step()
+        return {**out, "lr": self.trainer.lr_scheduler.get_last_lr()[0]}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        dims = self.trainer.dims
+        local, _ = sft_losses(self.trainer, self.trainer.model, self.eval_rows[dims.dp_rank :: dims.dp_size], 0,
+                              train=False)
+        (total,) = self.trainer.dp_sum([local])
+        return {"eval_loss": total}
+

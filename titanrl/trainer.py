@@ -1,0 +1,200 @@
+"""The Trainer: builds everything a job needs from its `JobConfig`, then runs the loop.
+
+    trainer = Trainer(config)   # mesh, tokenizer, model, optimizer, lr schedule, checkpointer,
+                                # metrics, watchdog, then the recipe's own parts (data, generator,
+                                # rewards, reference, critic ...): complete when it returns
+    trainer.train()             # resume or prepare; for each step: recipe.step(...), eval, log,
+                                # checkpoint; export
+
+What a job trains is its recipe (`titanrl/recipes/`, chosen by `job.recipe`). The Trainer owns
+what every recipe shares, once: checkpoint save and resume, the non-finite-update policy, the
+watchdog, evaluation and logging.
+"""
+
+import os
+import random
+import re
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanrl.components import launch
+from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
+from titanrl.components.metrics import MetricsLogger
+from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
+from titanrl.components.watchdog import Watchdog
+from titanrl.config import JobConfig
+from titanrl.data.batch import micro_batch_plan, num_micro_batches
+from titanrl.distributed import all_reduce_values, clip_grad_norm_
+from titanrl.models.hf import export_hf
+from titanrl.models.tokenizer import build_tokenizer
+from titanrl.recipes import get_recipe
+
+
+class Trainer:
+    def __init__(self, config: JobConfig) -> None:
+        recipe_cls = get_recipe(config.job.recipe)
+        data = recipe_cls.load_data(config)  # bad data fails before anything is built
+        self.config = config
+        self.rank, self.dims, self.device = launch.start(config)
+        self.dp_group = self.dims.dp_mesh.get_group() if self.dims.dp_size > 1 else None
+        self.tokenizer = build_tokenizer(config.model.tokenizer)
+        self.model_args = launch.model_args(config, self.tokenizer.vocab_size)
+        self.watchdog = Watchdog(config.job.phase_timeout_s, self.rank)
+        ckpt = config.checkpoint
+        self.checkpointer = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k)
+        self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
+        self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
+        self.model = recipe_cls.build_model(self)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
+        self.recipe = recipe_cls(self, data)
+
+    # ---- the loop ----
+
+    def train(self) -> dict[str, float]:
+        """Run the job to `training.steps`; returns the first and last evaluation."""
+        cfg = self.config
+        self._banner()
+        restored = self.load_checkpoint()
+        if restored is None:
+            start, (first_eval, last_eval) = 1, self.begin()
+        else:
+            start, first_eval, last_eval = restored["step"] + 1, restored["first_eval"], restored["last_eval"]
+        batches = iter(self.recipe.loader)
+        step_times: list[float] = []
+        for step in range(start, cfg.training.steps + 1):
+            began = time.perf_counter()
+            metrics = self.recipe.step(batches, step)
+            fault_point("step", step)
+            evaluated = bool(cfg.metrics.eval_freq) and step % cfg.metrics.eval_freq == 0 or step == cfg.training.steps
+            if evaluated:
+                last_eval = self.evaluate()
+                metrics.update(last_eval)
+            step_times.append(time.perf_counter() - began)
+            if step % cfg.metrics.log_freq == 0 or evaluated:
+                metrics["eta_s"] = sum(step_times) / len(step_times) * (cfg.training.steps - step)
+                self.metrics.log(step, {"phase": self.recipe.name, **metrics}, self.recipe.console)
+            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps):
+                self.save_checkpoint(step, first_eval, last_eval)
+        self._finish(first_eval, last_eval)
+        return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
+
+    def begin(self) -> tuple[dict[str, float], dict[str, float]]:
+        """A fresh run: the recipe's preparation (e.g. RL's SFT warm-up), then the step-0 eval."""
+        self.recipe.prepare()
+        first_eval = self.evaluate()
+        self.metrics.log(0, {"phase": self.recipe.name, **first_eval}, self.recipe.console)
+        return first_eval, first_eval
+
+    def evaluate(self) -> dict[str, float]:
+        with self.watchdog.phase("eval"):
+            return self.recipe.evaluate()
+
+    def close(self) -> None:
+        self.recipe.close()
+        self.metrics.close()
+        launch.shutdown()
+
+    def _banner(self) -> None:
+        if self.rank == 0:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            print(f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
+                  f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params local) | "
+                  f"task {self.config.data.task}", flush=True)
+
+    def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
+        if self.config.checkpoint.export_hf:
+            export_hf(self.model, os.path.join(self.config.job.dump_folder, "hf"))
+        if self.rank == 0:
+            summary = ", ".join(f"{k} {first_eval[k]:.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
+            print(f"{self.recipe.name}: {summary}", flush=True)
+
+    # ---- what recipes share inside a step ----
+
+    def backward(self, loss: torch.Tensor, step: int) -> None:
+        # Fault hooks (tests): poison one update, or hang in it, for every recipe alike.
+        if fault_active("hang_train", step):
+            time.sleep(3600)
+        (loss * float("nan") if fault_active("nan_loss", step) else loss).backward()
+
+    def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> float:
+        """Clip, then step unless the gradient norm is non-finite (skip the update and return
+        nan, or stop: training.on_nonfinite)."""
+        grad_norm = clip_grad_norm_(list(model.parameters()), self.config.training.max_norm)
+        # The norm is global (all ranks agree), so every rank takes the same branch.
+        if not torch.isfinite(grad_norm):
+            if self.config.training.on_nonfinite == "stop":
+                raise FloatingPointError(
+                    f"non-finite gradient norm in the {what} update (loss or logprobs overflowed); "
+                    "lower optimizer.lr, check rewards and data, or set training.on_nonfinite = 'skip'"
+                )
+            optimizer.zero_grad()
+            return float("nan")
+        optimizer.step()
+        return grad_norm.item()
+
+    def dp_sum(self, values: list[float]) -> list[float]:
+        """Host numbers summed over data-parallel ranks (TP peers hold equal copies, not counted)."""
+        return all_reduce_values(values, self.dp_group)
+
+    def dp_max(self, values: list[float]) -> list[float]:
+        return all_reduce_values(values, self.dp_group, op=dist.ReduceOp.MAX)
+
+    def plan_micro_batches(self, lengths: list[int], sort_single: bool = False) -> list[torch.Tensor]:
+        """Row indices of this rank's micro-batches: each about training.micro_batch_tokens padded
+        tokens (`lengths` = padded tokens per row), as many on every dp rank (FSDP runs
+        collectives in every forward and backward); none when some rank has no rows. A single
+        micro-batch keeps the rows in order unless `sort_single` (order changes the sums' rounding)."""
+        needed = num_micro_batches(lengths, self.config.training.micro_batch_tokens)
+        most, fewest_rows = all_reduce_values([needed, -len(lengths)], self.dp_group, op=dist.ReduceOp.MAX)
+        n = int(min(most, -fewest_rows))
+        if n == 0:
+            return []
+        if n == 1 and not sort_single:
+            return [torch.arange(len(lengths))]
+        return micro_batch_plan(torch.tensor(lengths), n)
+
+    # ---- checkpoints ----
+
+    def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        models, optimizers = self.recipe.checkpoint_parts()
+        return {"model": self.model, **models}, {"model": self.optimizer, **optimizers}
+
+    def save_checkpoint(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
+        host = {
+            "step": step, "scheduler": self.lr_scheduler.state_dict(), "loader": self.recipe.loader.state_dict(),
+            "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+            "first_eval": first_eval, "last_eval": last_eval,
+        }
+        with self.watchdog.phase("checkpoint"):
+            self.checkpointer.save(step, *self.checkpoint_parts(), host)
+
+    def load_checkpoint(self) -> dict | None:
+        """Restore checkpoint.load_path, else the latest complete checkpoint of this run, if any;
+        returns its host state (step, evals) or None for a fresh run."""
+        if not self.resuming:
+            return None
+        path = self.config.checkpoint.load_path.rstrip("/")
+        if path:
+            match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
+            if not match or not os.path.exists(os.path.join(path, ".metadata")):
+                raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
+            host = self.checkpointer.load(path, *self.checkpoint_parts())
+        else:
+            restored = self.checkpointer.load_latest(*self.checkpoint_parts(),
+                                                     log=print if self.rank == 0 else lambda _: None)
+            if restored is None:
+                return None
+            host = restored[1]
+            path = self.checkpointer.step_dir(restored[0])
+        self.lr_scheduler.load_state_dict(host["scheduler"])
+        self.recipe.loader.load_state_dict(host["loader"])
+        torch.set_rng_state(host["torch_rng"])
+        random.setstate(host["py_rng"])
+        if self.rank == 0:
+            print(f"resumed from {path} (step {host['step']})", flush=True)
+        return host
+
