@@ -92,8 +92,7 @@ def test_first_dpo_step_has_zero_margin_and_loss_log_2(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["sft", "dpo"])
 def test_offline_recipes_honour_checkpoint_load_path(tmp_path, recipe):
-    """checkpoint.load_path branches an SFT / DPO run from a given checkpoint into a new folder;
-    the branch's steps equal the original run's exactly."""
+    """SFT / DPO run branched from a given checkpoint into a new folder (checkpoint.load_path) -> the branch's steps equal the original run's exactly"""
     first = tmp_path / "first"
     train.main(_offline_args(recipe, first, "--checkpoint.enable=true", "--checkpoint.interval=2",
                              "--checkpoint.keep_latest_k=0"))
@@ -109,8 +108,7 @@ def test_offline_recipes_honour_checkpoint_load_path(tmp_path, recipe):
 
 @pytest.mark.parametrize("recipe", ["sft", "dpo"])
 def test_offline_recipes_honour_on_nonfinite(tmp_path, monkeypatch, recipe):
-    """A NaN loss at step 2: 'skip' drops that update (grad_norm nan, later steps finite); 'stop'
-    ends the run with the cause, as in RL."""
+    """NaN loss in one SFT / DPO update -> 'skip' drops that update (grad_norm nan, the other steps finite); 'stop' ends the run naming the cause, as in RL"""
     monkeypatch.setenv("TITANRL_FAULT", "nan_loss:2:0")
     train.main(_offline_args(recipe, tmp_path / "skip", "--training.on_nonfinite=skip"))
     norms = [r["grad_norm"] for r in _rows(tmp_path / "skip") if "grad_norm" in r]

@@ -169,18 +169,20 @@ class RolloutCollector:
         if not algo.dynamic_sampling:
             return first, first
         generated, kept, dropped = [first], [], []
+        latest = first
         for round_idx in range(1, algo.max_sampling_rounds + 1):
-            latest = generated[-1]
-            for i, keep in enumerate(informative_groups(torch.tensor(latest.rewards), G).tolist()):
-                (kept if keep else dropped).append(latest.group(i, G))
+            if latest is not None:  # sort the groups of this round's new rollout, once
+                for i, keep in enumerate(informative_groups(torch.tensor(latest.rewards), G).tolist()):
+                    (kept if keep else dropped).append(latest.group(i, G))
             # Every dp rank runs the same number of rounds (generation may be collective over tp).
             (deficit,) = self.trainer.dp_max([float(quota - len(kept))])
             if deficit <= 0 or round_idx == algo.max_sampling_rounds:
                 break
-            samples = next(batches)
-            if len(kept) >= quota:
-                continue
-            generated.append(self.rollout(samples, step, round_idx, timer, stats))
+            samples = next(batches)  # drawn on every rank: the loaders stay in step
+            latest = None
+            if len(kept) < quota:
+                latest = self.rollout(samples, step, round_idx, timer, stats)
+                generated.append(latest)
         short = max(quota - len(kept), 0)
         stats.sampling_rounds = len(generated)
         stats.dropped_groups += len(dropped)

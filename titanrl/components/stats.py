@@ -11,7 +11,6 @@ Adding a metric is one field; `reduced` sends every field in a single all-gather
 
 import dataclasses
 import math
-from typing import Self
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ def maximum(default: float = float("-inf")) -> float:
 
 @dataclasses.dataclass
 class StepStats:
-    def reduced(self, group: dist.ProcessGroup | None) -> Self:
+    def reduced(self, group: dist.ProcessGroup | None) -> "StepStats":
         """Every field summed (or, for `maximum()` fields, maxed) over the ranks of `group`."""
         fields = dataclasses.fields(self)
         local = torch.tensor([float(getattr(self, f.name)) for f in fields], dtype=torch.float64)

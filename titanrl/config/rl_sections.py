@@ -257,7 +257,7 @@ class SFTWarmup:
     trained from scratch can start; skipped when the run resumes from a checkpoint."""
 
     lr: float = 1e-3
-    """Learning rate of the warm-up (constant; its own optimizer, of [optimizer]'s kind)."""
+    """Learning rate of the warm-up (constant; its own AdamW, not [optimizer]'s)."""
 
     batch_size: int = 64
     """Global sequences per warm-up step."""

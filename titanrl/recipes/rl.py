@@ -133,6 +133,10 @@ class RLRecipe(Recipe):
         self.task, self.train_samples, self.eval_samples = data
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
+        # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
+        tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
+        self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
+                                   tokenizer=trainer.tokenizer)
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
         self.reference = self.critic = self.critic_optimizer = None
@@ -142,9 +146,6 @@ class RLRecipe(Recipe):
         if self.algorithm.needs_critic:
             self.critic = build_critic(self.policy, trainer.dims, cfg, trainer.device)
             self.critic_optimizer = build_optimizer(self.critic, dataclasses.replace(cfg.optimizer, lr=cfg.critic.lr))
-        tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
-        self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
-                                   tokenizer=trainer.tokenizer)
         reward_fn = self.task
         if cfg.reward.function:
             reward_fn = load_object(cfg.reward.function, "reward.function")
@@ -247,7 +248,7 @@ class RLRecipe(Recipe):
     def advantage_inputs(self, batch: TensorDict, train: Rollouts) -> AdvantageInputs:
         algo, mask = self.config.algorithm, batch["loss_mask"]
         kl_BT = None
-        if algo.kl_coef > 0 and algo.kl_in_reward:
+        if self.reference is not None and algo.kl_in_reward:
             policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
             kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
         return AdvantageInputs(

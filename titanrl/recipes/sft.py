@@ -9,7 +9,6 @@ step is the RL recipe's supervised warm-up (`warmup`, configured by [sft_warmup]
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -18,6 +17,7 @@ import torch
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
+from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, load_jsonl
 from titanrl.envs.tasks import Sample, Task, build_task
@@ -86,8 +86,8 @@ def warmup(trainer: Trainer, task: Task, train_samples: list[Sample] | None) -> 
     'solution' field, else its answer, or the task's), with their own optimizer, so that a
     from-scratch model can start RL. Logged at steps -N .. 0 with phase 'sft'."""
     cfg, config = trainer.config.sft_warmup, trainer.config
-    optimizer = build_optimizer(trainer.model, dataclasses.replace(
-        config.optimizer, lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay))
+    optimizer = build_optimizer(trainer.model, OptimizerConfig(
+        lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay))
     seed = config.job.seed + cfg.seed_offset
     stream = DatasetStream(train_samples, seed) if train_samples else TaskStream(task, seed)
     batches = iter(build_prompt_loader(stream, cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size))
