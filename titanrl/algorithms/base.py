@@ -122,11 +122,16 @@ class Algorithm:
         """PPO's clipped surrogate (`common.clipped_pg_loss`), with the KL term unless the KL
         is in the reward; `is_weights_BT` are off-policy importance weights or None."""
         c = self.config
-        kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
         return clipped_pg_loss(
             logprobs_BT, old_logprobs_BT, advantages, mask_BT,
             clip_low=c.clip_eps_low, clip_high=c.clip_eps_high, loss_agg=c.loss_agg,
             num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            ref_logprobs_BT=ref_logprobs_BT if kl_in_loss else None, kl_coef=c.kl_coef if kl_in_loss else 0.0,
-            kl_estimator=c.kl_estimator, is_weights_BT=is_weights_BT,
+            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
         )
+
+    def kl_term(self, ref_logprobs_BT: torch.Tensor | None) -> dict:
+        """The loss's KL arguments: none when the KL goes in the reward instead."""
+        c = self.config
+        if c.kl_coef > 0 and not c.kl_in_reward:
+            return {"ref_logprobs_BT": ref_logprobs_BT, "kl_coef": c.kl_coef, "kl_estimator": c.kl_estimator}
+        return {"ref_logprobs_BT": None, "kl_coef": 0.0, "kl_estimator": c.kl_estimator}

@@ -70,10 +70,8 @@ class GSPO(Algorithm):
     def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
              ref_logprobs_BT, is_weights_BT) -> LossOutput:
         c = self.config
-        kl_in_loss = c.kl_coef > 0 and not c.kl_in_reward
         return gspo_loss(
             logprobs_BT, old_logprobs_BT, advantages, mask_BT, clip_low=c.clip_eps_low, clip_high=c.clip_eps_high,
             num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            ref_logprobs_BT=ref_logprobs_BT if kl_in_loss else None, kl_coef=c.kl_coef if kl_in_loss else 0.0,
-            kl_estimator=c.kl_estimator, is_weights_BT=is_weights_BT,
+            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
         )
