@@ -2,14 +2,18 @@
 resumes exactly, and the offline SFT -> DPO / reward model -> RL-with-reward-model chain works
 on real files."""
 
+import contextlib
+import io
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 
 from conftest import REPO_ROOT, run_cmd
+from titanrl import train
 
 SMALL = [
     "--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8",
@@ -39,12 +43,14 @@ def _config(name):
 
 
 def _train(recipe, folder, extra=(), nproc=1):
+    """Run a recipe: on 1 rank in this process (no interpreter start-up), else under torchrun."""
     args = [f"--job.config_file={_config(recipe)}", f"--job.dump_folder={folder}", *extra]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrl.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titanrl.train", *args]
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            train.main(args)
+        return subprocess.CompletedProcess(args, 0, out.getvalue(), "")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "titanrl.train", *args]
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

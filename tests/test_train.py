@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import REPO_ROOT, run_cmd
+from titanrl import train
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
@@ -29,6 +30,12 @@ def _run_single(folder, extra=()):
     # tests/ on the path so that 'reward_fns:...' imports, in the trainer and its reward workers.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     return run_cmd(cmd, env)
+
+
+def _train_in_process(folder, extra=()) -> list[dict]:
+    """The same job as `_run_single`, in this process (no interpreter start-up): its metrics."""
+    train.main([f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={folder}", *extra])
+    return _metrics(folder)
 
 
 def _rl_steps(metrics):
@@ -84,19 +91,15 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
 
 
 def test_kl_to_reference_starts_at_zero_then_grows(tmp_path):
-    proc = _run_single(tmp_path, ["--algorithm.kl_coef=0.05", "--optimizer.lr=3e-3"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = _rl_steps(_metrics(tmp_path))
+    steps = _rl_steps(_train_in_process(tmp_path, ["--algorithm.kl_coef=0.05", "--optimizer.lr=3e-3"]))
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # the reference is the policy as RL starts
     assert steps[-1]["kl"] > 1e-4
 
 
 def test_off_policy_epochs_and_minibatches(tmp_path):
     """2 epochs x 2 mini-batches with micro-batches: later updates see ratios != 1 (old logprobs)."""
-    proc = _run_single(tmp_path, ["--algorithm.ppo_epochs=2", "--algorithm.num_minibatches=2",
-                                  "--optimizer.lr=3e-3", "--training.micro_batch_tokens=24"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = _rl_steps(_metrics(tmp_path))
+    steps = _rl_steps(_train_in_process(tmp_path, ["--algorithm.ppo_epochs=2", "--algorithm.num_minibatches=2",
+                                                   "--optimizer.lr=3e-3", "--training.micro_batch_tokens=24"]))
     assert len(steps) == 3 and any(m["ratio_max"] != 1.0 for m in steps)
 
 
@@ -106,9 +109,7 @@ def test_sft_warmup_micro_batches_match_one_batch(tmp_path):
     losses, micro_batches = [], []
     for name, extra in [("one", []), ("micro", ["--training.micro_batch_tokens=48"])]:
         args = ["--sft_warmup.steps=2", "--sft_warmup.batch_size=16", "--training.steps=0", *extra]
-        proc = _run_single(tmp_path / name, args)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        logged = [m for m in _metrics(tmp_path / name) if "sft_loss" in m]
+        logged = [m for m in _train_in_process(tmp_path / name, args) if "sft_loss" in m]
         assert len(logged) == 1
         micro_batches.append(logged[0]["sft_micro_batches"])
         losses.append(logged[0]["sft_loss"])
@@ -152,9 +153,7 @@ def test_unimportable_reward_function_is_a_clear_error(tmp_path):
 def test_batch_invariant_mode_gives_exactly_on_policy_logprobs(tmp_path):
     """With batch-invariant kernels, the trainer's logprobs of the sampled tokens equal the
     generator's bit for bit in a real run (the logged mean |diff| is exactly 0)."""
-    proc = _run_single(tmp_path, ["--generator.batch_invariant=true"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = _rl_steps(_metrics(tmp_path))
+    steps = _rl_steps(_train_in_process(tmp_path, ["--generator.batch_invariant=true"]))
     assert len(steps) == 3 and all(m["gen_logprob_diff"] == 0.0 for m in steps)
 
 
@@ -164,9 +163,7 @@ def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path):
     with open(data, "w") as f:
         for i in range(40):
             f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": 2 * i, "solution": f"#### {2 * i}"}) + "\n")
-    proc = _run_single(tmp_path, ["--data.task=jsonl", f"--data.path={data}"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = _rl_steps(_metrics(tmp_path))
+    steps = _rl_steps(_train_in_process(tmp_path, ["--data.task=jsonl", f"--data.path={data}"]))
     assert len(steps) == 3 and steps[-1]["eval_samples"] == 8
     few = tmp_path / "few.jsonl"
     few.write_text(data.read_text().splitlines()[0] + "\n")
