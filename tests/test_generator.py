@@ -142,9 +142,32 @@ def test_stop_conditions():
     (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0, stop_token_ids=[ref[3]]))
     first = ref.index(ref[3])
     assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop"
-    gen.eos_id = ref[2]
-    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
-    assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
+    for eos_id, extra in [(ref[2], ()), (None, (ref[9], ref[2]))]:  # several EOS ids stop alike
+        gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"), eos_id=eos_id,
+                        extra_eos_ids=extra)
+        gen.load_weights(model)
+        (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
+        assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
+
+
+def test_prefill_projects_only_the_sampled_rows_at_real_vocabulary():
+    """At a 151,936-token vocabulary the output layer sees one row per prefilled sequence (its
+    last token), never every prompt token; greedy output still equals the reference."""
+    args = TransformerModelArgs(family="qwen2", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
+                                vocab_size=151_936, tie_word_embeddings=True, max_seq_len=160)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=64), torch.device("cpu"))
+    gen.load_weights(model)
+    rows = []
+    gen.model.output.register_forward_hook(lambda mod, inp, out: rows.append(inp[0].shape[:-1].numel()))
+    prompts = [list(range(1000, 1120)), list(range(5000, 5090))]
+    completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0, n=3))
+    assert stats.prefill_tokens == 210 and rows[0] == 2  # one packed prefill of both prompts
+    assert all(r <= 6 for r in rows[1:])  # decode steps: one row per running sample
+    for c in completions:
+        assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 4)[0]
 
 
 class _LetterTokenizer:

@@ -11,7 +11,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from titanrl.components.loss import global_token_count, sft_loss
+from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
@@ -65,7 +65,7 @@ def run_layout(layout: str, world_size: int) -> dict:
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(dims.dp_rank))
     mask = torch.ones(2, 16)
     dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
-    sft_loss(trainer(tokens[:, :-1]), tokens[:, 1:], mask, global_token_count(mask, dp_group)).backward()
+    sft_loss(token_logprobs(trainer(tokens[:, :-1]), tokens[:, 1:]), mask, global_token_count(mask, dp_group)).backward()
     opt.step()
     gen.load_weights(trainer)
     after = check(gen, trainer, prompts)

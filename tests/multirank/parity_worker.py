@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from titanrl.components.loss import global_token_count, sft_loss
+from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed import ParallelDims, clip_grad_norm_, init_distributed
@@ -81,7 +81,7 @@ def run_layout(family: str, layout: str | None, world_size: int) -> dict:
     for _ in range(STEPS):
         optimizer.zero_grad()
         num_tokens = global_token_count(mask_BT, dp_group)
-        loss = sft_loss(model(inputs_BT), targets_BT, mask_BT, num_tokens)
+        loss = sft_loss(token_logprobs(model(inputs_BT), targets_BT), mask_BT, num_tokens)
         loss.backward()
         grad_norms.append(clip_grad_norm_(list(model.parameters()), MAX_NORM).item())
         global_loss = loss.detach().clone()

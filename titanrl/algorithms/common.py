@@ -1,5 +1,5 @@
 """Pieces shared by policy-gradient algorithms: KL estimators, the clipped surrogate loss,
-aggregation, masked whitening, token-level rewards, off-policy importance weights, entropy.
+aggregation, masked whitening, token-level rewards, off-policy importance weights.
 
 Aggregation divides by *global* counts (summed over data-parallel ranks and micro-batches)
 that the caller passes in, so the gradient is the same however a batch is split.
@@ -64,13 +64,6 @@ def aggregate(
     elif agg != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation '{agg}'")
     return per_seq.sum() / num_global_seqs
-
-
-@torch.no_grad()
-def entropy_from_logits(logits_BTV: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy of the softmax policy [B, T]."""
-    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def masked_whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None = None,

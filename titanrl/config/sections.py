@@ -101,6 +101,11 @@ class Training:
     max_norm: float = 1.0
     """Gradient clipping threshold on the global L2 norm; 0 disables clipping."""
 
+    logprob_chunk_tokens: int = 512
+    """Positions whose logits are computed at once for logprobs and entropy (forward, and again
+    in backward); memory for logits is this x vocab floats instead of tokens x vocab. 512 at a
+    151,936 vocabulary: ~0.3 GB per buffer."""
+
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     """Dtype of parameters in forward/backward under FSDP2 (master weights stay float32)."""
 
@@ -111,6 +116,8 @@ class Training:
     """A non-finite loss or gradient norm: 'skip' drops that update (counted in metrics), 'stop' ends the run."""
 
     def validate(self) -> None:
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"[training] logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         for name in ("steps", "micro_batch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[training] {name} must be >= 0, got {getattr(self, name)}")
@@ -202,7 +209,27 @@ class Data:
     """Embedded task name (e.g. 'arithmetic'), or 'jsonl' to read prompts from `path`."""
 
     path: str = ""
-    """Prompt file for task 'jsonl': one JSON object per line with 'prompt' and 'answer'."""
+    """Prompt data for task 'jsonl', by extension: a .jsonl file (one JSON object per line), a
+    .parquet file, or a Hugging Face `datasets` folder written by save_to_disk (Parquet and Arrow
+    need the 'data' extra); rows with a prompt and an answer (see prompt_key, answer_key)."""
+
+    prompt_key: str = "prompt"
+    """Column of the prompt: a string, or a list of {role, content} chat messages (kept in the
+    sample's metadata 'messages'); a dotted path reads a nested field, e.g. 'extra_info.question'."""
+
+    answer_key: str = "answer"
+    """Column of the reference answer (string or number); with the default, a row without it uses
+    verl's reward_model.ground_truth."""
+
+    solution_key: str = "solution"
+    """Column of a worked solution for SFT; rows without it use the answer."""
+
+    max_prompt_chars: int = 0
+    """Longest prompt in characters (plain text, before any chat template) kept at load; 0 = no limit."""
+
+    on_long_prompt: Literal["drop", "error"] = "drop"
+    """A prompt over max_prompt_chars: 'drop' the row (the count is printed, naming the file) or
+    'error' naming the file and row."""
 
     num_eval_samples: int = 64
     """Held-out prompts used by the periodic greedy evaluation (task 'jsonl': the file's first
@@ -210,9 +237,14 @@ class Data:
 
     def validate(self) -> None:
         if self.task == "jsonl" and not self.path:
-            raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl file of prompts)")
+            raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl or .parquet file or a datasets folder)")
         if self.num_eval_samples < 0:
             raise ValueError(f"[data] num_eval_samples must be >= 0, got {self.num_eval_samples}")
+        if self.max_prompt_chars < 0:
+            raise ValueError(f"[data] max_prompt_chars must be >= 0 (0 = no limit), got {self.max_prompt_chars}")
+        for name in ("prompt_key", "answer_key", "solution_key"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"[data] {name} must name a column, got {getattr(self, name)!r}")
 
 
 @dataclass

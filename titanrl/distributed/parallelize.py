@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -185,6 +185,8 @@ def apply_fsdp(
             reshard = reshard_after_forward == "always"
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+    # The trainer's logprobs come from `model.logprobs`, not `forward`: FSDP must gather for it too.
+    register_fsdp_forward_method(model, "logprobs")
     for module in model.modules():
         if isinstance(module, FSDPModule):  # the setting is per FSDP unit
             module.set_gradient_divide_factor(1.0)

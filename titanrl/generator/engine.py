@@ -39,7 +39,9 @@ class Generator:
     by `load_weights`) over a KV pool that `sleep` frees for training and `wake` brings back.
 
     `config` is the job's `[generator]` section; its sampling fields (temperature, ...) are the
-    caller's business: `generate` takes `SamplingParams`. `eos_id` defaults to the tokenizer's.
+    caller's business: `generate` takes `SamplingParams`. `eos_id` defaults to the tokenizer's;
+    `extra_eos_ids` also stop a sample (chat models list several, e.g. Qwen's <|im_end|> and
+    <|endoftext|> in generation_config.json).
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class Generator:
         device: torch.device,
         *,
         eos_id: int | None = None,
+        extra_eos_ids: tuple[int, ...] = (),
         tp_mesh: DeviceMesh | None = None,
         tokenizer: Tokenizer | None = None,
         dtype: torch.dtype = torch.float32,
@@ -60,6 +63,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
+        self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
         self.model = self._build_model(tp_mesh)
         self._decode_model = self.model
@@ -221,14 +225,16 @@ class Generator:
             last_index.append(len(tokens) - 1)
             sched.stats.prefill_tokens += len(new)
             seq.num_computed = end
-        logits_NV = self._forward(slices, tokens)
+        # Logits only at each sequence's last new token: the rows that are sampled (a full
+        # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
+        logits_SV = self._forward(slices, tokens, logits_at=last_index)
         samples, rows = [], []
-        for seq, idx in zip(seqs, last_index):
+        for i, seq in enumerate(seqs):
             forked = sched.after_prefill(seq)
             samples.extend(forked)
-            rows.extend([idx] * len(forked))
+            rows.extend([i] * len(forked))
         if samples:
-            self._sample(sched, samples, logits_NV[rows])
+            self._sample(sched, samples, logits_SV[rows])
 
     def _decode(self, sched: Scheduler) -> None:
         """One token for every running sequence (preempting some if blocks run out)."""
@@ -242,8 +248,10 @@ class Generator:
             seq.num_computed = len(seq.token_ids)
         self._sample(sched, batch, logits_NV)
 
-    def _forward(self, slices: list[SeqSlice], tokens: list[int], decode: bool = False) -> torch.Tensor:
-        """Logits [N, vocab] for the packed new tokens of `slices`."""
+    def _forward(self, slices: list[SeqSlice], tokens: list[int], decode: bool = False,
+                 logits_at: list[int] | None = None) -> torch.Tensor:
+        """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
+        positions `logits_at` ([len(logits_at), vocab])."""
         model = self.model
         n = len(tokens)
         if decode and self.config.compile:
@@ -262,7 +270,10 @@ class Generator:
             torch._dynamo.mark_dynamic(backend.gather_slots_SL, 1)
             torch._dynamo.mark_dynamic(backend.mask_S1QL, 3)
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
-            return model(tokens_1N, backend.positions_1N, backend)[0, :n]
+            if logits_at is None:
+                return model(tokens_1N, backend.positions_1N, backend)[0, :n]
+            h_ND = model.hidden_states(tokens_1N, backend.positions_1N, backend)[0]
+            return model.output(h_ND[logits_at])
 
     def _sample(self, sched: Scheduler, seqs: list[Seq], logits_NV: torch.Tensor) -> None:
         """Sample the next token of each seq from its row of `logits_NV`; the scheduler keeps it
@@ -287,7 +298,7 @@ class Generator:
             sched.after_sample(seq, self._finish_reason(seq, token))
 
     def _finish_reason(self, seq: Seq, token: int) -> str | None:
-        if token == self.eos_id or token in seq.params.stop_token_ids:
+        if token in self.eos_ids or token in seq.params.stop_token_ids:
             return "stop"
         if seq.params.stop_strings:
             text = self.tokenizer.decode(seq.turn_token_ids)

@@ -244,6 +244,22 @@ def save_safetensors_folder(sd: dict[str, torch.Tensor], folder: str, max_shard_
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+def read_generation_eos_ids(folder: str) -> tuple[int, ...]:
+    """The stop tokens of a model folder's generation_config.json (`eos_token_id`: one id or a
+    list; chat models list several), or () without one."""
+    path = os.path.join(folder, "generation_config.json")
+    if not folder or not os.path.exists(path):
+        return ()
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(ids)
+
+
 def read_hf_config(folder: str) -> TransformerModelArgs:
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):

@@ -12,8 +12,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
+from titanrl.models.logprobs import chunked_token_logprobs
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -212,6 +214,35 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (scores [B, T, num_labels] for a score head). `positions_BT` defaults to 0..T-1 for every row; `backend`
         replaces causal attention over the batch (the generator's paged KV cache)."""
+        return self.output(self.hidden_states(tokens_BT, positions_BT, backend))
+
+    def logprobs(
+        self,
+        tokens_BT: torch.Tensor,
+        targets_BT: torch.Tensor,
+        chunk_tokens: int,
+        with_entropy: bool = False,
+        backend: AttentionBackend | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(log p(targets) [B, T] in float32, entropy [B, T] or None) without [B, T, vocab]
+        logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`). Under TP
+        the vocab-sharded head still gives replicated logits (vocab-parallel chunks: not yet)."""
+        h_BTD = self.hidden_states(tokens_BT, backend=backend)
+        weight_VD = self.output.weight
+        if isinstance(weight_VD, DTensor):
+            logprobs_BTV = torch.log_softmax(self.output(h_BTD).float(), dim=-1)
+            entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1).detach() if with_entropy else None
+            return logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1), entropy_BT
+        return chunked_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy)
+
+    def hidden_states(
+        self,
+        tokens_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None = None,
+        backend: AttentionBackend | None = None,
+    ) -> torch.Tensor:
+        """The final normed hidden states [B, T, dim], before the output layer: a caller that
+        needs logits at a few positions only (the generator's prefill) applies `output` to those."""
         if positions_BT is None:
             T = tokens_BT.shape[1]
             if T > self.args.max_seq_len:
@@ -222,4 +253,4 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens_BT)
         for block in self.layers.values():
             h = block(h, rope_BTD2, backend)
-        return self.output(self.norm(h))
+        return self.norm(h)

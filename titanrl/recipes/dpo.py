@@ -15,7 +15,6 @@ from tensordict import TensorDict
 from torch import nn
 
 from titanrl.algorithms.dpo import dpo_loss
-from titanrl.components.loss import token_logprobs
 from titanrl.components.model_builder import build_model, full_state_dict
 from titanrl.models.model import Transformer
 from titanrl.recipes.preference import PreferencePair, PreferenceRecipe
@@ -24,10 +23,10 @@ if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
-def sequence_logprobs(model: Transformer, batch: TensorDict) -> torch.Tensor:
+def sequence_logprobs(model: Transformer, batch: TensorDict, chunk_tokens: int) -> torch.Tensor:
     """Sum of completion-token logprobs per row [B]."""
     tokens_BT = batch["tokens"]
-    logprobs_BT = token_logprobs(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
+    logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens)
     return (logprobs_BT * batch["loss_mask"]).sum(-1)
 
 
@@ -45,9 +44,10 @@ class DPORecipe(PreferenceRecipe):
     def margins(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         """DPO's implicit reward margin and loss per pair."""
         n = batch.batch_size[0] // 2
-        policy_lp = sequence_logprobs(self.trainer.model, batch)
+        chunk = self.config.training.logprob_chunk_tokens
+        policy_lp = sequence_logprobs(self.trainer.model, batch, chunk)
         with torch.no_grad():
-            ref_lp = sequence_logprobs(self.reference, batch)
+            ref_lp = sequence_logprobs(self.reference, batch, chunk)
         cfg = self.config.dpo
         out = dpo_loss(policy_lp[:n], policy_lp[n:], ref_lp[:n], ref_lp[n:], cfg.beta, cfg.label_smoothing)
         return (out.chosen_reward_B - out.rejected_reward_B).detach(), out.loss_B

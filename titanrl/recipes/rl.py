@@ -22,9 +22,9 @@ from tensordict import TensorDict
 from torch import nn
 
 from titanrl.algorithms import AdvantageInputs, get_algorithm
-from titanrl.algorithms.common import entropy_from_logits, importance_weights, kl_estimate
+from titanrl.algorithms.common import importance_weights, kl_estimate
 from titanrl.algorithms.ppo import value_loss
-from titanrl.components.loss import global_token_count, token_logprobs
+from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.plugins import load_object
@@ -38,6 +38,7 @@ from titanrl.envs.pool import EnvPool
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
+from titanrl.models.hf import read_generation_eos_ids
 from titanrl.models.model import Transformer
 from titanrl.models.scalar_head import values
 from titanrl.recipes.base import Recipe
@@ -103,15 +104,15 @@ def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Samp
     return task, None, task.samples("eval", config.data.num_eval_samples, config.job.seed)
 
 
-def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs of the next tokens [B, T-1], logits [B, T-1, V]) as the trainer computes them."""
+def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chunk_tokens: int,
+                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them."""
     tokens_BT = batch["tokens"]
     if invariant:
         with batch_invariant_mode():
-            logits = model(tokens_BT[:, :-1], backend=ExactCausalAttention())
-    else:
-        logits = model(tokens_BT[:, :-1])
-    return token_logprobs(logits, tokens_BT[:, 1:]), logits
+            return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy,
+                                  backend=ExactCausalAttention())
+    return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy)
 
 
 class RLRecipe(Recipe):
@@ -136,7 +137,8 @@ class RLRecipe(Recipe):
         # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
         self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
-                                   tokenizer=trainer.tokenizer)
+                                   tokenizer=trainer.tokenizer,
+                                   extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
         self.reference = self.critic = self.critic_optimizer = None
@@ -201,12 +203,12 @@ class RLRecipe(Recipe):
 
         # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
         off_policy = algo.ppo_epochs * algo.num_minibatches > 1
-        invariant = cfg.generator.batch_invariant
+        invariant, chunk = cfg.generator.batch_invariant, cfg.training.logprob_chunk_tokens
         with timer("logprob"), torch.no_grad():
             if self.reference is not None:
-                batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant)
+                batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant, chunk)
             if off_policy:
-                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant)
+                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant, chunk)
             if self.critic is not None:
                 batch["values"] = values(self.critic, batch["tokens"]) * batch["loss_mask"]
 
@@ -282,7 +284,8 @@ class RLRecipe(Recipe):
         (num_seqs,) = trainer.dp_sum([float(minibatch.batch_size[0])])
         trainer.optimizer.zero_grad()
         for mb in self.micro_batches(minibatch):
-            logprobs, logits = forward_logprobs(self.policy, mb, self.config.generator.batch_invariant)
+            logprobs, entropy = forward_logprobs(self.policy, mb, self.config.generator.batch_invariant,
+                                                 self.config.training.logprob_chunk_tokens, with_entropy=True)
             mask = mb["loss_mask"]
             # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
             old = mb["old_logprobs"] if off_policy else logprobs.detach()
@@ -297,7 +300,7 @@ class RLRecipe(Recipe):
             with torch.no_grad():
                 if self.reference is not None:
                     stats.kl += (kl_estimate(logprobs, mb["ref_logprobs"], algo.kl_estimator) * mask).sum().item()
-                stats.entropy += (entropy_from_logits(logits) * mask).sum().item()
+                stats.entropy += (entropy * mask).sum().item()
                 stats.clipped += out.clipped_tokens.item()
                 stats.update_tokens += mask.sum().item()
                 stats.gen_diff += ((old - mb["gen_logprobs"]).abs() * mask).sum().item()
