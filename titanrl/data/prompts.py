@@ -1,16 +1,22 @@
-"""Prompt streams and the per-step prompt loader (torchdata.nodes, checkpointable state).
+"""Prompt data: files of prompts (`load_samples`, formats in `titanrl.data.formats`), prompt
+streams and the per-step prompt loader (torchdata.nodes, checkpointable state).
 
 Every rank iterates the same global stream and keeps its own strided share of each global
 batch, so a run on N data-parallel ranks sees exactly the prompts of a 1-rank run.
 """
 
-import json
+import os
 import random
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torchdata.nodes as tn
 
+from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
 from titanrl.envs.tasks import Sample, Task
+
+if TYPE_CHECKING:
+    from titanrl.config.sections import Data
 
 
 class TaskStream:
@@ -54,44 +60,53 @@ def build_prompt_loader(stream, global_batch: int, dp_rank: int, dp_size: int) -
     return tn.Loader(node)
 
 
-def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-empty line; a missing file, invalid JSON or a non-object
-    row is an error naming the file and line."""
-    try:
-        f = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"data.path '{path}' does not exist") from None
-    with f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
-            yield line_no, row
+def load_samples(path: str, prompt_key: str = "prompt", answer_key: str = "answer", solution_key: str = "solution",
+                 max_prompt_chars: int = 0, on_long_prompt: str = "drop") -> list[Sample]:
+    """The rows of a JSONL / Parquet file or a `datasets` save_to_disk folder as Samples (see
+    `titanrl.data.formats`): a prompt string or message list, a string or numeric answer, other
+    columns as metadata. A malformed row is an error naming the file and the line or row.
 
-
-def load_jsonl(path: str) -> list[Sample]:
-    """Rows {"prompt": str, "answer": str | number, ...}; other fields become metadata.
-
-    A malformed row is an error naming the file, the line and what is wrong.
+    Prompts longer than `max_prompt_chars` characters (0 = no limit; counted on `Sample.prompt`,
+    the plain text, before any chat template) are dropped with a count printed naming the file
+    (`on_long_prompt='drop'`), or are an error naming the file and row ('error').
     """
-    samples = []
-    for line_no, row in read_jsonl_objects(path):
-        if not isinstance(row.get("prompt"), str) or not row["prompt"]:
-            raise ValueError(f"{path}:{line_no}: missing or empty 'prompt' (a non-empty string is required)")
-        answer = row.get("answer")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise ValueError(f"{path}:{line_no}: 'answer' must be a string or a number, got {answer!r}")
-        metadata = {k: v for k, v in row.items() if k not in ("prompt", "answer", "solution")}
-        solution = row.get("solution", str(answer))
-        samples.append(Sample(prompt=row["prompt"], answer=str(answer), solution=str(solution), metadata=metadata))
+    if on_long_prompt not in ("drop", "error"):
+        raise ValueError(f"on_long_prompt must be 'drop' or 'error', got {on_long_prompt!r}")
+    schema = RowSchema(prompt_key, answer_key, solution_key)
+    samples, dropped, total = [], 0, 0
+    for where, row in read_rows(path):
+        total += 1
+        sample = schema.to_sample(row, where)
+        if max_prompt_chars and len(sample.prompt) > max_prompt_chars:
+            if on_long_prompt == "error":
+                raise ValueError(
+                    f"{where}: the prompt has {len(sample.prompt)} characters, more than data.max_prompt_chars "
+                    f"({max_prompt_chars}); shorten it, raise the limit or set data.on_long_prompt='drop'"
+                )
+            dropped += 1
+            continue
+        samples.append(sample)
+    if dropped and os.environ.get("RANK", "0") == "0":
+        print(f"{path}: dropped {dropped} of {total} rows whose prompt is longer than data.max_prompt_chars "
+              f"({max_prompt_chars} characters)", flush=True)
     if not samples:
-        raise ValueError(f"data.path '{path}' has no rows")
+        extra = f" left after dropping {dropped} over data.max_prompt_chars" if dropped else ""
+        raise ValueError(f"data.path '{path}' has no rows{extra}")
     return samples
+
+
+def load_jsonl(path: str, **options) -> list[Sample]:
+    """`load_samples` under its old name (the recipes' call): rows {"prompt": str | messages,
+    "answer": str | number, ...}; despite the name, a .parquet / .arrow file or a datasets folder
+    is read as such."""
+    return load_samples(path, **options)
+
+
+def samples_from_config(data: "Data") -> list[Sample]:
+    """`load_samples` of data.path with the [data] section's keys and prompt-length limit."""
+    return load_samples(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                        solution_key=data.solution_key, max_prompt_chars=data.max_prompt_chars,
+                        on_long_prompt=data.on_long_prompt)
 
 
 def held_out_split(rows: list, n_eval: int) -> tuple[list, list]:
