@@ -68,7 +68,7 @@ def test_one_sft_step_in_process_matches_a_float64_reference(tmp_path):
     model64.load_state_dict({k: v.double() for k, v in trainer.model.state_dict().items()})
     nll, count = 0.0, 0
     for s in samples:
-        prompt, completion, mask = demonstration(trainer.tokenizer, s)
+        prompt, completion, mask = demonstration(trainer, s)
         tokens = torch.tensor([prompt + completion])
         logp = torch.log_softmax(model64(tokens[:, :-1]), -1)[0, len(prompt) - 1 :]
         nll -= sum(logp[t, c].item() * m for t, (c, m) in enumerate(zip(completion, mask)))

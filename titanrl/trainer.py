@@ -27,6 +27,7 @@ from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
 from titanrl.data.batch import micro_batch_plan, num_micro_batches
+from titanrl.data.encode import PromptEncoder
 from titanrl.distributed import all_reduce_values, clip_grad_norm_
 from titanrl.models.hf import export_hf
 from titanrl.models.tokenizer import build_tokenizer
@@ -42,6 +43,7 @@ class Trainer:
         self.dp_group = self.dims.dp_mesh.get_group() if self.dims.dp_size > 1 else None
         self.tokenizer = build_tokenizer(config.model.tokenizer)
         self.model_args = launch.model_args(config, self.tokenizer.vocab_size)
+        self.encode_prompt = PromptEncoder.from_config(config.data, config.model.tokenizer, self.tokenizer)
         self.watchdog = Watchdog(config.job.phase_timeout_s, self.rank)
         ckpt = config.checkpoint
         self.checkpointer = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k)

@@ -63,16 +63,12 @@ class RolloutCollector:
         self.generator, self.rewards, self.envs, self.reward_model = generator, rewards, envs, reward_model
         self.baseline_rollout = baseline_rollout
 
-    def encode_prompt(self, text: str) -> list[int]:
-        tokenizer = self.trainer.tokenizer
-        return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(text)
-
     def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
                  ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
         """Completions of `samples` (and, with an environment, their episodes' rewards)."""
         if self.envs is not None:  # environment steps run inside generation, overlapped with decoding
             return self.generate_episodes(samples, params, prompt_ids)
-        prompts = [self.encode_prompt(s.prompt) for s in samples]
+        prompts = [self.trainer.encode_prompt(s.prompt, s.metadata) for s in samples]
         completions, gen_stats = self.generator.generate(prompts, params, prompt_ids)
         return prompts, completions, None, gen_stats
 
@@ -83,7 +79,7 @@ class RolloutCollector:
         turns = MultiTurnRollout(self.envs, self.trainer.tokenizer, env.max_turns, env.max_total_tokens,
                                  self.config.reward.failure_reward)
         prompts = turns.start([{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples],
-                              params.n, self.encode_prompt)
+                              params.n, self.trainer.encode_prompt)
         params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
         completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, turns=turns)
         results = []

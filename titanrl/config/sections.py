@@ -224,6 +224,14 @@ class Data:
     solution_key: str = "solution"
     """Column of a worked solution for SFT; rows without it use the answer."""
 
+    chat_template: bool = False
+    """Render every prompt with the chat template of model.tokenizer's folder (tokenizer_config.json
+    or chat_template.jinja; needs the 'chat' extra): a text prompt as one user message, a
+    messages prompt as it is, with the generation prompt; off: bos + the prompt text."""
+
+    system_prompt: str = ""
+    """With chat_template: a system message put first in every prompt that has none."""
+
     max_prompt_chars: int = 0
     """Longest prompt in characters (plain text, before any chat template) kept at load; 0 = no limit."""
 
@@ -240,6 +248,8 @@ class Data:
             raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl or .parquet file or a datasets folder)")
         if self.num_eval_samples < 0:
             raise ValueError(f"[data] num_eval_samples must be >= 0, got {self.num_eval_samples}")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("[data] system_prompt needs chat_template = true (plain prompts have no roles)")
         if self.max_prompt_chars < 0:
             raise ValueError(f"[data] max_prompt_chars must be >= 0 (0 = no limit), got {self.max_prompt_chars}")
         for name in ("prompt_key", "answer_key", "solution_key"):

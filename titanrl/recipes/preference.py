@@ -22,7 +22,6 @@ from titanrl.data.preferences import PreferencePair, load_preferences, synthetic
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, held_out_split
 from titanrl.envs.tasks import build_task
 from titanrl.recipes.base import Recipe
-from titanrl.recipes.sft import encode_prompt
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
@@ -88,7 +87,7 @@ class PreferenceRecipe(Recipe):
         in one: the losses couple them): (statistics summed over all ranks, global pair count,
         number of micro-batches)."""
         trainer = self.trainer
-        encoded = [(encode_prompt(trainer.tokenizer, p.prompt), self._completion(p.chosen),
+        encoded = [(trainer.encode_prompt(p.prompt), self._completion(p.chosen),
                     self._completion(p.rejected)) for p in pairs]
         plan = trainer.plan_micro_batches([2 * (len(q) + max(len(c), len(r))) for q, c, r in encoded])
         (num_pairs,) = trainer.dp_sum([float(len(pairs))])

@@ -33,7 +33,7 @@ from titanrl.components.stats import StepStats, finite_max, maximum
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
-from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, load_jsonl
+from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import Generator, SamplingParams
@@ -98,7 +98,7 @@ class RLStats(StepStats):
 def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
     """(verifier task, training prompts or None for the task's endless stream, held-out prompts)."""
     if config.data.task == "jsonl":
-        train, held_out = held_out_split(load_jsonl(config.data.path), config.data.num_eval_samples)
+        train, held_out = held_out_split(samples_from_config(config.data), config.data.num_eval_samples)
         return NumericMath(), train, held_out
     task = build_task(config.data.task)
     return task, None, task.samples("eval", config.data.num_eval_samples, config.job.seed)
@@ -381,7 +381,8 @@ class RLRecipe(Recipe):
             _, _, results, _ = self.rollouts.generate_episodes(mine, params, list(range(len(mine))))
             self.generator.sleep()
         else:
-            completions, _ = self.generator.generate([self.rollouts.encode_prompt(s.prompt) for s in mine], params)
+            completions, _ = self.generator.generate([self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine],
+                                                     params)
             self.generator.sleep()
             results = self.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata)
                                     for s, c in zip(mine, completions)])

@@ -19,39 +19,34 @@ from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
-from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, load_jsonl
+from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
 from titanrl.envs.tasks import Sample, Task, build_task
 from titanrl.models.model import Transformer
-from titanrl.models.tokenizer import Tokenizer
 from titanrl.recipes.base import Recipe
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    return bos + tokenizer.encode(prompt)
-
-
-def demonstration(tokenizer: Tokenizer, sample: Sample) -> tuple[list[int], list[int], list[int]]:
+def demonstration(trainer: Trainer, sample: Sample) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, completion loss mask) of a sample's worked solution + eos; a
     multi-turn demonstration (metadata 'demo' = [[text, from_model], ...]) masks out the
     environment's text."""
     demo = sample.metadata.get("demo") or [[sample.solution, True]]
+    tokenizer = trainer.tokenizer
     tokens, mask = [], []
     for text, from_model in demo:
         ids = tokenizer.encode(text)
         tokens += ids
         mask += [int(bool(from_model))] * len(ids)
-    return encode_prompt(tokenizer, sample.prompt), tokens + [tokenizer.eos_id], mask + [1]
+    return trainer.encode_prompt(sample.prompt, sample.metadata), tokens + [tokenizer.eos_id], mask + [1]
 
 
 def sft_losses(trainer: Trainer, model: Transformer, samples: list[Sample], step: int, train: bool
                ) -> tuple[float, int]:
     """Forward (and, when `train`, backward) this rank's samples in micro-batches: (this rank's
     share of the global token-mean loss, number of micro-batches)."""
-    rows = [demonstration(trainer.tokenizer, s) for s in samples]
+    rows = [demonstration(trainer, s) for s in samples]
     micros = []
     for idx in trainer.plan_micro_batches([len(p) + len(c) for p, c, _ in rows]):
         part = [rows[i] for i in idx.tolist()]
@@ -103,7 +98,7 @@ def sft_data(config: JobConfig) -> tuple[list[Sample], list[Sample]]:
     """(train rows, held-out rows): data.path's rows, or the embedded task's worked solutions."""
     n_eval = config.data.num_eval_samples
     if config.data.task == "jsonl":
-        return held_out_split(load_jsonl(config.data.path), n_eval)
+        return held_out_split(samples_from_config(config.data), n_eval)
     task = build_task(config.data.task)
     n_train = config.training.steps * config.training.batch_size
     return task.samples("train", n_train, config.job.seed), task.samples("eval", n_eval, config.job.seed)
