@@ -141,8 +141,8 @@ def _configs(draw):
         for name, tp in typing.get_type_hints(type(obj)).items():
             if draw(st.booleans()):
                 # algorithm.name is free text checked against the registry: draw registered names.
-                strategy = st.sampled_from(list(ALGORITHMS)) if (section.name, name) == ("algorithm", "name") else None
-                setattr(obj, name, draw(strategy or _value_strategy(tp)))
+                registered = (section.name, name) == ("algorithm", "name")
+                setattr(obj, name, draw(st.sampled_from(list(ALGORITHMS)) if registered else _value_strategy(tp)))
     config.job.config_file = ""  # naming a file would load it
     return config
 
