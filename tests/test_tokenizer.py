@@ -46,6 +46,18 @@ def test_hf_tokenizer_json_loader(tmp_path):
     assert tok.vocab_size == ref.get_vocab_size()
 
 
+def test_hf_tokenizer_vocab_size_covers_the_highest_id(tmp_path):
+    """A special token at a high id with a gap below it (Qwen's layout): vocab_size is the highest
+    id + 1, what the model's embedding needs, not the number of entries."""
+    spec = json.loads(_train_tiny_hf_tokenizer(tmp_path).to_str())
+    spec["model"]["vocab"]["<|im_end|>"] = 5000
+    spec["added_tokens"].append({"id": 5000, "content": "<|im_end|>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = HFTokenizer(str(tmp_path))
+    assert tok.vocab_size == 5001 and 5000 in tok.encode("ok <|im_end|>")
+
+
 def test_hf_tokenizer_eos_id_from_config_json(tmp_path):
     _train_tiny_hf_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").unlink()

@@ -52,7 +52,9 @@ class HFTokenizer:
         if not os.path.exists(path):
             raise ValueError(f"No tokenizer.json in '{folder}' (model.tokenizer must be 'byte' or such a folder)")
         self._tok = _RustTokenizer.from_file(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # Ids can have gaps (special tokens at high ids, as in Qwen's layout): the model needs a
+        # row for the highest id, which a count of entries would not give.
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         special = self._special_tokens(folder)
         self.bos_id = self._id_of(special.get("bos_token"))
         eos_id = self._id_of(special.get("eos_token"))
