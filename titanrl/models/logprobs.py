@@ -20,10 +20,19 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
+def logprobs_and_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, with_entropy: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The one formula for logits of any leading shape X: log p(target) in float32 (float64 for
+    float64 logits), and the entropy (a statistic: no gradient) or None."""
+    logp_XV = torch.log_softmax(_upcast(logits_XV), dim=-1)
+    logprobs_X = logp_XV.gather(-1, targets_X.unsqueeze(-1)).squeeze(-1)
+    entropy_X = -(logp_XV.exp() * logp_XV).sum(-1).detach() if with_entropy else None
+    return logprobs_X, entropy_X
+
+
 def token_logprobs(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
     """log p(target) per position, in float32 (float64 for float64 logits): [B, T]."""
-    logprobs_BTV = torch.log_softmax(_upcast(logits_BTV), dim=-1)
-    return logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    return logprobs_and_entropy(logits_BTV, targets_BT, with_entropy=False)[0]
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -35,10 +44,10 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     def forward(ctx, h_ND, weight_VD, targets_N, chunk: int, with_entropy: bool):
         logprobs, entropies = [], []
         for h_CD, t_C in zip(h_ND.split(chunk), targets_N.split(chunk)):
-            logp_CV = torch.log_softmax(_upcast(F.linear(h_CD, weight_VD)), dim=-1)
-            logprobs.append(logp_CV.gather(-1, t_C[:, None]).squeeze(-1))
+            logprobs_C, entropy_C = logprobs_and_entropy(F.linear(h_CD, weight_VD), t_C, with_entropy)
+            logprobs.append(logprobs_C)
             if with_entropy:
-                entropies.append(-(logp_CV.exp() * logp_CV).sum(-1))
+                entropies.append(entropy_C)
         ctx.save_for_backward(h_ND, weight_VD, targets_N)
         ctx.chunk = chunk
         entropy_N = torch.cat(entropies) if with_entropy else h_ND.new_empty(0)

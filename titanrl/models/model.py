@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
-from titanrl.models.logprobs import chunked_token_logprobs
+from titanrl.models.logprobs import chunked_token_logprobs, logprobs_and_entropy
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -230,9 +230,7 @@ class Transformer(nn.Module):
         h_BTD = self.hidden_states(tokens_BT, backend=backend)
         weight_VD = self.output.weight
         if isinstance(weight_VD, DTensor):
-            logprobs_BTV = torch.log_softmax(self.output(h_BTD).float(), dim=-1)
-            entropy_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1).detach() if with_entropy else None
-            return logprobs_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1), entropy_BT
+            return logprobs_and_entropy(self.output(h_BTD), targets_BT, with_entropy)
         return chunked_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy)
 
     def hidden_states(
