@@ -74,3 +74,40 @@ def test_model_logprobs_equal_logits_path_and_chunking_does_not_matter():
         chunked.sum().backward()
         for n, p in model.named_parameters():
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_masked_positions_only_are_projected_and_match_the_unmasked_path():
+    """With a mask (an RL batch's completion tokens), only the masked rows reach the output layer;
+    their values and every gradient equal the unmasked path's restricted to the mask (float64:
+    same ops per row), the other positions are 0, and an all-zero mask projects nothing."""
+    torch.manual_seed(0)
+    B, T, D, V = 3, 9, 16, 53
+    h = torch.randn(B, T, D, dtype=torch.float64)
+    w = torch.randn(V, D, dtype=torch.float64)
+    targets = torch.randint(0, V, (B, T))
+    mask = torch.zeros(B, T)
+    mask[0, 4:] = 1
+    mask[2, 1:3] = 1
+    upstream = torch.randn(B, T, dtype=torch.float64)
+    results = []
+    for m in (None, mask):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        logprobs, entropy = chunked_token_logprobs(hh, ww, targets, 4, with_entropy=True, mask_BT=m)
+        (logprobs * upstream * mask).sum().backward()
+        results.append((logprobs, entropy, hh.grad, ww.grad))
+    (lp, ent, gh, gw), (lp_m, ent_m, gh_m, gw_m) = results
+    torch.testing.assert_close(lp_m, lp * mask, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent_m, ent * mask, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gh_m, gh, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw_m, gw, rtol=1e-12, atol=1e-12)
+    assert (gh_m.abs().sum(-1) > 0).eq(mask.bool()).all()  # unmasked rows get no gradient
+
+    projected = []
+    linear = torch.nn.functional.linear
+    try:
+        torch.nn.functional.linear = lambda x, weight: projected.append(len(x)) or linear(x, weight)
+        chunked_token_logprobs(h, w, targets, 4, mask_BT=mask)
+        chunked_token_logprobs(h, w, targets, 4, mask_BT=torch.zeros(B, T))
+    finally:
+        torch.nn.functional.linear = linear
+    assert sum(projected) == int(mask.sum())

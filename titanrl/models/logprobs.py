@@ -76,12 +76,22 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
 
 def chunked_token_logprobs(
     h_BTD: torch.Tensor, weight_VD: torch.Tensor, targets_BT: torch.Tensor, chunk_tokens: int,
-    with_entropy: bool = False,
+    with_entropy: bool = False, mask_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p(target) [B, T] in float32 (float64 for float64 inputs), entropy [B, T] or None) from the final hidden states
-    and the output weight, `chunk_tokens` positions of logits at a time."""
+    """(log p(target) [B, T] in float32 (float64 for float64 inputs), entropy [B, T] or None) from
+    the final hidden states and the output weight, `chunk_tokens` positions of logits at a time.
+
+    With `mask_BT`, only the positions where it is non-zero are projected to the vocabulary (an RL
+    batch's prompt tokens are most of its positions and need no logprob); the others are 0."""
     B, T, D = h_BTD.shape
-    logprobs_N, entropy_N = _ChunkedTokenLogprobs.apply(
-        h_BTD.reshape(B * T, D), weight_VD, targets_BT.reshape(B * T), chunk_tokens, with_entropy
-    )
-    return logprobs_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
+    if mask_BT is None:
+        h_ND, targets_N = h_BTD.reshape(B * T, D), targets_BT.reshape(B * T)
+    else:
+        rows_BT = mask_BT != 0
+        h_ND, targets_N = h_BTD[rows_BT], targets_BT[rows_BT]
+    logprobs_N, entropy_N = _ChunkedTokenLogprobs.apply(h_ND, weight_VD, targets_N, chunk_tokens, with_entropy)
+    if mask_BT is None:
+        return logprobs_N.view(B, T), entropy_N.view(B, T) if with_entropy else None
+    logprobs_BT = logprobs_N.new_zeros(B, T).masked_scatter(rows_BT, logprobs_N)
+    entropy_BT = entropy_N.new_zeros(B, T).masked_scatter(rows_BT, entropy_N) if with_entropy else None
+    return logprobs_BT, entropy_BT

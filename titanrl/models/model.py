@@ -223,15 +223,21 @@ class Transformer(nn.Module):
         chunk_tokens: int,
         with_entropy: bool = False,
         backend: AttentionBackend | None = None,
+        mask_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p(targets) [B, T] in float32, entropy [B, T] or None) without [B, T, vocab]
-        logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`). Under TP
-        the vocab-sharded head still gives replicated logits (vocab-parallel chunks: not yet)."""
+        logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`), only where
+        `mask_BT` is non-zero when it is given (0 elsewhere). Under TP the vocab-sharded head
+        still gives replicated logits (vocab-parallel chunks: not yet)."""
         h_BTD = self.hidden_states(tokens_BT, backend=backend)
         weight_VD = self.output.weight
         if isinstance(weight_VD, DTensor):
-            return logprobs_and_entropy(self.output(h_BTD), targets_BT, with_entropy)
-        return chunked_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy)
+            logprobs_BT, entropy_BT = logprobs_and_entropy(self.output(h_BTD), targets_BT, with_entropy)
+            if mask_BT is None:
+                return logprobs_BT, entropy_BT
+            keep_BT = mask_BT != 0
+            return logprobs_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
+        return chunked_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy, mask_BT)
 
     def hidden_states(
         self,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 def sequence_logprobs(model: Transformer, batch: TensorDict, chunk_tokens: int) -> torch.Tensor:
     """Sum of completion-token logprobs per row [B]."""
     tokens_BT = batch["tokens"]
-    logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens)
+    logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, mask_BT=batch["loss_mask"])
     return (logprobs_BT * batch["loss_mask"]).sum(-1)
 
 

@@ -106,13 +106,14 @@ def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Samp
 
 def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chunk_tokens: int,
                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them."""
-    tokens_BT = batch["tokens"]
+    """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them, at
+    the loss mask's positions only (0 elsewhere: prompt tokens are not projected to the vocabulary)."""
+    tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
     if invariant:
         with batch_invariant_mode():
             return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy,
-                                  backend=ExactCausalAttention())
-    return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy)
+                                  backend=ExactCausalAttention(), mask_BT=mask_BT)
+    return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy, mask_BT=mask_BT)
 
 
 class RLRecipe(Recipe):

@@ -58,7 +58,8 @@ def sft_losses(trainer: Trainer, model: Transformer, samples: list[Sample], step
     for mb in micros:
         tokens_BT = mb["tokens"]
         with torch.set_grad_enabled(train):
-            logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], trainer.config.training.logprob_chunk_tokens)
+            logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], trainer.config.training.logprob_chunk_tokens,
+                                            mask_BT=mb["loss_mask"])
             loss = sft_loss(logprobs_BT, mb["loss_mask"], num_tokens)
         if train:
             trainer.backward(loss, step)
