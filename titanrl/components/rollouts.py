@@ -77,9 +77,10 @@ class RolloutCollector:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
         env = self.config.env
         turns = MultiTurnRollout(self.envs, self.trainer.tokenizer, env.max_turns, env.max_total_tokens,
-                                 self.config.reward.failure_reward)
+                                 self.config.reward.failure_reward, prompt_encoder=self.trainer.encode_prompt,
+                                 observation_role=env.observation_role)
         prompts = turns.start([{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples],
-                              params.n, self.trainer.encode_prompt)
+                              params.n)
         params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
         completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, turns=turns)
         results = []

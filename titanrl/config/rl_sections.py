@@ -242,12 +242,19 @@ class Env:
     timeout_s: float = 10.0
     """Seconds one reset/step call may take before its episode fails (and its worker is replaced)."""
 
+    observation_role: str = "user"
+    """With data.chat_template: the role of the environment's observations in the conversation
+    ('user', or 'tool' for tool results, which the template renders as such); without a template
+    observations are appended as raw tokens and this is unused."""
+
     def validate(self) -> None:
         for name in ("max_turns", "max_total_tokens", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[env] {name} must be >= 1, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"[env] timeout_s must be > 0, got {self.timeout_s}")
+        if self.observation_role not in ("user", "tool"):
+            raise ValueError(f"[env] observation_role must be 'user' or 'tool', got {self.observation_role!r}")
 
 
 @dataclass

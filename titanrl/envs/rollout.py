@@ -6,12 +6,38 @@ comes back as tokens that the generator appends to the sample, prefilling only t
 turns' K/V stay in the sample's blocks). An episode ends when the environment says done, after
 `max_turns` model turns, past `max_total_tokens`, or when its environment fails (raises, hangs,
 returns garbage): that episode gets the failure reward and a recorded reason, the rest go on.
+
+Without a chat template an observation is its raw tokens (`tokenizer.encode(observation)`). With
+one (a `PromptEncoder` that has a template, `data.chat_template = true`) the turns are rendered
+as the template renders the conversation: the appended tokens are the text the template writes
+between the assistant's turn and the next one, i.e. the end of the assistant's turn (ChatML's
+`<|im_end|>\\n`), the observation as a message of `observation_role` ('user', or 'tool' for tool
+results) and the generation prompt (`<|im_start|>assistant\\n`). That text is a delta of two
+renderings, as `ChatTemplate.assistant_mask` takes its spans: the conversation so far with the
+generation prompt, and the conversation with the assistant's turn and the observation appended,
+with the generation prompt; the assistant's turn is rendered as a placeholder, since its tokens
+are already in the sample (the delta is the same for any content the template writes verbatim,
+and the sample keeps what the model really saw when a template would rewrite it). Of the delta,
+what the model already wrote is dropped: the special token that ended its turn (e.g. the eos
+`<|im_end|>`) when the delta starts with it; a turn that ended on max tokens or a stop string
+gets the whole end-of-turn text. Templates that render the earlier conversation differently once
+a turn is added (so that no delta exists) are rejected with an error. The appended tokens are
+the environment's: the generator's model mask keeps them (the template's text included) out of
+the loss.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from titanrl.data.encode import PromptEncoder
 from titanrl.envs.pool import EnvPool
 from titanrl.models.tokenizer import Tokenizer
+
+OBSERVATION_ROLES = ("user", "tool")
+# Stands for an assistant turn's content in renderings: only the text around it is encoded.
+_ASSISTANT_PLACEHOLDER = "TITANRL_ASSISTANT_TURN"
+
+Key = tuple[int, int]
 
 
 @dataclass
@@ -30,21 +56,81 @@ class Episode:
         return sum(self.rewards)
 
 
+class ChatTurns:
+    """Per-episode conversation state that renders environment turns through a chat template
+    (see the module docstring)."""
+
+    def __init__(self, encoder: PromptEncoder, role: str) -> None:
+        if encoder.template is None:
+            raise ValueError("ChatTurns needs a PromptEncoder with a chat template")
+        if role not in OBSERVATION_ROLES:
+            raise ValueError(f"observation role must be one of {OBSERVATION_ROLES}, got {role!r}")
+        self.encoder, self.template, self.role = encoder, encoder.template, role
+        self.messages: dict[Key, list[dict]] = {}
+        self.rendered: dict[Key, str] = {}
+        """The conversation of each episode so far, as text, ending with the generation prompt."""
+
+    def start(self, keys: list[Key], prompt: str) -> list[int]:
+        """The prompt's token ids (as `PromptEncoder` gives them); `keys` (a group) share it."""
+        messages = self.encoder.messages(prompt)
+        text = self.template.render(messages, add_generation_prompt=True)
+        for key in keys:
+            self.messages[key], self.rendered[key] = messages, text
+        return self.encoder.tokenizer.encode(text)
+
+    def observation(self, key: Key, observation: str, last_token: int | None) -> list[int]:
+        """Token ids that end the assistant's turn (less the special token `last_token` it ended
+        on, if the template writes it there), carry `observation` as a `role` message and open
+        the next assistant turn."""
+        messages = self.messages[key] + [{"role": "assistant", "content": _ASSISTANT_PLACEHOLDER},
+                                         {"role": self.role, "content": observation}]
+        before = self.rendered[key] + _ASSISTANT_PLACEHOLDER
+        after = self.template.render(messages, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise ValueError(
+                f"multi-turn environment: the chat template of {self.template.source} does not render the "
+                f"conversation consistently when a turn is added (message {len(messages) - 2}): the conversation "
+                "with the generation prompt, then the assistant's turn, is not a prefix of the conversation with "
+                f"the assistant's turn and a '{self.role}' observation (does the template rewrite earlier turns, or "
+                "write more than the generation prompt before an assistant message?)"
+            )
+        self.messages[key], self.rendered[key] = messages, after
+        tokenizer = self.encoder.tokenizer
+        ids = tokenizer.encode(after[len(before) :])
+        # A special token (it has no text of its own) that ended the turn is already in the sample.
+        if ids and ids[0] == last_token and not tokenizer.decode([last_token]):
+            ids = ids[1:]
+        return ids
+
+
 class MultiTurnRollout:
     def __init__(self, pool: EnvPool, tokenizer: Tokenizer, max_turns: int, max_total_tokens: int,
-                 failure_reward: float = 0.0) -> None:
+                 failure_reward: float = 0.0, *, prompt_encoder: PromptEncoder | None = None,
+                 observation_role: str = "user") -> None:
+        """`prompt_encoder`: encodes the first observation (default for `start`); when it has a
+        chat template, every turn is rendered through it, observations as `observation_role`
+        messages."""
         self.pool, self.tokenizer = pool, tokenizer
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.failure_reward = failure_reward
-        self.episodes: dict[tuple[int, int], Episode] = {}
-        self._ids: dict[tuple[int, int], int] = {}
-        self._keys: dict[int, tuple[int, int]] = {}
-        self._lengths: dict[tuple[int, int], int] = {}
-        self._ended: list[tuple[tuple[int, int], list[int] | None]] = []
+        self.prompt_encoder = prompt_encoder
+        self.chat: ChatTurns | None = None
+        if prompt_encoder is not None and prompt_encoder.template is not None:
+            self.chat = ChatTurns(prompt_encoder, observation_role)
+        self.episodes: dict[Key, Episode] = {}
+        self._ids: dict[Key, int] = {}
+        self._keys: dict[int, Key] = {}
+        self._lengths: dict[Key, int] = {}
+        self._last_token: dict[Key, int | None] = {}
+        self._ended: list[tuple[Key, list[int] | None]] = []
 
-    def start(self, samples: list[dict], group_size: int, encode_prompt) -> list[list[int]]:
+    def start(self, samples: list[dict], group_size: int,
+              encode_prompt: Callable[[str], list[int]] | None = None) -> list[list[int]]:
         """Reset one environment per (prompt, sample) and return the prompts' token ids (the first
-        observation; a group's G environments must agree on it, as they share its KV blocks)."""
+        observation; a group's G environments must agree on it, as they share its KV blocks).
+        `encode_prompt` (default: the prompt encoder) is used without a chat template."""
+        encode = encode_prompt if encode_prompt is not None else self.prompt_encoder
+        assert encode is not None or self.chat is not None, "start() needs encode_prompt or a prompt_encoder"
         for i, sample in enumerate(samples):
             for j in range(group_size):
                 key = (i, j)
@@ -52,7 +138,7 @@ class MultiTurnRollout:
                 self._ids[key], self._keys[eid] = eid, key
                 self.episodes[key] = Episode(sample)
                 self.pool.reset(eid, sample)
-        first: dict[tuple[int, int], str | None] = {}
+        first: dict[Key, str | None] = {}
         while len(first) < len(self._ids):
             for r in self.pool.poll(block=True):
                 key = self._keys[r.episode]
@@ -68,28 +154,36 @@ class MultiTurnRollout:
                     f"{i}; reset() must depend only on the sample (seed any randomness from it)"
                 )
             text = texts.pop() if texts else samples[i]["prompt"]
-            prompts.append(encode_prompt(text))
-            for j in range(group_size):
-                self._lengths[(i, j)] = 0  # completion tokens (model + environment) so far
+            keys = [(i, j) for j in range(group_size)]
+            prompts.append(self.chat.start(keys, text) if self.chat is not None else encode(text))
+            for key in keys:
+                self._lengths[key] = 0  # completion tokens (model + environment) so far
         return prompts
 
-    def _fail(self, key: tuple[int, int], reason: str) -> None:
+    def _fail(self, key: Key, reason: str) -> None:
         episode = self.episodes[key]
         episode.failed, episode.done = reason, True
         episode.rewards = [self.failure_reward]
 
+    def _observation_tokens(self, key: Key, observation: str) -> list[int]:
+        """The tokens appended for an observation: raw, or rendered through the chat template."""
+        if self.chat is None:
+            return self.tokenizer.encode(observation)
+        return self.chat.observation(key, observation, self._last_token[key])
+
     # ---- TurnHandler ----
 
-    def submit(self, key: tuple[int, int], turn_token_ids: list[int], finish_reason: str) -> None:
+    def submit(self, key: Key, turn_token_ids: list[int], finish_reason: str) -> None:
         episode = self.episodes[key]
         episode.turns += 1
         self._lengths[key] += len(turn_token_ids)
+        self._last_token[key] = turn_token_ids[-1] if turn_token_ids else None
         if episode.done:  # its environment already failed (at reset)
             self._ended.append((key, None))
             return
         self.pool.step(self._ids[key], self.tokenizer.decode(turn_token_ids))
 
-    def poll(self, block: bool) -> list[tuple[tuple[int, int], list[int] | None]]:
+    def poll(self, block: bool) -> list[tuple[Key, list[int] | None]]:
         out, self._ended = self._ended, []
         if out:
             block = False
@@ -104,7 +198,7 @@ class MultiTurnRollout:
             episode.rewards.append(step.reward)
             episode.correct = episode.correct or bool(step.info.get("correct", False))
             episode.tool_calls += int(bool(step.info.get("tool_call", False)))
-            obs = self.tokenizer.encode(step.observation) if step.observation else []
+            obs = self._observation_tokens(key, step.observation) if step.observation else []
             over = episode.turns >= self.max_turns or self._lengths[key] + len(obs) > self.max_total_tokens
             if step.done or over or not obs:
                 episode.done = True
