@@ -69,6 +69,9 @@ def test_real_model_recipe_runs_on_cpu_at_real_vocabulary(assets, tmp_path):
     trainer = Trainer(load_config(_args(assets, tmp_path)))
     assert trainer.model_args.vocab_size == trainer.tokenizer.vocab_size == 151_936
     assert trainer.recipe.generator.eos_ids == {151645, 151643}
+    # The recipe's bf16: float32 master weights, a bf16 generator (on one rank, as on one GPU).
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in trainer.recipe.generator.model.parameters()} == {torch.bfloat16}
     # Prompts are the rows' messages through the ChatML template, ending in the generation prompt.
     sample = trainer.recipe.eval_samples[0]
     ids = trainer.encode_prompt(sample.prompt, sample.metadata)

@@ -14,6 +14,7 @@ from conftest import REPO_ROOT, run_cmd
 from titanrl import train
 from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm
 from titanrl.config import load_config
+from titanrl.models import Transformer
 from titanrl.recipes.sft import demonstration
 from titanrl.trainer import Trainer
 
@@ -57,6 +58,31 @@ def test_one_rl_step_in_process(tmp_path):
     assert math.isfinite(metrics["grad_norm"]) and metrics["skipped_updates"] == 0
     moved = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert moved if torch.any(out.advantages != 0) else not moved
+
+
+def test_bf16_on_one_rank_float32_master_weights_and_bitwise_generator_parity(tmp_path):
+    """training.mixed_precision_param = bfloat16 without torchrun: FSDP2's policy over a one-rank
+    group keeps float32 parameters and optimizer state, computes in bf16 (logprobs differ from a
+    float32 forward of the same weights), the generator holds bf16 weights, and in batch-invariant
+    mode sampler and trainer logprobs are bitwise equal. close() leaves no process group behind."""
+    import torch.distributed as dist
+
+    trainer = Trainer(load_config([*RL_SMALL, f"--job.dump_folder={tmp_path}", "--training.mixed_precision_param=bfloat16",
+                                   "--generator.batch_invariant=true"]))
+    metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
+    assert metrics["gen_logprob_diff"] == 0.0 and metrics["mismatch_kl"] == 0.0 and metrics["ratio_max"] == 1.0
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(v.dtype == torch.float32 for st in trainer.optimizer.state.values() for v in st.values() if v.dim())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.recipe.generator.model.parameters())
+    tokens = torch.randint(0, 200, (2, 12))
+    with torch.no_grad():
+        bf16, _ = trainer.model.logprobs(tokens[:, :-1], tokens[:, 1:], 64)
+        fp32_model = Transformer(trainer.model_args)
+        fp32_model.load_state_dict({k: v.full_tensor() for k, v in trainer.model.state_dict().items()})
+        fp32, _ = fp32_model.logprobs(tokens[:, :-1], tokens[:, 1:], 64)
+    assert 1e-4 < (bf16 - fp32).abs().max() < 0.5
+    trainer.close()
+    assert not dist.is_initialized()
 
 
 def test_one_sft_step_in_process_matches_a_float64_reference(tmp_path):

@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None) -> JobConfig | None:
 
 def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     """Join torchrun's process group, seed every RNG, build the device mesh: (rank, dims, device)."""
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:
         print(to_toml(config))

@@ -107,7 +107,9 @@ class Training:
     151,936 vocabulary: ~0.3 GB per buffer."""
 
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of parameters in forward/backward under FSDP2 (master weights stay float32)."""
+    """Dtype of parameters in forward/backward (FSDP2's mixed precision, also on one rank; master
+    weights and optimizer state stay float32). The generator holds its weights in this dtype, so
+    sampler and trainer compute alike."""
 
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the gradient reduce-scatter under FSDP2."""

@@ -38,7 +38,9 @@ def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_confi
         apply_ac(model, job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option)
     if job_config.compile.enable:
         apply_compile(model, job_config.compile.backend)
-    if parallel_dims.fsdp_enabled:
+    # Mixed precision is FSDP2's policy (float32 master weights, bf16 compute): one rank gets it
+    # from FSDP2 over a one-rank mesh, which shards nothing.
+    if parallel_dims.fsdp_enabled or job_config.training.mixed_precision_param != "float32":
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh,

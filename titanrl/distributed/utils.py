@@ -8,13 +8,15 @@ import torch.distributed as dist
 from titanrl.distributed.parallel_dims import device_type
 
 
-def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
+def init_distributed(timeout_s: float = 600.0, single_process_group: bool = False) -> tuple[int, int]:
     """Join the torchrun process group (gloo on CPU, NCCL for CUDA tensors); returns (rank, world).
 
-    Outside torchrun (no WORLD_SIZE) this is a single-process job and no group is created.
+    Outside torchrun (no WORLD_SIZE) this is a single-process job: no group is created unless
+    `single_process_group` asks for a one-rank group (FSDP2's mixed precision needs a mesh).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size == 1 and "RANK" not in os.environ:
+    single = world_size == 1 and "RANK" not in os.environ
+    if single and not single_process_group:
         return 0, 1
     if device_type() == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -23,7 +25,9 @@ def init_distributed(timeout_s: float = 600.0) -> tuple[int, int]:
     else:
         backend = "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        # One rank needs no rendezvous: an in-memory store, no MASTER_ADDR / port.
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if single else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **store)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -138,7 +138,7 @@ class RLRecipe(Recipe):
         # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
         self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
-                                   tokenizer=trainer.tokenizer,
+                                   tokenizer=trainer.tokenizer, dtype=getattr(torch, cfg.training.mixed_precision_param),
                                    extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
