@@ -1,8 +1,14 @@
 """Logprobs and entropy without [B, T, vocab] logits (`models/logprobs.py`) against the
-full-logits float64 reference, values and gradients, at a toy and at the real vocabulary."""
+full-logits float64 reference, values and gradients, at a toy and at the real vocabulary; on
+1 rank and vocab-parallel on tp=2 (gloo ranks under torchrun)."""
+
+import json
+import os
 
 import pytest
 import torch
+
+from conftest import REPO_ROOT, run_torchrun
 
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.logprobs import chunked_token_logprobs, token_logprobs
@@ -111,3 +117,39 @@ def test_masked_positions_only_are_projected_and_match_the_unmasked_path():
     finally:
         torch.nn.functional.linear = linear
     assert sum(projected) == int(mask.sum())
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):
+    """One torchrun launch (2 ranks) runs every tp check; see tests/multirank/logprobs_tp_worker.py."""
+    out = tmp_path_factory.mktemp("logprobs_tp") / "results.json"
+    run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "logprobs_tp_worker.py"), 2, ["--out", str(out)])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multirank
+def test_tp2_vocab_parallel_values_and_gradients_match_the_full_logits_reference(tp2_results):
+    """Vocab shards (Shard(0)) on 2 ranks, h sequence-sharded (also replicated or plain), with
+    and without a mask, chunk 1 / 5 / > N, vocabulary 194 and 151,936: logprobs, entropy, grad h and
+    grad W (gathered) equal the float64 full-logits reference to 1e-10 (float32 inputs: 5e-6);
+    an all-zero mask gives zeros and zero gradients."""
+    cases = {k: v for k, v in tp2_results.items() if k.startswith("V")}
+    assert len(cases) == 2 * 6 + 1, list(cases)
+    for case, errors in cases.items():
+        bound = 5e-6 if case.endswith("float32") else 1e-10
+        assert max(errors.values()) < bound, (case, errors)
+    assert tp2_results["empty_mask_ok"]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_tp2_model_logprobs_match_one_rank_without_gathering_logits(tp2_results, family):
+    """A float64 Transformer under `apply_tp` (sequence parallel; qwen3: tied embeddings, qwen2:
+    untied): `model.logprobs` values, entropy and every parameter gradient equal its 1-rank copy's
+    to 1e-12, with `model.output` disabled and no op producing a tensor whose last dim is the
+    vocabulary (a detector that does see the gathered logits of `model(tokens)`)."""
+    results = tp2_results[f"model/{family}"]
+    assert results.pop("detector_sees_gathered_logits")
+    assert len(results) == 2
+    for case, errors in results.items():
+        assert max(errors.values()) < 1e-12, (case, errors)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
-from titanrl.models.logprobs import chunked_token_logprobs, logprobs_and_entropy
+from titanrl.models.logprobs import chunked_token_logprobs, vocab_parallel_token_logprobs
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -227,16 +227,13 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p(targets) [B, T] in float32, entropy [B, T] or None) without [B, T, vocab]
         logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`), only where
-        `mask_BT` is non-zero when it is given (0 elsewhere). Under TP the vocab-sharded head
-        still gives replicated logits (vocab-parallel chunks: not yet)."""
+        `mask_BT` is non-zero when it is given (0 elsewhere). Under TP the head's weight is a
+        vocab-sharded DTensor: each rank projects onto its vocab shard and the softmax is
+        reduced over tp (vocab-parallel chunks, no gathered logits; `self.output` is not called)."""
         h_BTD = self.hidden_states(tokens_BT, backend=backend)
         weight_VD = self.output.weight
         if isinstance(weight_VD, DTensor):
-            logprobs_BT, entropy_BT = logprobs_and_entropy(self.output(h_BTD), targets_BT, with_entropy)
-            if mask_BT is None:
-                return logprobs_BT, entropy_BT
-            keep_BT = mask_BT != 0
-            return logprobs_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
+            return vocab_parallel_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy, mask_BT)
         return chunked_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy, mask_BT)
 
     def hidden_states(
