@@ -134,6 +134,33 @@ def test_sampling_filters_restrict_support():
     assert keep(SamplingParams(top_p=0.1)) == [True, False, False, False]
 
 
+def test_sampler_draws_from_the_filtered_distribution():
+    """sample_tokens (one uniform per row through the row's CDF): 40,000 seeded draws match the
+    tempered, filtered softmax to 3 standard errors per token, filtered tokens never come,
+    greedy rows are argmax, and a row's draw depends only on its own stream."""
+    from titanrl.generator.sampling import _filtered_logits, sample_tokens
+
+    logits_V = torch.log(torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1]))
+    for params in (SamplingParams(temperature=0.7), SamplingParams(top_k=3), SamplingParams(top_p=0.8)):
+        n = 40_000
+        rng = torch.Generator().manual_seed(0)
+        rows = 8
+        counts = torch.zeros(6)
+        for _ in range(n // rows):
+            drawn = sample_tokens(logits_V.expand(rows, 6), [params] * rows, [rng] * rows)
+            counts += torch.bincount(torch.tensor(drawn), minlength=6)
+        expected = _filtered_logits(logits_V, params).softmax(-1)
+        stderr = (expected * (1 - expected) / n).sqrt()
+        assert ((counts / n - expected).abs() <= 3 * stderr + 1e-9).all(), (params, counts / n, expected)
+        assert counts[expected == 0].sum() == 0
+    logits_NV = torch.randn(3, 151_936)
+    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
+    streams = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
+    mixed = sample_tokens(logits_NV, [greedy, hot, hot], streams)
+    alone = sample_tokens(logits_NV[2:], [hot], [torch.Generator().manual_seed(3)])
+    assert mixed[0] == int(logits_NV[0].argmax()) and mixed[2] == alone[0]
+
+
 def test_stop_conditions():
     model = _trainer_model()
     gen = _generator(model, block_size=4, num_blocks=64)

@@ -21,7 +21,7 @@ from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
-from titanrl.generator.sampling import SamplingParams, sample_token, sampled_logprobs
+from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, Seq, TurnHandler
 from titanrl.generator.weight_sync import copy_trainer_weights
@@ -278,12 +278,7 @@ class Generator:
     def _sample(self, sched: Scheduler, seqs: list[Seq], logits_NV: torch.Tensor) -> None:
         """Sample the next token of each seq from its row of `logits_NV`; the scheduler keeps it
         running or retires it."""
-        # One argmax for the whole batch: greedy rows need no per-row sampling call.
-        greedy_N = torch.argmax(logits_NV, dim=-1).tolist()
-        tokens = [
-            greedy_N[i] if seq.params.temperature == 0 else sample_token(logits_NV[i], seq.params, seq.rng)
-            for i, seq in enumerate(seqs)
-        ]
+        tokens = sample_tokens(logits_NV, [seq.params for seq in seqs], [seq.rng for seq in seqs])
         tokens_N = torch.tensor(tokens, device=logits_NV.device)
         logprobs_N = sampled_logprobs(logits_NV, tokens_N).tolist()
         num_top = seqs[0].params.num_top_logprobs
