@@ -237,6 +237,30 @@ def test_load_weights_in_place_follows_trainer_updates():
     assert c.token_ids == greedy_reference(model, prompt, 10)[0]
 
 
+def test_shared_weights_are_the_trainers_storage_and_follow_its_updates():
+    """share_weights on one rank: the generator's parameters are the trainer's tensors (no
+    second copy), optimizer steps reach the generator without a copy, load_weights leaves them
+    shared; a generator of another dtype does not share."""
+    model = _trainer_model()
+    gen = _generator(model, block_size=4, num_blocks=64)
+    assert gen.share_weights(model)
+    trainer_ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
+    assert {n: p.data_ptr() for n, p in gen.model.named_parameters()} == trainer_ptrs
+    prompt = _prompts([7])[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(3):
+        model(torch.tensor([prompt])).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    gen.load_weights(model)
+    assert {n: p.data_ptr() for n, p in gen.model.named_parameters()} == trainer_ptrs
+    model.eval()
+    (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
+    assert c.token_ids == greedy_reference(model, prompt, 10)[0]
+    bf16 = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=8), torch.device("cpu"), dtype=torch.bfloat16)
+    assert not bf16.share_weights(model) and not bf16.shares_weights
+
+
 def test_sleep_frees_the_pool_and_wake_restores_it():
     gen = _generator(_trainer_model(), block_size=4, num_blocks=32)
     # 32 blocks plus the scratch block that padding rows write into.

@@ -24,7 +24,7 @@ from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, Seq, TurnHandler
-from titanrl.generator.weight_sync import copy_trainer_weights
+from titanrl.generator.weight_sync import copy_trainer_weights, share_trainer_weights
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.hf import load_hf_weights
@@ -66,6 +66,7 @@ class Generator:
         self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
         self.model = self._build_model(tp_mesh)
+        self.shares_weights = False
         self._decode_model = self.model
         if config.compile:
             mode = "reduce-overhead" if device.type == "cuda" else None
@@ -119,7 +120,7 @@ class Generator:
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
-        if offload_weights and self.device.type != "cpu":
+        if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for p in self.model.parameters():
                 local = p.to_local() if isinstance(p, DTensor) else p
                 self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
@@ -140,6 +141,13 @@ class Generator:
         # Cached prefix blocks hold K/V computed with the old weights.
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
+
+    def share_weights(self, trainer_model: nn.Module) -> bool:
+        """Use the trainer's parameter storage as this generator's weights when their layouts
+        match (one rank, no FSDP / TP, same dtype): no second copy, and `load_weights` has
+        nothing to copy. Returns whether they are shared (see `weight_sync.share_trainer_weights`)."""
+        self.shares_weights = share_trainer_weights(self.model, trainer_model)
+        return self.shares_weights
 
     def load_hf(self, folder: str) -> None:
         """Load weights from an HF safetensors folder (standalone use, without a trainer)."""

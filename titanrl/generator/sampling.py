@@ -99,7 +99,7 @@ def sample_tokens(logits_NV: torch.Tensor, params: list[SamplingParams], rngs: l
             groups.setdefault(_filter_key(p), []).append(i)
     for rows in groups.values():
         probs_RV = _filtered_logits(logits_NV[rows], params[rows[0]]).softmax(-1)
-        cdf_RV = probs_RV.double().cumsum(-1)
+        cdf_RV = probs_RV.cumsum(-1, dtype=torch.float64)
         u_R = torch.cat([torch.rand(1, generator=rngs[i], dtype=torch.float64) for i in rows]).to(cdf_RV.device)
         # The first index whose cumulative probability exceeds u: a token of probability 0 has an
         # empty interval and is never drawn.

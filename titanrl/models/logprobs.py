@@ -36,7 +36,11 @@ def logprobs_and_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, with_
     float64 logits), and the entropy (a statistic: no gradient) or None."""
     logp_XV = torch.log_softmax(_upcast(logits_XV), dim=-1)
     logprobs_X = logp_XV.gather(-1, targets_X.unsqueeze(-1)).squeeze(-1)
-    entropy_X = -(logp_XV.exp() * logp_XV).sum(-1).detach() if with_entropy else None
+    if not with_entropy:
+        return logprobs_X, None
+    with torch.no_grad():  # in place on p: one [X, V] buffer fewer at the peak
+        p_XV = logp_XV.exp()
+        entropy_X = -p_XV.mul_(logp_XV).sum(-1)
     return logprobs_X, entropy_X
 
 
@@ -79,7 +83,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start : start + len(h_CD)] = grad_logits_CV @ weight_VD
             if grad_w is not None:
-                grad_w += grad_logits_CV.t().to(grad_w.dtype) @ h_CD.to(grad_w.dtype)
+                grad_w.addmm_(grad_logits_CV.t().to(grad_w.dtype), h_CD.to(grad_w.dtype))  # in place: no [V, D] temporary
             start += len(h_CD)
         return grad_h, grad_w.to(weight_VD.dtype) if grad_w is not None else None, None, None, None
 
@@ -183,7 +187,7 @@ class _VocabParallelChunkedLogprobs(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[start : start + len(h_CD)] = grad_logits_CV @ weight_VlD
             if grad_w is not None:
-                grad_w += grad_logits_CV.t().to(grad_w.dtype) @ h_CD.to(grad_w.dtype)
+                grad_w.addmm_(grad_logits_CV.t().to(grad_w.dtype), h_CD.to(grad_w.dtype))  # in place: no [V, D] temporary
             start += len(h_CD)
         grad_w = grad_w.to(weight_VlD.dtype) if grad_w is not None else None
         return grad_h, grad_w, None, None, None, None, None

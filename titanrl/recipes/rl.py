@@ -140,6 +140,7 @@ class RLRecipe(Recipe):
         self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
                                    tokenizer=trainer.tokenizer, dtype=getattr(torch, cfg.training.mixed_precision_param),
                                    extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
+        self.generator.share_weights(self.policy)  # one rank, full-precision: one set of weights
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
         self.reference = self.critic = self.critic_optimizer = None
