@@ -1,6 +1,7 @@
 """What the entry point (`titanrl.train`) and the `Trainer` do around the loop: parse the
 config, join the process group, size the model, shut down, report user errors."""
 
+import ctypes
 import os
 import sys
 from collections.abc import Callable
@@ -24,8 +25,24 @@ def parse_args(argv: list[str] | None) -> JobConfig | None:
     return load_config(argv)
 
 
+def return_freed_cpu_memory() -> None:
+    """On Linux CPU runs, have glibc serve allocations of 1 MiB and more with mmap, so that a
+    freed tensor goes back to the system. By default glibc raises that threshold after each large
+    free (up to 32 MiB) and keeps freed blocks below it in its heap: measured on the qwen2.5-0.5b
+    flavor, ~2.9 GiB of freed activations and gradients stayed resident between RL steps."""
+    if device_type() != "cpu" or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (e.g. musl): nothing to tune
+        return
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+
+
 def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     """Join torchrun's process group, seed every RNG, build the device mesh: (rank, dims, device)."""
+    return_freed_cpu_memory()
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:
