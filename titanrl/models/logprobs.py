@@ -71,21 +71,34 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy):
         h_ND, weight_VD, targets_N = ctx.saved_tensors
-        grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight_VD, dtype=torch.promote_types(weight_VD.dtype, torch.float32)) if ctx.needs_input_grad[1] else None
-        start = 0
-        for h_CD, t_C, g_C in zip(h_ND.split(ctx.chunk), targets_N.split(ctx.chunk), grad_logprobs_N.split(ctx.chunk)):
-            # d log_softmax(z)_t / dz = onehot(t) - softmax(z), times the incoming gradient.
-            probs_CV = torch.softmax(_upcast(F.linear(h_CD, weight_VD)), dim=-1)
-            grad_logits_CV = probs_CV.mul_(-g_C[:, None])
-            grad_logits_CV.scatter_add_(1, t_C[:, None], g_C[:, None])
-            grad_logits_CV = grad_logits_CV.to(h_ND.dtype)
-            if grad_h is not None:
-                grad_h[start : start + len(h_CD)] = grad_logits_CV @ weight_VD
-            if grad_w is not None:
-                grad_w.addmm_(grad_logits_CV.t().to(grad_w.dtype), h_CD.to(grad_w.dtype))  # in place: no [V, D] temporary
-            start += len(h_CD)
-        return grad_h, grad_w.to(weight_VD.dtype) if grad_w is not None else None, None, None, None
+
+        def grad_logits():
+            for h_CD, t_C, g_C in zip(h_ND.split(ctx.chunk), targets_N.split(ctx.chunk), grad_logprobs_N.split(ctx.chunk)):
+                # d log_softmax(z)_t / dz = onehot(t) - softmax(z), times the incoming gradient.
+                probs_CV = torch.softmax(_upcast(F.linear(h_CD, weight_VD)), dim=-1)
+                grad_logits_CV = probs_CV.mul_(-g_C[:, None])
+                yield grad_logits_CV.scatter_add_(1, t_C[:, None], g_C[:, None])
+
+        grad_h, grad_w = _linear_backward(ctx.needs_input_grad, h_ND, weight_VD, ctx.chunk, grad_logits())
+        return grad_h, grad_w, None, None, None
+
+
+def _linear_backward(needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weight_VD: torch.Tensor, chunk: int,
+                     grad_logits_chunks) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(grad h, grad W) of logits = h W^T from each chunk's grad logits [C, V], in the order of
+    `h_ND.split(chunk)` (a generator: one chunk's logits live at a time), for the inputs that
+    need them; grad W accumulates in place in float32 at least (no [V, D] temporary per chunk)."""
+    grad_h = torch.empty_like(h_ND) if needs_input_grad[0] else None
+    grad_w = torch.zeros_like(weight_VD, dtype=torch.promote_types(weight_VD.dtype, torch.float32)) if needs_input_grad[1] else None
+    start = 0
+    for h_CD, grad_logits_CV in zip(h_ND.split(chunk), grad_logits_chunks):
+        grad_logits_CV = grad_logits_CV.to(h_ND.dtype)
+        if grad_h is not None:
+            grad_h[start : start + len(h_CD)] = grad_logits_CV @ weight_VD
+        if grad_w is not None:
+            grad_w.addmm_(grad_logits_CV.t().to(grad_w.dtype), h_CD.to(grad_w.dtype))
+        start += len(h_CD)
+    return grad_h, grad_w.to(weight_VD.dtype) if grad_w is not None else None
 
 
 def chunked_token_logprobs(
@@ -173,23 +186,18 @@ class _VocabParallelChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_N, _grad_entropy):
         h_ND, weight_VlD, targets_N, lse_N = ctx.saved_tensors
-        grad_h = torch.empty_like(h_ND) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros_like(weight_VlD, dtype=torch.promote_types(weight_VlD.dtype, torch.float32)) if ctx.needs_input_grad[1] else None
-        start = 0
-        chunks = [x.split(ctx.chunk) for x in (h_ND, targets_N, grad_logprobs_N, lse_N)]
-        for h_CD, t_C, g_C, lse_C in zip(*chunks):
-            # d logprob / dz = onehot(t) - softmax(z); the softmax from the saved global lse.
-            z_CV = _upcast(F.linear(h_CD, weight_VlD))
-            grad_logits_CV = torch.exp(z_CV - lse_C[:, None]).mul_(-g_C[:, None])
-            _, col_C, owned_C = _local_target_logit(z_CV, t_C, ctx.vocab_start)
-            grad_logits_CV.scatter_add_(1, col_C[:, None], torch.where(owned_C, g_C, torch.zeros_like(g_C))[:, None])
-            grad_logits_CV = grad_logits_CV.to(h_ND.dtype)
-            if grad_h is not None:
-                grad_h[start : start + len(h_CD)] = grad_logits_CV @ weight_VlD
-            if grad_w is not None:
-                grad_w.addmm_(grad_logits_CV.t().to(grad_w.dtype), h_CD.to(grad_w.dtype))  # in place: no [V, D] temporary
-            start += len(h_CD)
-        grad_w = grad_w.to(weight_VlD.dtype) if grad_w is not None else None
+
+        def grad_logits():
+            chunks = [x.split(ctx.chunk) for x in (h_ND, targets_N, grad_logprobs_N, lse_N)]
+            for h_CD, t_C, g_C, lse_C in zip(*chunks):
+                # d logprob / dz = onehot(t) - softmax(z); the softmax from the saved global lse.
+                z_CV = _upcast(F.linear(h_CD, weight_VlD))
+                grad_logits_CV = torch.exp(z_CV - lse_C[:, None]).mul_(-g_C[:, None])
+                _, col_C, owned_C = _local_target_logit(z_CV, t_C, ctx.vocab_start)
+                owned_g_C = torch.where(owned_C, g_C, torch.zeros_like(g_C))
+                yield grad_logits_CV.scatter_add_(1, col_C[:, None], owned_g_C[:, None])
+
+        grad_h, grad_w = _linear_backward(ctx.needs_input_grad, h_ND, weight_VlD, ctx.chunk, grad_logits())
         return grad_h, grad_w, None, None, None, None, None
 
 
