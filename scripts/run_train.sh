@@ -6,4 +6,4 @@ NGPU=${NGPU:-1}
 CONFIG_FILE=${CONFIG_FILE:-train_configs/grpo_reverse_debug.toml}
 # One CPU thread per rank unless told otherwise: ranks share the cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))}
-exec torchrun --standalone --nproc_per_node="$NGPU" -m titanrl.train --job.config_file "$CONFIG_FILE" "$@"
+exec titanrl run --nproc "$NGPU" "$CONFIG_FILE" "$@"

@@ -27,3 +27,14 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
     if proc.returncode != 0:
         pytest.fail(f"torchrun {os.path.basename(script)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_two_ranks(tmp_path_factory):
+    """The 4-step 2-rank RL run of test_checkpoint.py's BASE config, never interrupted: the
+    reference of every kill / restart / SIGTERM test (shared, it is ~20 s)."""
+    from test_checkpoint import _ok, _run
+
+    folder = tmp_path_factory.mktemp("full2")
+    _ok(_run(folder, 4, nproc=2))
+    return folder

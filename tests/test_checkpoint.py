@@ -96,13 +96,6 @@ def test_saved_on_two_ranks_resumes_on_one_with_identical_parameters(tmp_path):
     _assert_same_weights(one, two)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_two_ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("full2")
-    _ok(_run(folder, 4, nproc=2))
-    return folder
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("fault", ["step:3:1", "checkpoint_save:4:1"])
 def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterrupted_two_ranks, fault):

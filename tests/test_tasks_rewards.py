@@ -90,19 +90,19 @@ def _greedy(prompt, completion, metadata):
 
 
 def test_reward_worker_memory_limit_and_crash_are_contained():
-    """Reward function allocating 4 GiB past reward.memory_limit_mb, or killing its worker process -> that sample fails (counted), the pool is replaced, other samples are scored"""
+    """Reward function allocating 4 GiB past reward.memory_limit_mb, or killing its worker process -> that sample fails (counted: 'memory' / 'crash'), the worker is replaced, other samples are scored"""
     items = [RewardItem("p", c, "a") for c in ("ok", "big", "ok")]
     runner = RewardRunner(_greedy, num_workers=1, timeout_s=20.0, failure_reward=-1.0, memory_limit_mb=512)
     out = runner(items)
-    assert [r.failed for r in out] == [None, "error", None]
+    assert [r.failed for r in out] == [None, "memory", None]
     out = runner([RewardItem("p", c, "a") for c in ("ok", "crash")])
-    assert out[1].failed == "error" and out[1].reward == -1.0
-    assert [r.reward for r in runner([RewardItem("p", "ok", "a")])] == [1.0]  # a new pool took over
+    assert out[1].failed == "crash" and out[1].reward == -1.0
+    assert [r.reward for r in runner([RewardItem("p", "ok", "a")])] == [1.0]  # a new worker took over
     runner.close()
 
 
 def test_reward_runner_isolates_failures():
-    """Reward function raises, hangs past the timeout, or returns NaN / inf / a string -> that sample gets the failure reward and is counted; a hung worker pool is replaced"""
+    """Reward function raises, hangs past the batch's timeout, or returns NaN / inf / a string -> that sample gets the failure reward and is counted; a hung worker is replaced"""
     items = lambda *cs: [RewardItem("p", c, "a") for c in cs]  # noqa: E731
     runner = RewardRunner(_raises, num_workers=2, timeout_s=10.0, failure_reward=-1.0)
     out = runner(items("ok", "boom", "ok"))
@@ -115,7 +115,7 @@ def test_reward_runner_isolates_failures():
     assert time.monotonic() - start < 20
     assert [r.failed for r in out] == [None, "timeout", None, None]
     assert [r.reward for r in out] == [0.5, -1.0, 0.5, 0.5]
-    assert [r.reward for r in runner(items("d"))] == [0.5]  # a fresh pool replaced the hung one
+    assert [r.reward for r in runner(items("d"))] == [0.5]  # a fresh worker replaced the hung one
     runner.close()
 
     runner = RewardRunner(_returns, num_workers=1, timeout_s=10.0, failure_reward=0.0)

@@ -14,6 +14,7 @@ watchdog, evaluation and logging.
 import os
 import random
 import re
+import signal
 import time
 
 import torch
@@ -24,6 +25,7 @@ from titanrl.components import launch
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
+from titanrl.components.timer import straggler_metrics
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
 from titanrl.data.batch import micro_batch_plan, num_micro_batches
@@ -40,13 +42,17 @@ class Trainer:
         data = recipe_cls.load_data(config)  # bad data fails before anything is built
         self.config = config
         self.rank, self.dims, self.device = launch.start(config)
+        # Rank 0 owns the dump folder before anything is written there (metrics, checkpoints).
+        self.folder_lock = launch.lock_dump_folder(config.job.dump_folder) if self.rank == 0 else None
+        self.stop_signals = launch.StopSignals()
         self.dp_group = self.dims.dp_mesh.get_group() if self.dims.dp_size > 1 else None
         self.tokenizer = build_tokenizer(config.model.tokenizer)
         self.model_args = launch.model_args(config, self.tokenizer.vocab_size)
         self.encode_prompt = PromptEncoder.from_config(config.data, config.model.tokenizer, self.tokenizer)
         self.watchdog = Watchdog(config.job.phase_timeout_s, self.rank)
         ckpt = config.checkpoint
-        self.checkpointer = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k)
+        self.checkpointer = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k,
+                                              ckpt.async_mode)
         self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
         self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
         self.model = recipe_cls.build_model(self)
@@ -65,12 +71,14 @@ class Trainer:
             start, (first_eval, last_eval) = 1, self.begin()
         else:
             start, first_eval, last_eval = restored["step"] + 1, restored["first_eval"], restored["last_eval"]
+        self.metrics.keep_through(start - 1)  # a resumed run redoes the steps after its checkpoint
         batches = iter(self.recipe.loader)
         step_times: list[float] = []
         for step in range(start, cfg.training.steps + 1):
             began = time.perf_counter()
             metrics = self.recipe.step(batches, step)
             fault_point("step", step)
+            metrics.update(straggler_metrics({k[5:]: v for k, v in metrics.items() if k.startswith("time_")}))
             evaluated = bool(cfg.metrics.eval_freq) and step % cfg.metrics.eval_freq == 0 or step == cfg.training.steps
             if evaluated:
                 last_eval = self.evaluate()
@@ -79,9 +87,16 @@ class Trainer:
             if step % cfg.metrics.log_freq == 0 or evaluated:
                 metrics["eta_s"] = sum(step_times) / len(step_times) * (cfg.training.steps - step)
                 self.metrics.log(step, {"phase": self.recipe.name, **metrics}, self.recipe.console)
-            if cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps):
+            saved = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps)
+            if saved:
                 self.save_checkpoint(step, first_eval, last_eval)
-        self._finish(first_eval, last_eval)
+            signum = self.stop_signals.agreed()
+            if signum and step < cfg.training.steps:
+                self._stop(signum, step, saved, first_eval, last_eval)
+                break
+        else:
+            self.finish_checkpoint()
+            self._finish(first_eval, last_eval)
         return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
 
     def begin(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -98,20 +113,38 @@ class Trainer:
     def close(self) -> None:
         self.recipe.close()
         self.metrics.close()
+        self.stop_signals.restore()
         launch.shutdown()
+        if self.folder_lock is not None:
+            self.folder_lock.close()
+
+    def _stop(self, signum: int, step: int, saved: bool, first_eval: dict[str, float],
+              last_eval: dict[str, float]) -> None:
+        """Preempted (SIGTERM / SIGUSR1): checkpoint this step if it was not just saved, then
+        return so that the process exits 0 and a requeued job resumes from here."""
+        if self.config.checkpoint.enable and not saved:
+            self.save_checkpoint(step, first_eval, last_eval)
+        self.finish_checkpoint()
+        where = self.checkpointer.step_dir(step) if self.config.checkpoint.enable else ""
+        if self.rank == 0:
+            launch.write_stopped(self.config.job.dump_folder, signum, step, where)
+            print(f"titanrl: stopped by {signal.Signals(signum).name} after step {step}; " + (
+                f"checkpoint {where} saved, run the same command again to resume" if where else
+                "checkpoint.enable is off, so this run cannot resume"), flush=True)
 
     def _banner(self) -> None:
         if self.rank == 0:
-            n_params = sum(p.numel() for p in self.model.parameters())
+            n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is global
             print(f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
-                  f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params local) | "
+                  f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params) | "
                   f"task {self.config.data.task}", flush=True)
 
     def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
         if self.config.checkpoint.export_hf:
             export_hf(self.model, os.path.join(self.config.job.dump_folder, "hf"))
         if self.rank == 0:
-            summary = ", ".join(f"{k} {first_eval[k]:.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
+            # .get: a run resumed from an older checkpoint may not have had every eval metric at step 0
+            summary = ", ".join(f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
             print(f"{self.recipe.name}: {summary}", flush=True)
 
     # ---- what recipes share inside a step ----
@@ -173,6 +206,11 @@ class Trainer:
         }
         with self.watchdog.phase("checkpoint"):
             self.checkpointer.save(step, *self.checkpoint_parts(), host)
+
+    def finish_checkpoint(self) -> None:
+        """Wait for the async save in flight, if any, and raise its error (sync saves: no-op)."""
+        with self.watchdog.phase("checkpoint"):
+            self.checkpointer.wait()
 
     def load_checkpoint(self) -> dict | None:
         """Restore checkpoint.load_path, else the latest complete checkpoint of this run, if any;

@@ -1,10 +1,18 @@
 """What the entry point (`titanrl.train`) and the `Trainer` do around the loop: parse the
-config, join the process group, size the model, shut down, report user errors."""
+config, join the process group, size the model, own the dump folder, stop on preemption signals,
+shut down, report user errors."""
 
 import ctypes
+import fcntl
+import json
 import os
+import signal
+import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -40,8 +48,100 @@ def return_freed_cpu_memory() -> None:
     libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
+def die_with_launcher() -> None:
+    """Under torchrun, SIGKILL this rank when the launcher dies. torchrun starts each rank in its
+    own session, so killing the launcher's process group does not reach the ranks: they trained
+    on as orphans and raced the next run for the dump folder. Not set without torchrun, where the
+    parent is a shell (a `nohup` run must outlive it)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+LOCK_FILE = ".titanrl.lock"
+STOPPED_FILE = "stopped.json"
+
+
+def lock_dump_folder(folder: str) -> IO:
+    """Hold an exclusive lock on `folder` for this process's life (the OS drops it when the
+    process dies, however it dies): two runs writing one folder tear each other's metrics and
+    checkpoints. The returned file must stay open."""
+    os.makedirs(folder, exist_ok=True)
+    f = open(os.path.join(folder, LOCK_FILE), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise ValueError(
+            f"job.dump_folder '{folder}' is in use by {holder}: another titanrl run is writing there; "
+            "wait for it to finish or stop it, or give this run another --job.dump_folder"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()} (since {time.strftime('%Y-%m-%d %H:%M:%S')})\n")
+    f.flush()
+    return f
+
+
+def check_dump_folder_free(folder: str) -> None:
+    """Raise ValueError naming the holder if a running job holds `folder`'s lock."""
+    if os.path.exists(os.path.join(folder, LOCK_FILE)):
+        lock_dump_folder(folder).close()
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 (preemption: Slurm `--signal`, Kubernetes, torchrun forwarding its own
+    SIGTERM) ask the run to stop at the next step boundary: the Trainer saves a checkpoint there
+    and exits 0, so a requeued job resumes. The handler only records the signal: collectives and
+    reward workers in flight finish normally. Ctrl-C (SIGINT) still stops at once."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received = 0
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def restore(self) -> None:
+        """Put back the handlers found at start (a Trainer built inside another program, e.g. tests)."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame: object) -> None:
+        del frame
+        if not self.received:
+            print(f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint",
+                  file=sys.stderr, flush=True)
+        self.received = self.received or signum
+
+    def agreed(self) -> int:
+        """The signal any rank received (0: none), the same on every rank: all must stop together."""
+        if not dist.is_initialized():
+            return self.received
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def write_stopped(folder: str, signum: int, step: int, checkpoint: str) -> None:
+    """Rank 0's record that the run stopped on a signal with a checkpoint (`titanrl run` reads it
+    to exit 0 instead of torchrun's signal error)."""
+    record = {"signal": signal.Signals(signum).name, "step": step, "checkpoint": checkpoint, "time": time.time()}
+    with open(os.path.join(folder, STOPPED_FILE), "w") as f:
+        json.dump(record, f)
+
+
 def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     """Join torchrun's process group, seed every RNG, build the device mesh: (rank, dims, device)."""
+    die_with_launcher()
     return_freed_cpu_memory()
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)

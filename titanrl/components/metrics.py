@@ -7,6 +7,7 @@ import json
 import math
 import os
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -22,10 +23,11 @@ class MetricsLogger:
         self.wandb_run = None
         if not self.enabled:
             return
-        cfg = job_config.metrics
-        os.makedirs(job_config.job.dump_folder, exist_ok=True)
-        if cfg.jsonl_file:
-            self.jsonl = open(os.path.join(job_config.job.dump_folder, cfg.jsonl_file), "a" if append else "w")
+        cfg, folder = job_config.metrics, job_config.job.dump_folder
+        os.makedirs(folder, exist_ok=True)
+        self.path = os.path.join(folder, cfg.jsonl_file) if cfg.jsonl_file else ""
+        if self.path:
+            self.jsonl = open(self.path, "a" if append else "w")
         if cfg.enable_wandb:
             import wandb
 
@@ -33,8 +35,23 @@ class MetricsLogger:
                 project="titanrl",
                 name=job_config.job.description,
                 mode=cfg.wandb_mode,
-                dir=job_config.job.dump_folder,
+                dir=folder,
+                # A resumed run continues the same wandb run instead of starting a second one.
+                id=_wandb_run_id(folder, append),
+                resume="allow",
             )
+
+    def keep_through(self, step: int) -> None:
+        """Drop the rows after `step` (and a torn last line) from the metrics file: a resumed run
+        redoes the steps after its checkpoint, and each step must appear once."""
+        if self.jsonl is None:
+            return
+        self.jsonl.close()
+        rows = [row for row in read_metrics(self.path) if row.get("step", 0) <= step]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        os.replace(self.path + ".tmp", self.path)
+        self.jsonl = open(self.path, "a")
 
     def log(self, step: int, metrics: dict[str, Any], console: dict[str, str] | None = None) -> None:
         """Record `metrics` for `step`; print the keys of `console` (key -> short label), or all."""
@@ -56,6 +73,32 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl file. A torn last line (the run was killed mid-write) is
+    skipped; a broken line before the end is an error naming it."""
+    with open(path, encoding="utf-8") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for i, line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != lines[-1][0]:
+                raise ValueError(f"{path}:{i} is not a JSON row; the metrics file is damaged") from None
+    return rows
+
+
+def _wandb_run_id(folder: str, resume: bool) -> str:
+    """The wandb run id kept in the dump folder: reused when the run resumes, new otherwise."""
+    path = os.path.join(folder, "wandb_run_id")
+    if resume and os.path.exists(path):
+        return open(path).read().strip()
+    run_id = uuid.uuid4().hex[:8]
+    with open(path, "w") as f:
+        f.write(run_id)
+    return run_id
 
 
 def _plain(value: Any) -> Any:

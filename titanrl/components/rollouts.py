@@ -138,6 +138,8 @@ class RolloutCollector:
         with timer("generate"):
             if fault_active("hang_generate", step):
                 time.sleep(3600)
+            if fault_active("slow_generate", step):  # a straggler: the others wait for this rank
+                time.sleep(2.0)
             prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids)
             stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
             stats.env_turns += gen_stats.resumed_turns + len(completions)

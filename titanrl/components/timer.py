@@ -7,6 +7,7 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from titanrl.components.watchdog import Watchdog
 
@@ -52,3 +53,30 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def straggler_metrics(phase_seconds: dict[str, float], min_excess_s: float = 0.0) -> dict[str, float | str]:
+    """Which rank held the others back this step (collective: every rank calls it with the same
+    phases, in the order they ran).
+
+    The ranks wait for the slowest one at their next collective, so the waiting shows up in a
+    later phase of the *other* ranks; the phase where the ranks first drift apart by at least
+    half the largest spread is where the straggler spent its time. Returns straggler_rank,
+    straggler_phase and straggler_excess_s (its time in that phase minus the fastest rank's),
+    or nothing on one rank or when no phase differs by more than `min_excess_s`.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not phase_seconds:
+        return {}
+    local = torch.tensor(list(phase_seconds.values()), dtype=torch.float64)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    by_rank_RP = torch.stack(gathered)
+    spread_P = by_rank_RP.max(dim=0).values - by_rank_RP.min(dim=0).values
+    if spread_P.max().item() <= min_excess_s:
+        return {}
+    first = int(torch.nonzero(spread_P >= spread_P.max() / 2)[0].item())
+    return {
+        "straggler_rank": int(by_rank_RP[:, first].argmax().item()),
+        "straggler_phase": list(phase_seconds)[first],
+        "straggler_excess_s": spread_P[first].item(),
+    }

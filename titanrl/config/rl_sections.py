@@ -186,22 +186,31 @@ class Critic:
 
 @dataclass
 class Reward:
-    timeout_s: float = 5.0
-    """Seconds a reward function may run on one sample before it counts as failed."""
+    timeout_s: float = 60.0
+    """Wall-clock seconds that one batch's reward calls may take together (a batch: the completions
+    scored together on this rank, i.e. a sampling round's, ReMax's greedy baseline's, or the
+    evaluation's), counted once the workers have loaded the function. A hung call holds one
+    worker while the others go on; at the deadline every unfinished sample, running or still
+    queued, gets the failure reward ('timeout') and only the workers busy with one are replaced.
+    Size it as samples per batch / num_workers x the slowest legitimate call, with room to spare:
+    a hang then costs a step at most this long."""
 
     failure_reward: float = 0.0
-    """Reward given to a sample whose reward function raised, hung or returned a non-finite value."""
+    """Reward given to a sample whose reward function raised, hung, ran out of memory, killed its
+    worker or returned a non-finite value (counted by reason: reward_failures_<reason>)."""
 
     num_workers: int = 2
-    """Worker processes that run reward functions."""
+    """Worker processes that run reward functions, each in its own process group: what a function
+    forks is killed with its worker."""
 
     memory_limit_mb: int = 2048
     """Address-space limit of each reward worker (a runaway reward function gets MemoryError,
-    counted as a failure); 0 means no limit."""
+    counted as a failure, 'memory'); 0 means no limit."""
 
     function: str = ""
     """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
-    returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier."""
+    returning a float or {'reward': float, 'correct': bool}; empty uses the task's verifier. What it
+    prints goes to <job.dump_folder>/reward_output.log (the first 4 kB per sample), not the console."""
 
     verifier_weight: float = 1.0
     """Weight of the verifier / reward function in the total reward."""

@@ -239,8 +239,10 @@ class Data:
     """Longest prompt in characters (plain text, before any chat template) kept at load; 0 = no limit."""
 
     on_long_prompt: Literal["drop", "error"] = "drop"
-    """A prompt over max_prompt_chars: 'drop' the row (the count is printed, naming the file) or
-    'error' naming the file and row."""
+    """A row over max_prompt_chars, or too long in tokens once encoded (RL: prompt +
+    generator.max_new_tokens > model.max_seq_len; SFT / DPO / RM: the whole sequence), checked at
+    start-up: 'drop' it (the count and the first rows' file:line are printed) or 'error' naming
+    the file and line."""
 
     num_eval_samples: int = 64
     """Held-out prompts used by the periodic greedy evaluation (task 'jsonl': the file's first
@@ -281,6 +283,13 @@ class Checkpoint:
     load_path: str = ""
     """Resume from this step-N checkpoint folder instead of the latest one in `folder` (e.g. to
     branch a run into a new dump_folder); empty resumes from the latest, if any."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """'async' copies the state to host memory and writes it in a background thread while training
+    goes on (`torch.distributed.checkpoint.async_save`, over its own gloo group); the step-N
+    folder appears when the write has finished (a crash before then leaves the previous
+    checkpoint as the latest), and a failed write is raised at the next save or at the end of
+    the run. Costs one extra host copy of the model and optimizer state while a save is in flight."""
 
     def validate(self) -> None:
         if self.load_path and not self.enable:

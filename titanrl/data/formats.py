@@ -5,7 +5,11 @@ The reader is picked by the path: a folder is a `datasets` `save_to_disk` folder
 shards, read with pyarrow; the `datasets` package is not needed), `.parquet` a Parquet file,
 `.arrow` one Arrow shard, anything else JSONL. Parquet and Arrow need `pyarrow` (optional extra
 `data`). Every row comes with where it is, for errors: `file:line` for JSONL (1-based lines),
-`file row i` for the others (0-based, as `datasets` and pandas index rows).
+`file row i` for the others (0-based, as `datasets` and pandas index rows); a Sample read here
+is a `RowSample`, which keeps it (`where`) so that later checks (a prompt too long in tokens,
+`titanrl.data.encode`) can name the row too. Text must be valid Unicode: a JSONL file that is
+not UTF-8, a Parquet / Arrow string that is not, or an unpaired surrogate escape ("\\ud83d")
+is an error naming the row and the fix.
 
 A row's prompt is a non-empty string or a list of chat messages ({"role", "content"} dicts, e.g.
 verl's `prompt` column); messages are kept in `Sample.metadata["messages"]` for a chat template,
@@ -16,7 +20,9 @@ is kept in `Sample.metadata`.
 """
 
 import json
+import math
 import os
+import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,30 +43,86 @@ def _pyarrow():
     return pyarrow
 
 
+def _not_utf8(path: str, line_no: int, raw: bytes, error: UnicodeDecodeError, offset: int) -> str:
+    """The error for a JSONL line that is not UTF-8: where the bad byte is, and how to convert the file."""
+    quoted = shlex.quote(path)
+    if line_no == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # e.g. PowerShell's `>` writes UTF-16
+        return (f"{path}:1: the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; convert it, "
+                f"e.g. iconv -f UTF-16 -t UTF-8 {quoted} > converted.jsonl")
+    bad = raw[error.start : error.end]
+    context = raw[max(0, error.start - 20) : error.end + 20]
+    return (f"{path}:{line_no}: not valid UTF-8: byte {bad[0]:#04x} at byte {error.start + 1} of the line "
+            f"(file offset {offset + error.start}), in {context!r}; data files must be UTF-8: convert it from "
+            f"its encoding, e.g. iconv -f LATIN1 -t UTF-8 {quoted} > converted.jsonl for Latin-1 (list the bad "
+            f"lines with: grep -naxv '.*' {quoted})")
+
+
+_ONE_OBJECT = "JSON Lines needs one JSON object per line"
+_ARRAY_HINT = ("the file looks like one JSON array, not JSON Lines (one object per line); convert it, e.g. "
+               "jq -c '.[]' {} > converted.jsonl")
+
+
 def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) of each non-empty line; a missing file, invalid JSON or a non-object
-    row is an error naming the file and line."""
+    """(line number, object) of each non-empty line; a missing file, bytes that are not UTF-8,
+    invalid JSON or a non-object row is an error naming the file and line."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")  # bytes: a decoding error then knows its line (text mode's reads span lines)
     except FileNotFoundError:
         raise ValueError(f"data.path '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"data.path '{path}' is a folder, not a JSONL file") from None
+    offset = 0
     with f:
-        for line_no, line in enumerate(f, 1):
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(_not_utf8(path, line_no, raw, e, offset)) from None
+            offset += len(raw)
+            if line_no == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark (Windows editors write one)
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
+            array = line_no == 1 and line.lstrip().startswith("[")
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+                at = f"at column {e.colno}"
+                if e.pos >= len(line.rstrip()):
+                    at = "at the end of the line: is it cut short, or one object written over several lines?"
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} {at}); "
+                                 f"{_ARRAY_HINT.format(shlex.quote(path)) if array else _ONE_OBJECT}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
+                                 f"{'; ' + _ARRAY_HINT.format(shlex.quote(path)) if array else ''}")
             yield line_no, row
+
+
+def _batch_rows(batch, path: str, first: int) -> list[dict]:
+    """The rows of one Arrow record batch; a string that is not UTF-8 is an error naming its row
+    and column (pyarrow would raise a bare UnicodeDecodeError)."""
+    try:
+        return batch.to_pylist()
+    except UnicodeDecodeError as e:
+        error = e
+    for i in range(batch.num_rows):
+        for name in batch.schema.names:
+            try:
+                batch.column(name)[i].as_py()
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path} row {first + i}: column '{name}' is not valid UTF-8 (byte {e.object[e.start]:#04x} at "
+                    f"byte {e.start + 1} of {e.object[:40]!r}); decode that text with its real encoding where the "
+                    "file is written (e.g. bytes.decode('latin-1') in pandas) and write the file again"
+                ) from None
+    raise ValueError(f"{path} rows {first}..{first + batch.num_rows - 1}: not valid UTF-8 ({error})") from None
 
 
 def _table_rows(table_batches, path: str) -> Iterator[tuple[str, dict]]:
     index = 0
     for batch in table_batches:
-        for row in batch.to_pylist():
+        for row in _batch_rows(batch, path, index):
             yield f"{path} row {index}", row
             index += 1
 
@@ -153,6 +215,27 @@ def lookup(row: dict, key: str):
     return _MISSING if value is None else value
 
 
+def shown(value) -> str:
+    """A value for an error message: its type and a repr cut to a readable length."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:80]}{'...' if len(text) > 80 else ''}"
+
+
+def check_unicode(text: str, where: str, field: str) -> None:
+    """An unpaired surrogate ("\\ud83d" escaped alone in JSON) is not Unicode: it could not be
+    tokenized, so the run would fail when the row is drawn."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: {field} has an unpaired surrogate {text[e.start]!r} at character {e.start + 1}, which is not "
+            "valid Unicode (a JSON \\uXXXX escape of half an emoji or other 2-part character); fix the text where "
+            "the file is written (e.g. drop the lone escape)"
+        ) from None
+
+
 def check_messages(messages: list, where: str, key: str) -> list[dict]:
     """Chat messages without None entries (from Parquet struct columns); a malformed one is an error."""
     if not messages:
@@ -160,12 +243,15 @@ def check_messages(messages: list, where: str, key: str) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"{where}: '{key}' message {i} must be a {{'role', 'content'}} object, got {message!r}")
+            raise ValueError(f"{where}: '{key}' message {i} must be a {{'role', 'content'}} object, "
+                             f"got {shown(message)}")
         message = {k: v for k, v in message.items() if v is not None}
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"{where}: '{key}' message {i} has no 'role' string")
         if not isinstance(message.get("content", ""), str) or ("content" not in message and "tool_calls" not in message):
-            raise ValueError(f"{where}: '{key}' message {i} needs a 'content' string, got {message.get('content')!r}")
+            got = shown(message["content"]) if "content" in message else "nothing"
+            raise ValueError(f"{where}: '{key}' message {i} needs a 'content' string, got {got}")
+        check_unicode(message.get("content", ""), where, f"'{key}' message {i}")
         out.append(message)
     return out
 
@@ -173,6 +259,31 @@ def check_messages(messages: list, where: str, key: str) -> list[dict]:
 def messages_text(messages: list[dict]) -> str:
     """The template-free text of a message list: the contents joined by blank lines."""
     return "\n\n".join(m["content"] for m in messages if m.get("content"))
+
+
+def _scalar(value, where: str, key: str) -> str:
+    """A string or finite number column as text; anything else is an error naming the column."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        got = "nothing" if value is _MISSING else shown(value)
+        raise ValueError(f"{where}: '{key}' must be a string or a number, got {got}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: '{key}' is {value}, not a finite number")
+    if isinstance(value, str):
+        check_unicode(value, where, f"'{key}'")
+    return str(value)
+
+
+@dataclass
+class RowSample(Sample):
+    """A Sample read from a data file, with where it is there, for errors found after loading."""
+
+    where: str = ""
+    """`file:line` (JSONL, 1-based) or `file row i` (Parquet, Arrow, datasets folders; 0-based)."""
+
+
+def sample_where(sample: Sample, index: int) -> str:
+    """Where a sample is: its file and line or row, or `sample {index}` for one not read from a file."""
+    return getattr(sample, "where", "") or f"sample {index}"
 
 
 @dataclass
@@ -183,28 +294,26 @@ class RowSchema:
     answer_key: str = "answer"
     solution_key: str = "solution"
 
-    def to_sample(self, row: dict, where: str) -> Sample:
-        """The row as a Sample; a malformed row is an error starting with `where`."""
+    def to_sample(self, row: dict, where: str) -> RowSample:
+        """The row as a Sample; a malformed row is an error starting with `where` and naming the column."""
         prompt = lookup(row, self.prompt_key)
         metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key, self.solution_key)}
         if isinstance(prompt, list):
             messages = check_messages(prompt, where, self.prompt_key)
             metadata["messages"] = messages
             prompt = messages_text(messages)
-            if not prompt:
+            if not prompt.strip():
                 raise ValueError(f"{where}: '{self.prompt_key}' messages have no text")
-        elif not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"{where}: missing or empty '{self.prompt_key}' (a non-empty string or a list of "
-                             "{role, content} messages is required)")
+        elif not isinstance(prompt, str) or not prompt.strip():
+            got = "nothing" if prompt is _MISSING else shown(prompt)
+            raise ValueError(f"{where}: missing or empty '{self.prompt_key}': got {got} (a non-empty string or a "
+                             "list of {role, content} messages is required)")
+        else:
+            check_unicode(prompt, where, f"'{self.prompt_key}'")
         answer = lookup(row, self.answer_key)
         if answer is _MISSING and self.answer_key == "answer":
             answer = lookup(row, VERL_ANSWER_KEY)  # verl rows: {"reward_model": {"ground_truth": ...}}
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            got = "nothing" if answer is _MISSING else repr(answer)
-            raise ValueError(f"{where}: '{self.answer_key}' must be a string or a number, got {got}")
+        answer = _scalar(answer, where, self.answer_key)
         solution = lookup(row, self.solution_key)
-        if solution is _MISSING:
-            solution = answer
-        elif isinstance(solution, bool) or not isinstance(solution, (str, int, float)):
-            raise ValueError(f"{where}: '{self.solution_key}' must be a string or a number, got {solution!r}")
-        return Sample(prompt=prompt, answer=str(answer), solution=str(solution), metadata=metadata)
+        solution = answer if solution is _MISSING else _scalar(solution, where, self.solution_key)
+        return RowSample(prompt=prompt, answer=answer, solution=solution, metadata=metadata, where=where)

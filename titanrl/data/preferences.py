@@ -1,12 +1,15 @@
-"""Preference pairs (prompt, chosen, rejected) for DPO and reward-model training: from a JSONL
-file, or synthesised from an embedded task (the task's solution is chosen, a corrupted copy of
-it is rejected), so that the offline recipes run with no data files."""
+"""Preference pairs (prompt, chosen, rejected) for DPO and reward-model training: from a data
+file (JSONL, Parquet or a `datasets` folder, read as in `titanrl.data.formats`), or synthesised
+from an embedded task (the task's solution is chosen, a corrupted copy of it is rejected), so
+that the offline recipes run with no data files."""
 
 import random
 from dataclasses import dataclass
 
-from titanrl.data.prompts import read_jsonl_objects
+from titanrl.data.formats import check_unicode, read_rows, shown
 from titanrl.envs.tasks import Task
+
+PAIR_KEYS = ("prompt", "chosen", "rejected")
 
 
 @dataclass
@@ -14,22 +17,27 @@ class PreferencePair:
     prompt: str
     chosen: str
     rejected: str
+    where: str = ""
+    """`file:line` or `file row i` of a pair read from a file, for errors found after loading."""
 
 
 def load_preferences(path: str) -> list[PreferencePair]:
     """Rows {"prompt": str, "chosen": str, "rejected": str}; a malformed row is an error naming
-    the file, the line and the problem."""
+    the file, the line (or row) and the column."""
     pairs = []
-    for line_no, row in read_jsonl_objects(path):
-        for key in ("prompt", "chosen", "rejected"):
-            if not isinstance(row.get(key), str) or not row[key]:
+    for where, row in read_rows(path):
+        for key in PAIR_KEYS:
+            value = row.get(key)
+            if not isinstance(value, str) or not value.strip():
+                got = "nothing" if value is None else shown(value)
                 raise ValueError(
-                    f"{path}:{line_no}: missing or empty '{key}' (preference rows need non-empty "
+                    f"{where}: missing or empty '{key}': got {got} (preference rows need non-empty "
                     "'prompt', 'chosen' and 'rejected' strings)"
                 )
+            check_unicode(value, where, f"'{key}'")
         if row["chosen"] == row["rejected"]:
-            raise ValueError(f"{path}:{line_no}: 'chosen' and 'rejected' are identical")
-        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"]))
+            raise ValueError(f"{where}: 'chosen' and 'rejected' are identical")
+        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"], where))
     if not pairs:
         raise ValueError(f"data.path '{path}' has no rows")
     return pairs

@@ -60,20 +60,35 @@ def build_prompt_loader(stream, global_batch: int, dp_rank: int, dp_size: int) -
     return tn.Loader(node)
 
 
+LISTED = 5
+"""Rows named in a drop report (the first ones; the count says how many more)."""
+
+
+def listed(rows: list[tuple[str, int]], unit: str) -> str:
+    """'a.jsonl:3 (120 unit), a.jsonl:9 (99 unit) and 4 more': the first `LISTED` of (where, size)."""
+    text = ", ".join(f"{where} ({size} {unit})" for where, size in rows[:LISTED])
+    return text + (f" and {len(rows) - LISTED} more" if len(rows) > LISTED else "")
+
+
+def is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def load_samples(path: str, prompt_key: str = "prompt", answer_key: str = "answer", solution_key: str = "solution",
                  max_prompt_chars: int = 0, on_long_prompt: str = "drop") -> list[Sample]:
     """The rows of a JSONL / Parquet file or a `datasets` save_to_disk folder as Samples (see
     `titanrl.data.formats`): a prompt string or message list, a string or numeric answer, other
-    columns as metadata. A malformed row is an error naming the file and the line or row.
+    columns as metadata. A malformed row is an error naming the file and the line or row; each
+    Sample keeps its place (`RowSample.where`) for the token-length check (`titanrl.data.encode`).
 
     Prompts longer than `max_prompt_chars` characters (0 = no limit; counted on `Sample.prompt`,
     the plain text, before any chat template) are dropped with a count printed naming the file
-    (`on_long_prompt='drop'`), or are an error naming the file and row ('error').
+    and the first rows (`on_long_prompt='drop'`), or are an error naming the file and row ('error').
     """
     if on_long_prompt not in ("drop", "error"):
         raise ValueError(f"on_long_prompt must be 'drop' or 'error', got {on_long_prompt!r}")
     schema = RowSchema(prompt_key, answer_key, solution_key)
-    samples, dropped, total = [], 0, 0
+    samples, dropped, total = [], [], 0
     for where, row in read_rows(path):
         total += 1
         sample = schema.to_sample(row, where)
@@ -83,14 +98,14 @@ def load_samples(path: str, prompt_key: str = "prompt", answer_key: str = "answe
                     f"{where}: the prompt has {len(sample.prompt)} characters, more than data.max_prompt_chars "
                     f"({max_prompt_chars}); shorten it, raise the limit or set data.on_long_prompt='drop'"
                 )
-            dropped += 1
+            dropped.append((where, len(sample.prompt)))
             continue
         samples.append(sample)
-    if dropped and os.environ.get("RANK", "0") == "0":
-        print(f"{path}: dropped {dropped} of {total} rows whose prompt is longer than data.max_prompt_chars "
-              f"({max_prompt_chars} characters)", flush=True)
+    if dropped and is_rank0():
+        print(f"{path}: dropped {len(dropped)} of {total} rows whose prompt is longer than data.max_prompt_chars "
+              f"({max_prompt_chars} characters): {listed(dropped, 'characters')}", flush=True)
     if not samples:
-        extra = f" left after dropping {dropped} over data.max_prompt_chars" if dropped else ""
+        extra = f" left after dropping {len(dropped)} over data.max_prompt_chars" if dropped else ""
         raise ValueError(f"data.path '{path}' has no rows{extra}")
     return samples
 

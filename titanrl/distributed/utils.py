@@ -26,9 +26,18 @@ def init_distributed(timeout_s: float = 600.0, single_process_group: bool = Fals
         backend = "gloo"
     if not dist.is_initialized():
         # One rank needs no rendezvous: an in-memory store, no MASTER_ADDR / port.
-        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if single else {}
+        store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if single else _attempt_store(timeout_s)
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **store)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout_s: float) -> dict:
+    """torchrun's store, under a prefix per restart: workers restarted by `--max-restarts` share
+    the agent's store with the attempt before, and could read the dead ranks' gloo addresses
+    (seen as 'Connection refused' in connectFullMesh after a restart)."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"titanrl/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:

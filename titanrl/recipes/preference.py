@@ -18,6 +18,7 @@ from tensordict import TensorDict
 from titanrl.components.stats import StepStats
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch
+from titanrl.data.encode import fit_pairs
 from titanrl.data.preferences import PreferencePair, load_preferences, synthetic_preferences
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, held_out_split
 from titanrl.envs.tasks import build_task
@@ -58,6 +59,8 @@ class PreferenceRecipe(Recipe):
     def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
         super().__init__(trainer, data)
         train_pairs, self.eval_pairs = data
+        train_pairs, self.eval_pairs = fit_pairs(self.config, trainer.model_args.max_seq_len, trainer.encode_prompt,
+                                                 train_pairs, self.eval_pairs)
         dims = trainer.dims
         stream = DatasetStream(train_pairs, self.config.job.seed)
         self.loader = build_prompt_loader(stream, self.config.training.batch_size, dims.dp_rank, dims.dp_size)

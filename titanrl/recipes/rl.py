@@ -33,6 +33,7 @@ from titanrl.components.stats import StepStats, finite_max, maximum
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
+from titanrl.data.encode import fit_prompts
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
@@ -43,14 +44,14 @@ from titanrl.models.model import Transformer
 from titanrl.models.scalar_head import values
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
-from titanrl.rewards.runner import RewardItem, RewardRunner
+from titanrl.rewards.runner import RewardItem, RewardOutputLog, RewardRunner, RewardStats
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
 @dataclasses.dataclass
-class RLStats(StepStats):
+class RLStats(RewardStats, StepStats):
     """One RL step's sums (and maxima) on this rank; `reduced` combines the ranks."""
 
     samples: float = 0.0
@@ -58,7 +59,6 @@ class RLStats(StepStats):
     reward_sq_sum: float = 0.0
     correct: float = 0.0
     response_tokens: float = 0.0
-    reward_failures: float = 0.0
     gen_tokens: float = 0.0
     rm_score_sum: float = 0.0
     baseline_reward_sum: float = 0.0
@@ -90,7 +90,7 @@ class RLStats(StepStats):
         self.reward_sq_sum += (rewards**2).sum().item()
         self.correct += sum(r.correct for r in generated.results)
         self.response_tokens += sum(len(c.token_ids) for c in generated.completions)
-        self.reward_failures += sum(r.failed is not None for r in generated.results)
+        self.add_reward_results(generated.results)
         self.baseline_reward_sum += sum(generated.baseline_rewards)
         self.baseline_samples += len(generated.baseline_rewards)
 
@@ -132,7 +132,9 @@ class RLRecipe(Recipe):
     def __init__(self, trainer: Trainer, data: tuple[Task, list[Sample] | None, list[Sample]]) -> None:
         super().__init__(trainer, data)
         cfg = self.config
-        self.task, self.train_samples, self.eval_samples = data
+        self.task = data[0]
+        self.train_samples, self.eval_samples = fit_prompts(cfg, trainer.model_args.max_seq_len, trainer.encode_prompt,
+                                                            *data[1:])
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
         # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
@@ -150,13 +152,12 @@ class RLRecipe(Recipe):
         if self.algorithm.needs_critic:
             self.critic = build_critic(self.policy, trainer.dims, cfg, trainer.device)
             self.critic_optimizer = build_optimizer(self.critic, dataclasses.replace(cfg.optimizer, lr=cfg.critic.lr))
-        reward_fn = self.task
-        if cfg.reward.function:
-            reward_fn = load_object(cfg.reward.function, "reward.function")
-            if not callable(reward_fn):
-                raise ValueError(f"reward.function '{cfg.reward.function}' is not callable")
+        reward_fn = load_object(cfg.reward.function, "reward.function") if cfg.reward.function else self.task
+        if cfg.reward.function and not callable(reward_fn):
+            raise ValueError(f"reward.function '{cfg.reward.function}' is not callable")
         r = cfg.reward
         self.rewards = RewardRunner(reward_fn, r.num_workers, r.timeout_s, r.failure_reward, r.memory_limit_mb)
+        self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs = None
         if cfg.env.name:
             self.envs = EnvPool(cfg.env.name, {}, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
@@ -201,6 +202,7 @@ class RLRecipe(Recipe):
         train, generated = self.rollouts.collect(batches, step, timer, stats)
         self.generator.sleep()  # the KV pool's memory goes to training
         stats.add_rollouts(generated)
+        self.reward_log.write(generated.results, step)
         batch = self.build_batch(train, stats)
 
         # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
@@ -339,7 +341,7 @@ class RLRecipe(Recipe):
         r_mean = s.reward_sum / n
         metrics = {
             "reward_mean": r_mean, "reward_std": max(s.reward_sq_sum / n - r_mean**2, 0.0) ** 0.5,
-            "accuracy": s.correct / n, "response_len": s.response_tokens / n, "reward_failures": s.reward_failures,
+            "accuracy": s.correct / n, "response_len": s.response_tokens / n, **s.reward_metrics(),
             "kl": s.kl / per_token, "entropy": s.entropy / per_token, "clip_frac": s.clipped / per_token,
             "ratio_max": s.ratio_max,
             # Generator vs trainer logprobs of the sampled tokens (0 only in batch-invariant mode):
@@ -381,15 +383,16 @@ class RLRecipe(Recipe):
         params = SamplingParams(max_new_tokens=self.config.generator.max_new_tokens, temperature=0.0)
         if self.envs is not None:
             _, _, results, _ = self.rollouts.generate_episodes(mine, params, list(range(len(mine))))
-            self.generator.sleep()
         else:
             completions, _ = self.generator.generate([self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine],
                                                      params)
-            self.generator.sleep()
             results = self.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata)
                                     for s, c in zip(mine, completions)])
-        correct, total = self.trainer.dp_sum([sum(r.correct for r in results), len(results)])
-        return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total}
+        self.generator.sleep()
+        self.reward_log.write(results)
+        correct, total, failures = self.trainer.dp_sum(
+            [sum(r.correct for r in results), len(results), sum(r.failed is not None for r in results)])
+        return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total, "eval_reward_failures": failures}
 
     def close(self) -> None:
         self.rewards.close()

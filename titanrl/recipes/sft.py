@@ -19,6 +19,7 @@ from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
+from titanrl.data.encode import fit_demonstrations
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
 from titanrl.envs.tasks import Sample, Task, build_task
 from titanrl.models.model import Transformer
@@ -116,6 +117,8 @@ class SFTRecipe(Recipe):
     def __init__(self, trainer: Trainer, data: tuple[list[Sample], list[Sample]]) -> None:
         super().__init__(trainer, data)
         train_rows, self.eval_rows = data
+        train_rows, self.eval_rows = fit_demonstrations(self.config, trainer.model_args.max_seq_len, trainer.encode_prompt,
+                                                        train_rows, self.eval_rows)
         dims = trainer.dims
         stream = DatasetStream(train_rows, self.config.job.seed)
         self.loader = build_prompt_loader(stream, self.config.training.batch_size, dims.dp_rank, dims.dp_size)

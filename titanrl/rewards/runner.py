@@ -1,19 +1,45 @@
-"""Run reward functions in worker processes, with a timeout, isolated from the training process.
+"""Run reward functions in worker processes, isolated from the training process, under a deadline
+per batch.
 
-A reward function that raises, hangs past the timeout, kills its worker or returns a non-finite
-or non-numeric value gives the configured failure reward for that sample and is counted; the
-step goes on. A hung or dead worker pool is replaced.
+Whatever the reward function does to one sample gives that sample the configured failure reward
+and a counted reason (`RewardResult.failed`); the other samples of the batch are scored and the
+step goes on:
+  'error'   it raised, SystemExit, KeyboardInterrupt and GeneratorExit included (the worker lives on);
+  'memory'  MemoryError past reward.memory_limit_mb;
+  'invalid' it returned something that is not a finite number;
+  'crash'   its worker died (os._exit, a segfault, a signal, killed for memory);
+  'timeout' it was unfinished, running or still queued, when the batch's deadline passed.
+
+Workers (`titanrl/components/workers.py`) are plain interpreters that import only the reward
+function's module, each leading its own process group, so that what the function forks dies
+with its worker. A hung worker is killed at the deadline; a dead one is replaced at once, unless
+the same slot's workers die twice in a row within a batch (a function that kills every worker):
+that slot then rests until the batch ends, and once every slot rests the samples left fail as
+'crash' at once. Replacements for a batch's casualties start as it ends, so they warm up while
+the trainer trains. Each sample's stdout and stderr are captured (first OUTPUT_KEEP_BYTES kept).
 """
 
-import math
-import multiprocessing as mp
-from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
+import os
+import pickle
+import selectors
+import sys
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from titanrl.components.workers import init_worker
+from titanrl.components.workers import OUTPUT_KEEP_BYTES, RewardWorker
 from titanrl.envs.tasks import Task
+
+__all__ = ["FAILURE_REASONS", "OUTPUT_KEEP_BYTES", "RewardItem", "RewardOutputLog", "RewardResult", "RewardRunner",
+           "RewardStats"]
+
+FAILURE_REASONS = ("error", "memory", "invalid", "crash", "timeout")
+"""The values of `RewardResult.failed` when a reward function failed."""
+
+_MAX_DEATHS_IN_A_ROW = 2  # a slot whose workers die this often in a row rests for the batch
+_START_TIMEOUT_S = 300.0  # loading the reward module: generous for torch / transformers
+_POLL_S = 0.1  # without pidfds, how often workers are checked for having died
 
 
 @dataclass
@@ -29,23 +55,16 @@ class RewardResult:
     reward: float
     correct: bool
     failed: str | None = None
-    """None, or 'error' / 'timeout' / 'invalid' for a sample whose reward function failed."""
+    """None, or why the sample got the failure reward: one of FAILURE_REASONS (see this module's
+    docstring); for multi-turn episodes, the environment's reason."""
     turn_rewards: list[float] | None = None
     """Multi-turn episodes: the reward of each environment step (`reward` is their sum)."""
-
-
-def _warm_up(fn: object) -> None:
-    del fn
-
-
-def _call(fn: Task | Callable[..., Any], item: RewardItem) -> tuple[float, bool]:
-    if isinstance(fn, Task):
-        score = fn.score(item.completion, item.answer, item.metadata)
-        return score.reward, score.correct
-    out = fn(item.prompt, item.completion, item.metadata)
-    if isinstance(out, dict):
-        return out["reward"], bool(out.get("correct", False))
-    return out, False
+    output: str = ""
+    """What the call wrote to stdout and stderr, its first OUTPUT_KEEP_BYTES bytes."""
+    output_dropped: int = 0
+    """Bytes of output beyond those kept."""
+    detail: str = ""
+    """A failure's particulars: the exception and its traceback tail, or how the worker died."""
 
 
 class RewardRunner:
@@ -54,69 +73,232 @@ class RewardRunner:
         memory_limit_mb: int = 0,
     ) -> None:
         self.fn = fn
-        self.memory_limit_mb = memory_limit_mb
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.failure_reward = failure_reward
-        self._pool: ProcessPoolExecutor | None = None
-
-    def _new_pool(self) -> ProcessPoolExecutor:
-        # spawn: workers never inherit the trainer's threads or process groups. `self.fn` is
-        # passed to the initializer so that its module is imported before the memory limit is set.
-        pool = ProcessPoolExecutor(
-            self.num_workers, mp_context=mp.get_context("spawn"), initializer=init_worker,
-            initargs=(self.memory_limit_mb, self.fn),
-        )
-        # Start every worker now, so that start-up time is never charged to a sample's timeout.
-        for fut in [pool.submit(_warm_up, self.fn) for _ in range(self.num_workers)]:
-            fut.result()
-        return pool
-
-    def _kill_pool(self) -> None:
-        if self._pool is None:
-            return
-        for proc in list(getattr(self._pool, "_processes", {}).values()):
-            proc.kill()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._pool = None
+        self.memory_limit_mb = memory_limit_mb
+        self._mode = "task" if isinstance(fn, Task) else "fn"
+        try:
+            blob = pickle.dumps(fn)
+        except Exception as e:
+            raise ValueError(f"the reward function must be picklable (a module-level function or a Task): {e}"
+                             ) from None
+        self._init = {"fn": blob, "sys_path": list(sys.path), "main": _main_module(blob),
+                      "memory_limit_mb": memory_limit_mb, "parent": os.getpid()}
+        self._slots: list[RewardWorker | None] = [None] * num_workers
+        self._sel: selectors.BaseSelector | None = None
+        self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
+        self._start_missing()  # they warm up while the trainer builds its model
 
     def __call__(self, items: list[RewardItem]) -> list[RewardResult]:
+        if not items:
+            return []
+        try:
+            return self._score(items)
+        finally:
+            if self._loaded:
+                self._start_missing()
+
+    def _score(self, items: list[RewardItem]) -> list[RewardResult]:
+        self._warm_up()
         results: list[RewardResult | None] = [None] * len(items)
-        pending = list(range(len(items)))
-        while pending:
-            if self._pool is None:
-                self._pool = self._new_pool()
-            futures = {i: self._pool.submit(_call, self.fn, items[i]) for i in pending}
-            pending = []
-            restart = False
-            for i, fut in futures.items():
-                if restart:  # the pool is being replaced; resubmit what did not finish
-                    if fut.done() and not fut.cancelled() and fut.exception() is None:
-                        results[i] = self._check(fut.result())
-                    else:
-                        pending.append(i)
-                    continue
-                try:
-                    results[i] = self._check(fut.result(timeout=self.timeout_s))
-                except FutureTimeout:
-                    results[i] = RewardResult(self.failure_reward, False, "timeout")
-                    restart = True
-                except BrokenProcessPool:
-                    results[i] = RewardResult(self.failure_reward, False, "error")
-                    restart = True
-                except Exception:  # the reward function raised: isolate this sample only
-                    results[i] = RewardResult(self.failure_reward, False, "error")
-            if restart:
-                self._kill_pool()
+        queue, deaths, done = deque(range(len(items))), [0] * self.num_workers, 0
+        deadline = time.monotonic() + self.timeout_s  # counted from here: every worker is warm
+        while done < len(items):
+            for w in self._slots:
+                if w is not None and w.ready and w.sample is None and queue:
+                    self._dispatch(w, queue.popleft(), items)
+            if queue and all(w is None for w in self._slots):  # every slot rests: nothing would run them
+                for i in queue:
+                    results[i] = self._failure("crash", "not run: the reward workers kept dying this batch")
+                queue.clear()
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for event, w, payload in self._events(left):
+                slot = self._slots.index(w)
+                if event == "ready":
+                    w.ready = True
+                elif event == "result" and payload[0] == w.sample:
+                    index, kind, reward, correct, detail = payload
+                    w.read_output()  # the rest of what the call wrote
+                    results[index] = self._result(w, kind, reward, correct, detail)
+                    w.sample, deaths[slot], done = None, 0, done + 1
+                elif event == "dead":
+                    if w.sample is not None:
+                        results[w.sample] = self._result(w, "crash", 0.0, False, payload)
+                        done += 1
+                    deaths[slot] += 1
+                    self._slots[slot] = self._start() if deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
+        # The deadline: unfinished samples time out; only the workers busy with them are killed.
+        for slot, w in enumerate(self._slots):
+            if w is not None and w.sample is not None:
+                w.read_output()
+                results[w.sample] = self._result(w, "timeout", 0.0, False,
+                                                 f"still running after the batch's {self.timeout_s:g} s")
+                w.kill()
+                self._slots[slot] = None
+        for i in queue:
+            results[i] = self._failure("timeout", f"not started within the batch's {self.timeout_s:g} s")
         return results  # type: ignore[return-value]
 
-    def _check(self, out: tuple[Any, bool]) -> RewardResult:
-        reward, correct = out
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            return RewardResult(self.failure_reward, False, "invalid")
-        return RewardResult(float(reward), correct)
+    def _warm_up(self) -> None:
+        """Start the workers the last batch lost; wait until every worker has loaded the function."""
+        for slot, w in enumerate(self._slots):
+            if w is not None and w.sample is not None:  # still busy from a batch an exception cut short
+                w.kill()
+                self._slots[slot] = None
+        self._start_missing()
+        give_up = time.monotonic() + _START_TIMEOUT_S
+        while any(w is not None and not w.ready for w in self._slots):
+            left = give_up - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise RuntimeError(f"reward workers did not load the reward function within {_START_TIMEOUT_S:.0f} s")
+            for event, w, payload in self._events(left):
+                if event == "ready":
+                    w.ready = self._loaded = True
+                elif event == "dead":
+                    self._slots[self._slots.index(w)] = None  # rests for this batch
+                    if not self._loaded:
+                        output, _ = w.take_output()
+                        self.close()
+                        raise RuntimeError(f"the reward function cannot be loaded in a worker process ({payload}):\n"
+                                           f"{output}")
+
+    def _dispatch(self, w: RewardWorker, index: int, items: list[RewardItem]) -> None:
+        w.read_output()
+        w.take_output()  # what it wrote between calls is no sample's
+        w.sample, item = index, items[index]
+        w.send((index, self._mode, (item.completion, item.answer, item.metadata) if self._mode == "task"
+                else (item.prompt, item.completion, item.metadata)))
+
+    def _result(self, w: RewardWorker, kind: str, reward: float, correct: bool, detail: str) -> RewardResult:
+        output, dropped = w.take_output()
+        if kind == "ok":
+            return RewardResult(reward, correct, output=output, output_dropped=dropped)
+        return RewardResult(self.failure_reward, False, kind, output=output, output_dropped=dropped, detail=detail)
+
+    def _failure(self, kind: str, detail: str) -> RewardResult:
+        return RewardResult(self.failure_reward, False, kind, detail=detail)
+
+    def _start_missing(self) -> None:
+        for slot, w in enumerate(self._slots):
+            if w is None:
+                self._slots[slot] = self._start()
+
+    def _start(self) -> RewardWorker:
+        if self._sel is None:
+            self._sel = selectors.DefaultSelector()
+        return RewardWorker(self._sel, self._init)
+
+    def _events(self, timeout: float) -> list[tuple[str, RewardWorker, Any]]:
+        """Wait up to `timeout` s: [('ready' | 'result' | 'dead', worker, its message or how it died)]."""
+        out: list[tuple[str, RewardWorker, Any]] = []
+        polled = any(w is not None and w.pidfd is None for w in self._slots)
+        for key, _ in self._sel.select(min(timeout, _POLL_S) if polled else timeout):
+            w, what = key.data
+            if w.dead:
+                continue
+            if what == "output":
+                w.read_output()
+            elif what == "requests":
+                w.write()
+            else:  # its messages; "exit": it died, what it sent before it did comes first
+                out += self._messages(w, dead=what == "exit")
+        for w in self._slots:
+            if polled and w is not None and not w.dead and w.pidfd is None and w.exited():
+                out += self._messages(w, dead=True)
+        return out
+
+    def _messages(self, w: RewardWorker, dead: bool) -> list[tuple[str, RewardWorker, Any]]:
+        try:
+            out = [("result" if len(m) == 5 else "ready", w, m) for m in w.read_results()]
+        except ValueError as e:
+            return [("dead", w, f"{w.kill()} after {e}")]
+        if dead or w.results_closed:  # a worker that closed its result pipe is as good as dead
+            out.append(("dead", w, w.kill()))
+        return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Kill every worker and whatever it forked; a later call starts new ones."""
+        for slot, w in enumerate(self._slots):
+            if w is not None:
+                w.kill()
+            self._slots[slot] = None
+        if self._sel is not None:
+            self._sel.close()
+            self._sel = None
+
+
+def _main_module(blob: bytes) -> dict:
+    """How a worker imports the trainer's __main__, when the pickled function lives there."""
+    if b"__main__" not in blob:
+        return {}
+    from multiprocessing import spawn
+
+    data = spawn.get_preparation_data("reward-worker")
+    return {k: data[k] for k in ("init_main_from_name", "init_main_from_path") if k in data}
+
+
+@dataclass
+class RewardStats:
+    """A step's reward-function failures, in all and by reason, and the output bytes dropped:
+    sums, a base of the recipe's `StepStats` (reduced over ranks with its other fields)."""
+
+    reward_failures: float = 0.0
+    reward_failures_error: float = 0.0
+    reward_failures_memory: float = 0.0
+    reward_failures_invalid: float = 0.0
+    reward_failures_crash: float = 0.0
+    reward_failures_timeout: float = 0.0
+    reward_output_dropped: float = 0.0
+
+    def add_reward_results(self, results: list[RewardResult]) -> None:
+        for r in results:
+            reason = (r.failed or "").split(":")[0]  # an environment's reads 'error: <what>'
+            if reason in FAILURE_REASONS:
+                setattr(self, f"reward_failures_{reason}", getattr(self, f"reward_failures_{reason}") + 1)
+            self.reward_failures += r.failed is not None
+            self.reward_output_dropped += r.output_dropped
+
+    def reward_metrics(self) -> dict[str, float]:
+        """reward_failures and reward_output_dropped_bytes; reward_failures_<reason> where nonzero
+        (most steps have no failures)."""
+        by_reason = {f"reward_failures_{k}": getattr(self, f"reward_failures_{k}") for k in FAILURE_REASONS}
+        return {"reward_failures": self.reward_failures, "reward_output_dropped_bytes": self.reward_output_dropped,
+                **{k: v for k, v in by_reason.items() if v}}
+
+
+class RewardOutputLog:
+    """What reward functions printed, and why samples failed, appended to this rank's
+    `<folder>/reward_output.log` (rank r > 0: reward_output.rank<r>.log), never to the console:
+    per sample that printed or failed, a header ('=== step 3 sample 12: failed (error)'), its
+    kept output (at most OUTPUT_KEEP_BYTES) and its failure detail."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self.path = os.path.join(folder, "reward_output.log" if rank == 0 else f"reward_output.rank{rank}.log")
+        self.step = 0
+
+    def write(self, results: list[RewardResult], step: int | None = None) -> None:
+        """Log a training step's results, or (no `step`) an evaluation's after the last step."""
+        if step is not None:
+            self.step = step
+        text = self.format(f"step {step}" if step is not None else f"eval after step {self.step}", results)
+        if text:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+
+    @staticmethod
+    def format(label: str, results: list[RewardResult]) -> str:
+        parts = []
+        for i, r in enumerate(results):
+            if not (r.output or r.output_dropped or r.failed):
+                continue
+            outcome = f"failed ({r.failed})" if r.failed else f"reward {r.reward:g}"
+            dropped = f", {r.output_dropped} bytes of output dropped" if r.output_dropped else ""
+            parts.append(f"=== {label} sample {i}: {outcome}{dropped}\n")
+            parts.extend(text if text.endswith("\n") else text + "\n" for text in (r.output, r.detail) if text)
+        return "".join(parts)

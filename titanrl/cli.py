@@ -1,0 +1,145 @@
+"""`titanrl run`: check the whole job in one process, then start it under torchrun.
+
+    titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]
+
+Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
+rendezvous options the job is `--standalone`), everything after it overrides the config. A user
+error (config, degrees, data, checkpoint or model paths, reward function, a dump folder in use)
+is one line on stderr and exit code 2, before any rank starts. A run stopped by SIGTERM / SIGUSR1
+that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
+`torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
+on every rank, and torchrun reports a failed rank its own way.
+"""
+
+import json
+import os
+import sys
+import time
+
+USAGE = "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
+RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv", "--master", "--node-rank", "--node_rank")
+# Slurm preemption (`--signal=USR1@90`) must reach the ranks: torchrun forwards only what it handles.
+SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+SHUTDOWN_TIMEOUT_S = 300  # what a rank has after the signal to finish its step and checkpoint
+
+
+def split_args(args: list[str]) -> tuple[list[str], str, list[str]]:
+    """(torchrun options, config file, config overrides): the first *.toml argument splits them."""
+    for i, arg in enumerate(args):
+        if arg.endswith(".toml") and not arg.startswith("-"):
+            return torchrun_options(args[:i]), arg, args[i + 1:]
+    raise ValueError(f"no CONFIG.toml given; {USAGE}")
+
+
+def torchrun_options(opts: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(opts):
+        if opts[i] == "--nproc":
+            if i + 1 == len(opts):
+                raise ValueError(f"--nproc needs a number; {USAGE}")
+            out.append(f"--nproc_per_node={opts[i + 1]}")
+            i += 2
+            continue
+        out.append(opts[i].replace("--nproc=", "--nproc_per_node=", 1) if opts[i].startswith("--nproc=") else opts[i])
+        i += 1
+    if not any(o.startswith(RENDEZVOUS) for o in out):
+        out.append("--standalone")
+    if not any(o.startswith(("--signals-to-handle", "--signals_to_handle")) for o in out):
+        out.append(f"--signals-to-handle={SIGNALS}")
+    if not any(o.startswith(("--shutdown-timeout", "--shutdown_timeout")) for o in out):
+        out.append(f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}")
+    return out
+
+
+def world_size(opts: list[str]) -> int | None:
+    """nproc_per_node x nnodes when both are fixed numbers; None for elastic ranges or 'gpu'."""
+    values = {"--nproc_per_node": "1", "--nproc-per-node": "1", "--nnodes": "1"}
+    for i, opt in enumerate(opts):
+        key, eq, value = opt.partition("=")
+        if key in values:
+            values[key] = value if eq else (opts[i + 1] if i + 1 < len(opts) else "")
+    nproc = values["--nproc_per_node"] if values["--nproc_per_node"] != "1" else values["--nproc-per-node"]
+    if not (nproc.isdigit() and values["--nnodes"].isdigit()):
+        return None
+    return int(nproc) * int(values["--nnodes"])
+
+
+def preflight(config_args: list[str], ranks: int | None) -> None:
+    """Everything a rank would reject before step 1, checked once here: ValueError on a user error."""
+    from titanrl.components import launch
+    from titanrl.components.plugins import load_object
+    from titanrl.config import load_config
+    from titanrl.distributed import ParallelDims
+    from titanrl.envs.pool import resolve_env
+    from titanrl.models.tokenizer import build_tokenizer
+    from titanrl.recipes import get_recipe
+
+    config = load_config(config_args)
+    p = config.parallelism
+    if ranks is not None:
+        ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks)
+    get_recipe(config.job.recipe).load_data(config)
+    launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
+    path = config.checkpoint.load_path.rstrip("/")
+    if path and not os.path.exists(os.path.join(path, ".metadata")):
+        raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
+    if config.job.recipe == "rl" and config.reward.function:
+        load_object(config.reward.function, "reward.function")
+    if config.job.recipe == "rl" and config.env.name:
+        resolve_env(config.env.name)
+    launch.check_dump_folder_free(config.job.dump_folder)
+
+
+def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> int:
+    """Run the job under torchrun in this process; the exit code for the shell."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from titanrl.components.launch import STOPPED_FILE
+
+    started = time.time()
+    args = get_args_parser().parse_args([*opts, "-m", "titanrl.train", *config_args])
+    try:
+        run(args)
+        return 0
+    except SignalException as e:
+        stopped = os.path.join(dump_folder, STOPPED_FILE)
+        if os.path.exists(stopped) and os.path.getmtime(stopped) >= started:
+            record = json.load(open(stopped))
+            print(f"titanrl: stopped by {record['signal']} after step {record['step']} "
+                  f"(checkpoint {record['checkpoint'] or 'off'})", file=sys.stderr, flush=True)
+            return 0
+        print(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        # A rank's user error (2) or the watchdog (3) has already printed its one line.
+        if failure.exitcode not in (2, 3):
+            print(f"titanrl: rank {rank} failed with exit code {failure.exitcode} "
+                  "(its output is above)", file=sys.stderr, flush=True)
+        return failure.exitcode if failure.exitcode in (2, 3) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__}")
+        return 0
+    if argv[0] != "run":
+        print(f"titanrl: error: unknown command '{argv[0]}'; {USAGE}", file=sys.stderr)
+        return 2
+    try:
+        opts, config_file, overrides = split_args(argv[1:])
+        config_args = [f"--job.config_file={config_file}", *overrides]
+        preflight(config_args, world_size(opts))
+    except ValueError as e:
+        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from titanrl.config import load_config
+
+    return run_torchrun(opts, config_args, load_config(config_args).job.dump_folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
