@@ -195,6 +195,7 @@ class RewardWorker:
     def __init__(self, sel: selectors.BaseSelector, init: dict) -> None:
         self.sel = sel
         self.ready = self.dead = self.results_closed = False
+        self.death = ""
         self.sample: int | None = None
         self.outbox = memoryview(b"")  # request bytes the pipe has not taken yet
         self.inbox = bytearray()  # result bytes not yet a whole frame
@@ -295,7 +296,10 @@ class RewardWorker:
             return True
 
     def kill(self) -> str:
-        """Kill its process group (what it forked dies with it), reap it, close its pipes; how it died."""
+        """Kill its process group (what it forked dies with it), reap it, close its pipes; how it
+        died. Idempotent: closing its pipes twice could close descriptors reused since."""
+        if self.dead:
+            return self.death
         self.read_output()  # e.g. the traceback faulthandler printed as it died
         # The group before the reaping: while the worker is unreaped its pid, the group's id,
         # cannot be reused. The worker leads its session, so it cannot leave the group.
@@ -311,8 +315,10 @@ class RewardWorker:
                 os.close(fd)
         self.dead = True
         if code >= 0:
-            return f"the worker exited with code {code}"
-        try:
-            return f"the worker was killed by {signal.Signals(-code).name}"
-        except ValueError:  # a real-time signal has no name
-            return f"the worker was killed by signal {-code}"
+            self.death = f"the worker exited with code {code}"
+        else:
+            try:
+                self.death = f"the worker was killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal has no name
+                self.death = f"the worker was killed by signal {-code}"
+        return self.death
