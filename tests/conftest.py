@@ -18,6 +18,15 @@ def run_cmd(cmd: list[str], env: dict, timeout_s: float = 600) -> subprocess.Com
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
+def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
+    """The command line of a titanrl job: `python -m titanrl.train` on one rank, else under
+    `torchrun --standalone` with `nproc` ranks."""
+    if nproc == 1:
+        return [sys.executable, "-m", "titanrl.train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "titanrl.train", *args]
+
+
 def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600) -> str:
     """Run `script` under `torchrun --standalone` with `nproc` gloo ranks; fail with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}

@@ -7,7 +7,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, run_cmd
+from conftest import REPO_ROOT, run_cmd, train_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 BASE = [
@@ -22,11 +22,7 @@ COMPARED = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "
 
 def _run(folder, steps, nproc=1, fault=None, extra=()):
     args = [*BASE, f"--training.steps={steps}", f"--job.dump_folder={folder}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrl.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titanrl.train", *args, "--parallelism.dp_shard=2"]
+    cmd = train_cmd([*args, "--parallelism.dp_shard=2"] if nproc > 1 else args, nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TITANRL_FAULT", None)
     if fault:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from conftest import REPO_ROOT, run_cmd, run_torchrun
+from conftest import REPO_ROOT, run_cmd, train_cmd, run_torchrun
 from titanrl.components.checkpoint import CheckpointManager, CheckpointSaveError
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "sft_reverse_debug.toml")
@@ -48,11 +48,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def _train(folder, nproc=1, extra=()):
     args = [*BASE, f"--job.dump_folder={folder}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrl.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titanrl.train", *args]
+    cmd = train_cmd(args, nproc)
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

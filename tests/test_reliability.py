@@ -4,12 +4,11 @@
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, run_cmd
+from conftest import REPO_ROOT, run_cmd, train_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
@@ -21,11 +20,7 @@ SMALL = [
 
 def _run(folder, extra=(), fault=None, nproc=1):
     args = [*SMALL, f"--job.dump_folder={folder}", *extra]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrl.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "titanrl.train", *args]
+    cmd = train_cmd(args, nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     env.pop("TITANRL_FAULT", None)
     if fault:

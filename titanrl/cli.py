@@ -15,6 +15,10 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titanrl.config import JobConfig
 
 USAGE = "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
 RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv", "--master", "--node-rank", "--node_rank")
@@ -64,8 +68,9 @@ def world_size(opts: list[str]) -> int | None:
     return int(nproc) * int(values["--nnodes"])
 
 
-def preflight(config_args: list[str], ranks: int | None) -> None:
-    """Everything a rank would reject before step 1, checked once here: ValueError on a user error."""
+def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
+    """Everything a rank would reject before step 1, checked once here: the job's config, or
+    ValueError on a user error."""
     from titanrl.components import launch
     from titanrl.components.plugins import load_object
     from titanrl.config import load_config
@@ -88,6 +93,7 @@ def preflight(config_args: list[str], ranks: int | None) -> None:
     if config.job.recipe == "rl" and config.env.name:
         resolve_env(config.env.name)
     launch.check_dump_folder_free(config.job.dump_folder)
+    return config
 
 
 def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> int:
@@ -132,13 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts, config_file, overrides = split_args(argv[1:])
         config_args = [f"--job.config_file={config_file}", *overrides]
-        preflight(config_args, world_size(opts))
+        config = preflight(config_args, world_size(opts))
     except ValueError as e:
         print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
         return 2
-    from titanrl.config import load_config
-
-    return run_torchrun(opts, config_args, load_config(config_args).job.dump_folder)
+    return run_torchrun(opts, config_args, config.job.dump_folder)
 
 
 if __name__ == "__main__":
