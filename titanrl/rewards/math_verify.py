@@ -65,7 +65,8 @@ def _deadline(seconds: float) -> Iterator[None]:
         yield
         return
     old = signal.signal(signal.SIGALRM, _raise_timeout)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    # Re-fire every 50 ms after the deadline: sympy code that catches Exception can swallow the first.
+    signal.setitimer(signal.ITIMER_REAL, seconds, 0.05)
     try:
         yield
     finally:
