@@ -25,7 +25,8 @@ from titanrl.components import launch
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
-from titanrl.components.timer import straggler_metrics
+from titanrl.components.profiling import MemorySnapshot, maybe_enable_memory_snapshot, maybe_enable_profiling
+from titanrl.components.timer import phase, straggler_metrics
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
 from titanrl.data.batch import micro_batch_plan, num_micro_batches
@@ -72,6 +73,21 @@ class Trainer:
         else:
             start, first_eval, last_eval = restored["step"] + 1, restored["first_eval"], restored["last_eval"]
         self.metrics.keep_through(start - 1)  # a resumed run redoes the steps after its checkpoint
+        dump = cfg.job.dump_folder
+        with (maybe_enable_profiling(cfg.profiling, dump, start - 1) as profiler,
+              maybe_enable_memory_snapshot(cfg.profiling, dump, start - 1, self.device) as memory):
+            stopped, last_eval = self.run_steps(start, first_eval, last_eval, profiler, memory)
+        if not stopped:
+            self.finish_checkpoint()
+            self._finish(first_eval, last_eval)
+        return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
+
+    def run_steps(self, start: int, first_eval: dict[str, float], last_eval: dict[str, float],
+                  profiler: torch.profiler.profile | None,
+                  memory: MemorySnapshot | None) -> tuple[bool, dict[str, float]]:
+        """Steps `start` .. training.steps, each evaluated, logged and checkpointed as configured;
+        returns (stopped early by a signal, the last evaluation)."""
+        cfg = self.config
         batches = iter(self.recipe.loader)
         step_times: list[float] = []
         for step in range(start, cfg.training.steps + 1):
@@ -90,14 +106,15 @@ class Trainer:
             saved = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps)
             if saved:
                 self.save_checkpoint(step, first_eval, last_eval)
+            if profiler is not None:
+                profiler.step()
+            if memory is not None:
+                memory.step()
             signum = self.stop_signals.agreed()
             if signum and step < cfg.training.steps:
                 self._stop(signum, step, saved, first_eval, last_eval)
-                break
-        else:
-            self.finish_checkpoint()
-            self._finish(first_eval, last_eval)
-        return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
+                return True, last_eval
+        return False, last_eval
 
     def begin(self) -> tuple[dict[str, float], dict[str, float]]:
         """A fresh run: the recipe's preparation (e.g. RL's SFT warm-up), then the step-0 eval."""
@@ -107,7 +124,7 @@ class Trainer:
         return first_eval, first_eval
 
     def evaluate(self) -> dict[str, float]:
-        with self.watchdog.phase("eval"):
+        with phase(self.watchdog, "eval"):
             return self.recipe.evaluate()
 
     def close(self) -> None:
@@ -204,12 +221,12 @@ class Trainer:
             "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
             "first_eval": first_eval, "last_eval": last_eval,
         }
-        with self.watchdog.phase("checkpoint"):
+        with phase(self.watchdog, "checkpoint"):
             self.checkpointer.save(step, *self.checkpoint_parts(), host)
 
     def finish_checkpoint(self) -> None:
         """Wait for the async save in flight, if any, and raise its error (sync saves: no-op)."""
-        with self.watchdog.phase("checkpoint"):
+        with phase(self.watchdog, "checkpoint"):
             self.checkpointer.wait()
 
     def load_checkpoint(self) -> dict | None:

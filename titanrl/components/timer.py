@@ -1,4 +1,5 @@
-"""Per-phase wall time and memory of a step, each phase under the watchdog."""
+"""Per-phase wall time and memory of a step, each phase under the watchdog and shown in profiler
+traces as a range named after it ([profiling])."""
 
 import contextlib
 import os
@@ -12,6 +13,14 @@ import torch.distributed as dist
 from titanrl.components.watchdog import Watchdog
 
 
+@contextlib.contextmanager
+def phase(watchdog: Watchdog, name: str):
+    """A phase the watchdog guards, and a `torch.profiler.record_function` range named `name`
+    (sync, generate, reward, logprob, train, eval, checkpoint) in a profiler trace."""
+    with watchdog.phase(name), torch.profiler.record_function(name):
+        yield
+
+
 class PhaseTimer:
     """Times each phase of a step, under the watchdog, and its memory: on CUDA the peak allocated
     during the phase; on CPU the process's resident memory when the phase ends."""
@@ -22,14 +31,14 @@ class PhaseTimer:
         self.memory_gb: dict[str, float] = defaultdict(float)
 
     @contextlib.contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, name: str):
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with self.watchdog.phase(phase):
+        with phase(self.watchdog, name):
             yield
-        self.seconds[phase] += time.perf_counter() - start
-        self.memory_gb[phase] = max(self.memory_gb[phase], phase_memory_gb(self.device))
+        self.seconds[name] += time.perf_counter() - start
+        self.memory_gb[name] = max(self.memory_gb[name], phase_memory_gb(self.device))
 
     def metrics(self) -> dict[str, float]:
         """time_<phase>, mem_<phase>_gb and the step's peak memory."""

@@ -21,6 +21,7 @@ from titanrl.config.sections import (
     Model,
     Optimizer,
     Parallelism,
+    Profiling,
     Training,
 )
 
@@ -45,6 +46,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     critic: Critic = field(default_factory=Critic)
     env: Env = field(default_factory=Env)
     sft_warmup: SFTWarmup = field(default_factory=SFTWarmup)

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from titanrl.components.stats import StepStats
+from titanrl.components.timer import phase
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.encode import fit_pairs
@@ -72,7 +73,7 @@ class PreferenceRecipe(Recipe):
     def step(self, batches: Iterator, step: int) -> dict[str, float]:
         trainer = self.trainer
         trainer.optimizer.zero_grad()
-        with trainer.watchdog.phase("train"):
+        with phase(trainer.watchdog, "train"):
             stats, pairs, n_micro = self.forward(next(batches), step, train=True)
             grad_norm = trainer.optimizer_step(trainer.model, trainer.optimizer, self.name)
         trainer.lr_scheduler.step()

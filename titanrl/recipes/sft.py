@@ -16,6 +16,7 @@ import torch
 
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.optimizer import build_optimizer
+from titanrl.components.timer import phase
 from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
@@ -72,7 +73,7 @@ def sft_step(trainer: Trainer, model: Transformer, optimizer: torch.optim.Optimi
              step: int) -> dict[str, float]:
     """One optimizer step on `samples` (this rank's share of the global batch)."""
     optimizer.zero_grad()
-    with trainer.watchdog.phase("train"):
+    with phase(trainer.watchdog, "train"):
         local_loss, n_micro = sft_losses(trainer, model, samples, step, train=True)
         grad_norm = trainer.optimizer_step(model, optimizer, "sft")
     (loss,) = trainer.dp_sum([local_loss])
