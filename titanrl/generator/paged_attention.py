@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from titanrl.generator.kv_cache import KVCachePool
-from titanrl.models.batch_invariant import attend_exact
+from titanrl.models.batch_invariant import attend_exact_batched
 
 
 @dataclass
@@ -134,10 +134,13 @@ class PagedAttention:
         return out_NHD[:N].unsqueeze(0)
 
     def _attend_exact(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for i, s in enumerate(self.seqs):
-            slots = self.gather_slots_SL[i, : s.context_len]
-            q_QHD = q_NHD[self.query_index_SQ[i, : s.num_new]]
-            positions = list(range(s.context_len - s.num_new, s.context_len))
-            outs.append(attend_exact(q_QHD, k_cache[slots], v_cache[slots], positions))
-        return torch.cat(outs)
+        """Batch-invariant attention of every (sequence, query) at once (`attend_exact_batched`)."""
+        pos_SQ = self.positions_1N[0][self.query_index_SQ]  # padding queries: any real position
+        out_SQHD = attend_exact_batched(
+            q_NHD[self.query_index_SQ], k_cache[self.gather_slots_SL], v_cache[self.gather_slots_SL], pos_SQ
+        )
+        if self.decode_only:
+            return out_SQHD[:, 0]
+        out_NHD = q_NHD.new_zeros(q_NHD.shape[0] + 1, *q_NHD.shape[1:])
+        out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
+        return out_NHD[:-1]
