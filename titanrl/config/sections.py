@@ -118,6 +118,13 @@ class Training:
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A non-finite loss or gradient norm: 'skip' drops that update (counted in metrics), 'stop' ends the run."""
 
+    packing: Literal["auto", "on", "off"] = "auto"
+    """RL recipe: run the model over packed rows (sequences concatenated, attention within each,
+    positions restarting at 0; `titanrl/data/packing.py`) instead of right-padded ones, for the
+    policy update, reference / old logprobs and critic. Same losses up to float rounding (bitwise
+    in batch-invariant mode). 'auto' = on when the padded micro-batches would hold >= 1.15x the
+    packed token slots (long-tailed lengths); 'off' = padded, as before."""
+
     def validate(self) -> None:
         if self.logprob_chunk_tokens < 1:
             raise ValueError(f"[training] logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
@@ -322,3 +329,50 @@ class Metrics:
             raise ValueError(f"[metrics] log_freq must be >= 1, got {self.log_freq}")
         if self.eval_freq < 0:
             raise ValueError(f"[metrics] eval_freq must be >= 0, got {self.eval_freq}")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Trace steps with `torch.profiler` (CPU ops always, CUDA kernels on GPU) and write a Chrome
+    trace per rank to <dump_folder>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json."""
+
+    save_traces_folder: str = "profile_traces"
+    """Folder of the profiler traces, relative to job.dump_folder."""
+
+    profile_freq: int = 10
+    """Trace the steps that end a cycle of this many: steps profile_freq, 2 x profile_freq ..."""
+
+    profiler_warmup: int = 3
+    """Steps the profiler runs without recording before the traced ones (its start-up cost stays
+    out of the trace); profiler_warmup + profiler_active must be <= profile_freq."""
+
+    profiler_active: int = 1
+    """Steps recorded in each trace (the last ones of each profile_freq cycle)."""
+
+    gzip_traces: bool = False
+    """Write rank<r>_trace.json.gz (Perfetto and chrome://tracing open it); traces of real models
+    are large."""
+
+    enable_memory_snapshot: bool = False
+    """At the traced steps, and when a step runs out of memory: on CUDA a pickled
+    `torch.cuda.memory._snapshot()` per rank (allocation history recorded from the first step;
+    open it at https://pytorch.org/memory_viz); on CPU the peak resident memory as JSON."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Folder of the memory snapshots, relative to job.dump_folder."""
+
+    def validate(self) -> None:
+        for name in ("profile_freq", "profiler_active"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"[profiling] {name} must be >= 1, got {getattr(self, name)}")
+        if self.profiler_warmup < 0:
+            raise ValueError(f"[profiling] profiler_warmup must be >= 0, got {self.profiler_warmup}")
+        if self.enable_profiling and self.profiler_warmup + self.profiler_active > self.profile_freq:
+            raise ValueError(
+                f"[profiling] profiler_warmup ({self.profiler_warmup}) + profiler_active ({self.profiler_active}) "
+                f"must be <= profile_freq ({self.profile_freq}): lower them or raise profile_freq"
+            )
+        for name in ("save_traces_folder", "save_memory_snapshot_folder"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"[profiling] {name} must name a folder, got {getattr(self, name)!r}")

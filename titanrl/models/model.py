@@ -224,13 +224,15 @@ class Transformer(nn.Module):
         with_entropy: bool = False,
         backend: AttentionBackend | None = None,
         mask_BT: torch.Tensor | None = None,
+        positions_BT: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p(targets) [B, T] in float32, entropy [B, T] or None) without [B, T, vocab]
         logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`), only where
         `mask_BT` is non-zero when it is given (0 elsewhere). Under TP the head's weight is a
         vocab-sharded DTensor: each rank projects onto its vocab shard and the softmax is
-        reduced over tp (vocab-parallel chunks, no gathered logits; `self.output` is not called)."""
-        h_BTD = self.hidden_states(tokens_BT, backend=backend)
+        reduced over tp (vocab-parallel chunks, no gathered logits; `self.output` is not called).
+        `positions_BT` as in `hidden_states` (packed rows: positions restart at each document)."""
+        h_BTD = self.hidden_states(tokens_BT, positions_BT, backend)
         weight_VD = self.output.weight
         if isinstance(weight_VD, DTensor):
             return vocab_parallel_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy, mask_BT)

@@ -34,14 +34,13 @@ from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
+from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 from titanrl.models.hf import read_generation_eos_ids
-from titanrl.models.model import Transformer
-from titanrl.models.scalar_head import values
+from titanrl.models.packing import forward_logprobs, forward_values
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardItem, RewardOutputLog, RewardRunner, RewardStats
@@ -102,18 +101,6 @@ def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Samp
         return NumericMath(), train, held_out
     task = build_task(config.data.task)
     return task, None, task.samples("eval", config.data.num_eval_samples, config.job.seed)
-
-
-def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chunk_tokens: int,
-                     with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them, at
-    the loss mask's positions only (0 elsewhere: prompt tokens are not projected to the vocabulary)."""
-    tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
-    if invariant:
-        with batch_invariant_mode():
-            return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy,
-                                  backend=ExactCausalAttention(), mask_BT=mask_BT)
-    return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy, mask_BT=mask_BT)
 
 
 class RLRecipe(Recipe):
@@ -207,14 +194,15 @@ class RLRecipe(Recipe):
 
         # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
         off_policy = algo.ppo_epochs * algo.num_minibatches > 1
-        invariant, chunk = cfg.generator.batch_invariant, cfg.training.logprob_chunk_tokens
+        # Packed (training.packing) or padded rows: the same [B, T-1] logprobs and values.
+        invariant, chunk, pack = cfg.generator.batch_invariant, cfg.training.logprob_chunk_tokens, cfg.training.packing
         with timer("logprob"), torch.no_grad():
             if self.reference is not None:
-                batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant, chunk)
+                batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant, chunk, packing=pack)
             if off_policy:
-                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant, chunk)
+                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant, chunk, packing=pack)
             if self.critic is not None:
-                batch["values"] = values(self.critic, batch["tokens"]) * batch["loss_mask"]
+                batch["values"] = forward_values(self.critic, batch, pack) * batch["loss_mask"]
 
         # 3. Advantages (and the critic's targets).
         advantages = self.algorithm.advantages(self.advantage_inputs(batch, train))
@@ -277,8 +265,11 @@ class RLRecipe(Recipe):
         return out
 
     def micro_batches(self, minibatch: TensorDict) -> list[TensorDict]:
+        lengths, budget = minibatch["length"].tolist(), self.config.training.micro_batch_tokens
+        if use_packing(self.config.training.packing, lengths, budget):  # each carries its packed rows
+            return packed_micro_batches(minibatch, budget, self.trainer.dp_group)
         # Sorted by length even when whole: the rounding of every published seeded run depends on it.
-        plan = self.trainer.plan_micro_batches(minibatch["length"].tolist(), sort_single=True)
+        plan = self.trainer.plan_micro_batches(lengths, sort_single=True)
         return [trim_padding(minibatch[rows]) for rows in plan]
 
     def update_policy(self, minibatch: TensorDict, off_policy: bool, stats: RLStats, step: int) -> float:
@@ -324,7 +315,7 @@ class RLRecipe(Recipe):
         self.critic_optimizer.zero_grad()
         for mb in self.micro_batches(minibatch):
             mask = mb["loss_mask"]
-            v_BT = values(self.critic, mb["tokens"])
+            v_BT = forward_values(self.critic, mb)
             loss, n_clipped = value_loss(v_BT, mb["values"], mb["returns"], mask, self.config.critic.value_clip,
                                          num_tokens)
             self.trainer.backward(loss, step)

@@ -1,0 +1,126 @@
+"""The model over packed rows (`data/packing.py`): per-document causal attention backends and the
+RL recipe's logprob / value forwards, padded or packed, back in the batch's [B, T-1] layout.
+
+Backends (`AttentionBackend`): `DocumentSDPA` (a block-diagonal causal boolean mask for SDPA;
+the CPU default), `DocumentFlexAttention` (FlexAttention with a document block mask from
+`create_block_mask`: blocks of other documents are skipped, not masked; the CUDA default) and
+`PackedExactAttention` (batch-invariant mode: `attend_exact_spans` per document, so packed
+logprobs are bitwise those of the padded rows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+from titanrl.data.packing import PackLayout, layout_of
+from titanrl.models.batch_invariant import ExactCausalAttention, attend_exact_spans, batch_invariant_mode
+from titanrl.models.model import AttentionBackend, Transformer
+
+
+class DocumentSDPA:
+    """Causal attention within each document of a packed row: SDPA with a [R, 1, S, S] mask."""
+
+    def __init__(self, doc_RS: torch.Tensor) -> None:
+        S = doc_RS.shape[1]
+        causal_SS = torch.ones(S, S, dtype=torch.bool, device=doc_RS.device).tril()
+        self.mask_R1SS = ((doc_RS[:, :, None] == doc_RS[:, None, :]) & causal_SS)[:, None]
+
+    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2), attn_mask=self.mask_R1SS,
+            enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2],
+        ).transpose(1, 2)
+
+
+_compiled_flex = None
+
+
+def _flex(*args, **kwargs):
+    """flex_attention, compiled once (eager flex materialises the scores: a CPU correctness path)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling() or args[0].device.type == "cpu":
+        return flex_attention(*args, **kwargs)
+    if _compiled_flex is None:  # packed widths vary per batch: dynamic shapes after the first recompile
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(*args, **kwargs)
+
+
+class DocumentFlexAttention:
+    """Causal attention within each document of a packed row: FlexAttention with a block mask
+    (built once per batch, shared by every layer)."""
+
+    def __init__(self, doc_RS: torch.Tensor) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (doc_RS[b, q_idx] == doc_RS[b, kv_idx]) & (q_idx >= kv_idx)
+
+        R, S = doc_RS.shape
+        self.block_mask = create_block_mask(document_causal, R, None, S, S, device=doc_RS.device)
+
+    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
+        out_BHTD = _flex(q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2),
+                         block_mask=self.block_mask, enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2])
+        return out_BHTD.transpose(1, 2)
+
+
+class PackedExactAttention:
+    """Batch-invariant attention over packed rows (`attend_exact_spans`): each document's tokens
+    reduce over exactly the keys they see in their own padded row."""
+
+    def __init__(self, spans: list[list[tuple[int, int]]]) -> None:
+        self.spans = spans
+
+    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
+        return attend_exact_spans(q_BTHD, k_BTHD, v_BTHD, self.spans)
+
+
+def packed_backend(layout: PackLayout, device: torch.device, invariant: bool, flex: bool | None = None
+                   ) -> AttentionBackend:
+    """The backend for `layout`'s rows: exact in batch-invariant mode, else FlexAttention
+    (default on CUDA) or SDPA with a document mask (default elsewhere)."""
+    if invariant:
+        return PackedExactAttention(layout.spans)
+    doc_RS = layout.doc_RS.to(device)
+    use_flex = device.type == "cuda" if flex is None else flex
+    return DocumentFlexAttention(doc_RS) if use_flex else DocumentSDPA(doc_RS)
+
+
+def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chunk_tokens: int,
+                     with_entropy: bool = False, packing: str = "off"
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them, at
+    the loss mask's positions only (0 elsewhere: prompt tokens are not projected to the vocabulary).
+    Packed (`data.packing.layout_of`: as planned, or by `packing`) or over the padded rows."""
+    tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
+    layout = layout_of(batch, packing)
+    if layout is None:
+        backend = ExactCausalAttention() if invariant else None
+        with batch_invariant_mode() if invariant else contextlib.nullcontext():
+            return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy,
+                                  backend=backend, mask_BT=mask_BT)
+    inputs_RS, targets_RS = layout.pack(tokens_BT[:, :-1]), layout.pack(tokens_BT[:, 1:])
+    mask_RS = layout.pack(mask_BT)
+    backend = packed_backend(layout, tokens_BT.device, invariant)
+    with batch_invariant_mode() if invariant else contextlib.nullcontext():
+        logprobs_RS, entropy_RS = model.logprobs(inputs_RS, targets_RS, chunk_tokens, with_entropy, backend=backend,
+                                                 mask_BT=mask_RS, positions_BT=layout.positions_RS.to(tokens_BT.device))
+    return layout.unpack(logprobs_RS), layout.unpack(entropy_RS) if entropy_RS is not None else None
+
+
+def forward_values(critic: Transformer, batch: TensorDict, packing: str = "off") -> torch.Tensor:
+    """A scalar-head model's value of the state before each next token [B, T-1] (0 past each
+    row's length when packed), padded or packed as `forward_logprobs`."""
+    tokens_BT = batch["tokens"]
+    layout = layout_of(batch, packing)
+    if layout is None:
+        return critic(tokens_BT[:, :-1])[..., 0].float()
+    backend = packed_backend(layout, tokens_BT.device, invariant=False)
+    out_RS1 = critic(layout.pack(tokens_BT[:, :-1]), layout.positions_RS.to(tokens_BT.device), backend)
+    return layout.unpack(out_RS1[..., 0].float())
