@@ -2,11 +2,16 @@
 
 Both load the same random weights from one safetensors folder and decode greedily the same
 number of tokens for the same prompts (EOS disabled), alternating runs, several repetitions.
-Also compares GRPO-style groups (G samples per prompt) with prompt sharing on and off.
 
-    python scripts/bench_generate.py --out bench_generate.json
+- `overhead`: a negligible model (1 layer, width 32) on one thread: milliseconds per decode step
+  ((time for T tokens - time for 1) / (T - 1)) at batch 1 / 64 / 256: framework cost per step.
+- `batch`: the bench model (debug shape) with GRPO groups (G samples per prompt; HF gets each
+  prompt G times): titanrl eager and compiled vs HF, tokens/s and ratios.
+- `groups`: prompt sharing (n=G) vs G independent copies with the prefix cache on / off.
 
-Writes JSON with median seconds, tokens/s and titanrl/HF ratios. Needs `transformers` (the dev extra).
+    python scripts/bench_generate.py --out benchmarks/bench_generate.json
+
+Needs `transformers` (the dev extra).
 """
 
 import argparse
@@ -30,6 +35,11 @@ MODELS = {
         family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
         qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
     ),
+    # Negligible compute (1 layer, width 32): what is left of a decode step is framework overhead.
+    "negligible": TransformerModelArgs(
+        family="qwen3", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=264,
+        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+    ),
     # A tiny model (0.1M params): per-step framework overhead dominates.
     "tiny": TransformerModelArgs(
         family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=264,
@@ -49,32 +59,32 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_titanrl(folder: str, prompts, new_tokens: int, n: int = 1, prefix_caching: bool = True, compile: bool = False):
-    config = GeneratorConfig(block_size=16, num_blocks=4096, max_num_seqs=512, enable_prefix_caching=prefix_caching,
+def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True, compile: bool = False):
+    """`run(new_tokens) -> GenerationStats`, greedy, every run with a cold prefix cache (measures
+    sharing within a call); warmed up (and the decode step compiled for this batch) here."""
+    config = GeneratorConfig(block_size=16, num_blocks=8192, max_num_seqs=1024, enable_prefix_caching=prefix_caching,
                              compile=compile)
     gen = Generator(read_hf_config(folder), config, torch.device("cpu"))
     gen.load_hf(folder)
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, n=n)
-    # Warm-up on the same batch (compiles the decode step for its bucket when compile=True).
-    gen.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0, n=n))
-    results = {}
 
-    def run():
-        gen.allocator.reset_prefix_cache()  # every run starts cold: measures sharing within a call
-        completions, stats = gen.generate(prompts, params)
+    def run(new_tokens: int):
+        gen.allocator.reset_prefix_cache()
+        completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0, n=n))
         assert all(len(c.token_ids) == new_tokens for c in completions)
-        results["stats"] = stats
+        return stats
 
-    return run, results
+    run(8)
+    run(8)
+    return run
 
 
-def bench_hf(folder: str, prompts, new_tokens: int):
+def hf_runner(folder: str, prompts):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     input_ids = torch.tensor(prompts)  # equal lengths: no padding needed
 
-    def run():
+    def run(new_tokens: int):
         with torch.no_grad():
             out = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
@@ -82,77 +92,121 @@ def bench_hf(folder: str, prompts, new_tokens: int):
             )
         assert out.shape[1] == input_ids.shape[1] + new_tokens
 
-    run()  # warm-up
+    run(8)
     return run
+
+
+def _export(name: str) -> tuple[str, dict]:
+    torch.manual_seed(0)
+    model_args = MODELS[name]
+    model = Transformer(model_args)
+    model.init_weights()
+    folder = tempfile.mkdtemp(prefix="bench_generate_")
+    export_hf(model, folder)
+    info = {"name": name, "dim": model_args.dim, "n_layers": model_args.n_layers,
+            "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    return folder, info
+
+
+def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int) -> dict:
+    """Milliseconds per decode step of the negligible model on one thread (prefill taken out)."""
+    folder, info = _export("negligible")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    for b in batch_sizes:
+        prompts = _prompts(b, 16)
+        runners = {"titanrl": titanrl_runner(folder, prompts), "titanrl_compiled": titanrl_runner(folder, prompts, compile=True),
+                   "hf": hf_runner(folder, prompts)}
+        per_step = {k: [] for k in runners}
+        for _ in range(reps):
+            for key, run in runners.items():
+                per_step[key].append((_time(lambda: run(new_tokens)) - _time(lambda: run(1))) / (new_tokens - 1))
+        row = {"batch": b, **{f"{k}_ms_per_step": 1e3 * statistics.median(v) for k, v in per_step.items()}}
+        row["titanrl_vs_hf"] = row["titanrl_ms_per_step"] / row["hf_ms_per_step"]
+        row["titanrl_compiled_vs_hf"] = row["titanrl_compiled_ms_per_step"] / row["hf_ms_per_step"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    torch.set_num_threads(threads)
+    return {"model": info, "threads": 1, "new_tokens": new_tokens, "prompt_len": 16, "rows": rows}
+
+
+def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_len: int, new_tokens: int,
+                  reps: int) -> list[dict]:
+    """GRPO-shaped batches: batch / G prompts with G samples each (HF decodes each prompt G times)."""
+    rows = []
+    for batch in batch_sizes:
+        G = group_size if batch % group_size == 0 else 1
+        prompts = _prompts(batch // G, prompt_len)
+        runners = {"titanrl": titanrl_runner(folder, prompts, n=G),
+                   "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True),
+                   "hf": hf_runner(folder, [p for p in prompts for _ in range(G)])}
+        times = {k: [] for k in runners}
+        for _ in range(reps):
+            for key, run in runners.items():
+                times[key].append(_time(lambda: run(new_tokens)))
+        row = {"batch": batch, "group_size": G, **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
+        for key in runners:
+            row[f"{key}_tok_s"] = batch * new_tokens / row[f"{key}_s"]
+        row["speedup_vs_hf"] = row["hf_s"] / row["titanrl_s"]
+        row["speedup_compiled_vs_hf"] = row["hf_s"] / row["titanrl_compiled_s"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_groups(folder: str, group_size: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
+    """G samples of each prompt: shared prompt blocks (n=G) vs G independent copies."""
+    G, n_prompts = group_size, 8
+    prompts = _prompts(n_prompts, prompt_len, seed=1)
+    copies = [p for p in prompts for _ in range(G)]
+    variants = {
+        "group_shared": titanrl_runner(folder, prompts, n=G),
+        "copies_prefix_cache_on": titanrl_runner(folder, copies, prefix_caching=True),
+        "copies_prefix_cache_off": titanrl_runner(folder, copies, prefix_caching=False),
+    }
+    groups = {}
+    for name, run in variants.items():
+        times, stats = [], None
+        for _ in range(reps):
+            start = time.perf_counter()
+            stats = run(new_tokens)
+            times.append(time.perf_counter() - start)
+        groups[name] = {"seconds": statistics.median(times), "prefill_tokens": stats.prefill_tokens,
+                        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens}
+    groups["speedup_shared_vs_no_cache"] = groups["copies_prefix_cache_off"]["seconds"] / groups["group_shared"]["seconds"]
+    return {"group_size": G, "prompts": n_prompts, "prompt_len": prompt_len, **groups}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_generate.json")
-    parser.add_argument("--batch_sizes", default="1,16,64")
+    parser.add_argument("--batch_sizes", default="1,64,256")
     parser.add_argument("--prompt_len", type=int, default=32)
     parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--overhead_new_tokens", type=int, default=128)
     parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="debug", choices=sorted(MODELS))
+    parser.add_argument("--sections", default="overhead,batch,groups")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model_args = MODELS[args.model]
-    model = Transformer(model_args)
-    model.init_weights()
-    folder = tempfile.mkdtemp(prefix="bench_generate_")
-    export_hf(model, folder)
-
+    sections = args.sections.split(",")
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    folder, info = _export(args.model)
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
         "command": "python scripts/bench_generate.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-        "model": {"name": args.model, "dim": model_args.dim, "n_layers": model_args.n_layers,
-                  "params_M": sum(p.numel() for p in model.parameters()) / 1e6},
-        "batch": [],
+        "model": info,
     }
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        prompts = _prompts(batch, args.prompt_len)
-        ours, _ = bench_titanrl(folder, prompts, args.new_tokens)
-        ours_compiled, _ = bench_titanrl(folder, prompts, args.new_tokens, compile=True)
-        hf = bench_hf(folder, prompts, args.new_tokens)
-        t_ours, t_compiled, t_hf = [], [], []
-        for _ in range(args.reps):
-            t_ours.append(_time(ours))
-            t_compiled.append(_time(ours_compiled))
-            t_hf.append(_time(hf))
-        tokens = batch * args.new_tokens
-        row = {
-            "batch": batch,
-            "titanrl_s": statistics.median(t_ours),
-            "titanrl_compiled_s": statistics.median(t_compiled),
-            "hf_s": statistics.median(t_hf),
-        }
-        for key in ("titanrl", "titanrl_compiled", "hf"):
-            row[f"{key}_tok_s"] = tokens / row[f"{key}_s"]
-        row["speedup_vs_hf"] = row["hf_s"] / row["titanrl_s"]
-        row["speedup_compiled_vs_hf"] = row["hf_s"] / row["titanrl_compiled_s"]
-        report["batch"].append(row)
-        print(json.dumps(row), flush=True)
-
-    # GRPO groups: G samples of each prompt; shared prompt blocks (n=G) vs G independent copies.
-    G, n_prompts = args.group_size, 8
-    prompts = _prompts(n_prompts, 4 * args.prompt_len, seed=1)
-    copies = [p for p in prompts for _ in range(G)]
-    variants = {
-        "group_shared": bench_titanrl(folder, prompts, args.new_tokens, n=G),
-        "copies_prefix_cache_on": bench_titanrl(folder, copies, args.new_tokens, prefix_caching=True),
-        "copies_prefix_cache_off": bench_titanrl(folder, copies, args.new_tokens, prefix_caching=False),
-    }
-    groups = {}
-    for name, (run, results) in variants.items():
-        times = [_time(run) for _ in range(args.reps)]
-        groups[name] = {"seconds": statistics.median(times), "prefill_tokens": results["stats"].prefill_tokens,
-                        "prefix_cache_hit_tokens": results["stats"].prefix_cache_hit_tokens}
-    groups["speedup_shared_vs_no_cache"] = groups["copies_prefix_cache_off"]["seconds"] / groups["group_shared"]["seconds"]
-    report["groups"] = {"group_size": G, "prompts": n_prompts, "prompt_len": 4 * args.prompt_len, **groups}
-    print(json.dumps(report["groups"]), flush=True)
+    if "overhead" in sections:
+        report["overhead"] = bench_overhead(batch_sizes, args.overhead_new_tokens, args.reps)
+    if "batch" in sections:
+        report["batch"] = bench_batches(folder, batch_sizes, args.group_size, args.prompt_len, args.new_tokens, args.reps)
+    if "groups" in sections:
+        report["groups"] = bench_groups(folder, args.group_size, 4 * args.prompt_len, args.new_tokens, args.reps)
+        print(json.dumps(report["groups"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -1,20 +1,43 @@
 """Single-GPU benchmark: generator decode throughput against the memory-bandwidth roofline,
 training MFU, and trainer -> generator weight-sync time, for Qwen2.5-0.5B / 1.5B shapes with
-random weights. One JSON out. Run through `scripts/bench_gpu.sh`; `--dry-run` runs the same
-code on a tiny model on CPU (what CI tests).
+random weights; then a GRPO step of a real recipe split by phase, and decode next to vLLM's. One
+JSON out, rewritten after each section (a run cut short keeps what it measured). Run through
+`scripts/bench_gpu.sh`; `--dry-run` runs the same code on a tiny model on CPU (what CI tests).
 
 Roofline of one decode step of a batch of b sequences at context c:
     bytes = weight bytes + b * c * (KV bytes per token, all layers)
     t_min = bytes / measured device copy bandwidth,   roofline tok/s = b / t_min
+Decode tok/s = b * (new_tokens - 1) / (time of a generation of new_tokens - time of one of 1
+token), greedy, every sample runs to new_tokens; `tok_s` is b * new_tokens / the whole call.
 MFU = (6 * params * tokens + attention FLOPs) / step time / peak bf16 FLOP/s (H200: 989e12 dense).
+
+`rl_step`: `python -m titanrl.train` on `train_configs/grpo_reverse_debug.toml` through
+`scripts/bench_rl_step.py` (its assets and runner): a character tokenizer, reverse-task prompts,
+and a random-weight model of the `qwen2.5-0.5b` flavor's shape written as an HF folder (dry run:
+the `debug` flavor's); the first step is dropped, the median seconds per phase (sync, generate,
+reward, logprob, train) of the rest are reported, from the run's metrics.jsonl.
+
+`vllm`: vLLM's offline `LLM` on the same HF folder (bf16, `skip_tokenizer_init`, token-id
+prompts of the same length, greedy, `ignore_eos`, prefix caching off, as titanrl's decode above),
+batch 1 / 64 / 256, next to titanrl's rows with ratios titanrl / vLLM. `"not installed"` when
+there is no vllm package, otherwise a string saying why it did not run (dry run, budget, time
+cap, error). It runs last, in its own process group under its own time cap (start-up with CUDA
+graph capture takes a minute or more), and that process's exit frees its GPU memory; the RL step
+runs the same way. `--budget-s` (bench_gpu.sh passes 450 under its 480 s `timeout`) caps both.
 """
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import platform
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 
@@ -27,9 +50,15 @@ from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E40
 from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models.args import TransformerModelArgs  # noqa: E402
 from titanrl.models.flavors import get_model_args  # noqa: E402
+from titanrl.models.hf import export_hf  # noqa: E402
 from titanrl.models.model import Transformer  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+VLLM_MODEL = "qwen2.5-0.5b"  # compared with vLLM, and the RL step's shape on a GPU
+VLLM_BATCH_SIZES = [1, 64, 256]
+# Process groups of the running workers: bench_gpu.sh's `timeout` signals only its own process
+# group and a worker runs in a session of its own, so SIGTERM kills them here.
+ACTIVE_GROUPS: set[int] = set()
 
 
 def sync(device: torch.device) -> None:
@@ -76,6 +105,25 @@ def kv_bytes_per_token(args: TransformerModelArgs, dtype: torch.dtype) -> int:
     return 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def time_decode(run, batch: int, new_tokens: int, device: torch.device) -> tuple[dict, object]:
+    """Seconds of `run(new_tokens)` after one warm-up call and of `run(1)` (prefill + one token),
+    the decode rate from their difference, and what the timed `run(new_tokens)` returned. The
+    one measurement of titanrl's generator and of vLLM."""
+    run(new_tokens)  # warm-up (and compilation / graph capture of this batch bucket)
+    sync(device)
+    start = time.perf_counter()
+    out = run(new_tokens)
+    sync(device)
+    total = time.perf_counter() - start
+    start = time.perf_counter()
+    run(1)  # prefill (+ one token) alone, to take out of the decode time
+    sync(device)
+    prefill = time.perf_counter() - start
+    decode_s = max(total - prefill, 1e-9)
+    return {"decode_tok_s": batch * (new_tokens - 1) / decode_s, "prefill_s": prefill, "generate_s": total,
+            "tok_s": batch * new_tokens / total}, out
+
+
 def bench_decode(args: TransformerModelArgs, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
                  prompt_len: int, new_tokens: int, bandwidth: float, compile: bool) -> list[dict]:
     max_batch = max(batch_sizes)
@@ -96,25 +144,14 @@ def bench_decode(args: TransformerModelArgs, device: torch.device, dtype: torch.
             _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
             return stats
 
-        run(new_tokens)  # warm-up (and compilation of this batch bucket)
-        sync(device)
-        start = time.perf_counter()
-        stats = run(new_tokens)
-        sync(device)
-        total = time.perf_counter() - start
-        start = time.perf_counter()
-        run(1)  # prefill (+ one token) alone, to take out of the decode time
-        sync(device)
-        prefill = time.perf_counter() - start
-        decode_s = max(total - prefill, 1e-9)
-        decode_tokens = b * (new_tokens - 1)
+        timing, stats = time_decode(run, b, new_tokens, device)
         mean_ctx = prompt_len + new_tokens / 2
         step_bytes = weight_bytes + b * mean_ctx * kv_bytes_per_token(args, dtype)
         roofline = b / (step_bytes / bandwidth)
-        achieved = decode_tokens / decode_s
+        achieved = timing["decode_tok_s"]
         rows.append({"batch": b, "decode_tok_s": achieved, "roofline_tok_s": roofline,
-                     "fraction_of_roofline": achieved / roofline, "prefill_s": prefill,
-                     "decode_steps": stats.steps})
+                     "fraction_of_roofline": achieved / roofline, "prefill_s": timing["prefill_s"],
+                     "generate_s": timing["generate_s"], "tok_s": timing["tok_s"], "decode_steps": stats.steps})
         print(f"  decode batch {b}: {achieved:,.0f} tok/s = {achieved / roofline:.1%} of roofline", flush=True)
     gen.sleep()
     return rows
@@ -154,35 +191,265 @@ def bench_sync(args: TransformerModelArgs, device: torch.device, dtype: torch.dt
     return {"sync_s": seconds, "generator_weight_bytes": nbytes, "bytes_per_s": nbytes / seconds}
 
 
+# --- Workers: the RL step and vLLM run as `bench_gpu.py --worker KIND` in their own process group.
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def on_sigterm(signum, frame) -> None:
+    for pgid in list(ACTIVE_GROUPS):
+        kill_group(pgid)
+    sys.exit(128 + signum)
+
+
+def tail(path: str, chars: int = 1500) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
+def run_worker(kind: str, cfg: dict, workdir: str, timeout_s: float, cuda: bool) -> dict | str:
+    """`cfg` to a `--worker kind` process; its result dict, or a string saying why there is none.
+    Past `timeout_s` its whole process group (the trainer it launched, vLLM's engine) is killed.
+    Without `cuda` (a dry run) it sees no GPU, as the trainer would otherwise take one."""
+    cfg_path, log = os.path.join(workdir, f"{kind}_config.json"), os.path.join(workdir, f"{kind}.log")
+    result = os.path.join(workdir, f"{kind}_result.json")
+    with open(cfg_path, "w") as f:
+        json.dump({**cfg, "result": result}, f)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker-config", cfg_path]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})}
+    start = time.perf_counter()
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                start_new_session=True)
+        ACTIVE_GROUPS.add(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            kill_group(proc.pid)  # also what it left behind after a normal exit
+            proc.wait()
+            ACTIVE_GROUPS.discard(proc.pid)
+    if not os.path.exists(result):
+        if rc is None:
+            return f"skipped: over its time cap of {timeout_s:.0f} s; log tail: {tail(log, 600)}"
+        return f"failed: exit code {rc}; log tail: {tail(log)}"
+    with open(result) as f:
+        out = json.load(f)
+    if "error" in out:
+        return f"failed: {out['error']}"
+    out["wall_s"] = time.perf_counter() - start
+    return out
+
+
+def make_rl_assets(workdir: str, args: TransformerModelArgs, n_prompts: int) -> tuple[str, str]:
+    """bench_rl_step's character tokenizer and reverse-task prompts, with a random model of shape
+    `args` in bf16 as the HF folder (config.json + model.safetensors) that titanrl and vLLM load."""
+    from bench_rl_step import make_assets
+
+    folder, jsonl = make_assets(workdir, n_prompts=n_prompts, seed=0)
+    torch.manual_seed(0)
+    model = build_on(args, torch.device("cpu"))
+    export_hf(model, folder, dtype=torch.bfloat16)  # replaces make_assets' debug-shaped model
+    del model
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # the tokenizer's ids, as make_assets sets
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    return folder, jsonl
+
+
+def rl_step_worker(cfg: dict) -> dict:
+    """A few GRPO steps of the recipe (bench_rl_step.run_titanrl), median seconds per phase."""
+    from bench_rl_step import run_titanrl
+
+    a = argparse.Namespace(**{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr",
+                                                  "threads")})
+    out = run_titanrl(a, cfg["model"], cfg["jsonl"], cfg["workdir"], compiled=False)
+    return {"step_s": out["step_s"], "phases_s": out["phases_s"], "response_len": out["response_len"]}
+
+
+def vllm_worker(cfg: dict) -> dict:
+    """vLLM's decode rate on the HF folder, measured as titanrl's (time_decode)."""
+    import vllm
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              gpu_memory_utilization=cfg["gpu_memory_utilization"], enforce_eager=cfg["enforce_eager"],
+              max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 16, max_num_seqs=max(cfg["batch_sizes"]),
+              enable_prefix_caching=False)  # titanrl's decode runs without it; repeats would hit the cache
+    startup = time.perf_counter() - start
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for b in cfg["batch_sizes"]:
+        ids = torch.randint(0, cfg["vocab_size"], (b, cfg["prompt_len"]), generator=g).tolist()
+        prompts = [{"prompt_token_ids": p} for p in ids]  # a TokensPrompt
+
+        def run(n):
+            params = VllmSamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return sum(len(o.outputs[0].token_ids) for o in outs)
+
+        # generate() returns finished requests (host token ids): no device sync needed here.
+        timing, generated = time_decode(run, b, cfg["new_tokens"], torch.device("cpu"))
+        rows.append({"batch": b, **timing, "generated_tokens": generated})
+        print(f"  vllm decode batch {b}: {timing['decode_tok_s']:,.0f} tok/s", flush=True)
+    return {"version": vllm.__version__, "startup_s": startup, "rows": rows}
+
+
+def worker_main(kind: str, cfg_path: str) -> None:
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    try:
+        out = rl_step_worker(cfg) if kind == "rl_step" else vllm_worker(cfg)
+    except Exception as e:  # reported in the JSON, never fatal to the benchmark
+        out = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
+    with open(cfg["result"] + ".tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(cfg["result"] + ".tmp", cfg["result"])
+    # Now, without waiting on vLLM's shutdown (it can hang); the parent kills what is left.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def compare_with_vllm(titanrl_rows: list[dict], vllm_out: dict) -> list[dict]:
+    """titanrl's and vLLM's rows side by side at the batch sizes both ran, ratios titanrl / vLLM."""
+    ours = {r["batch"]: r for r in titanrl_rows}
+    rows = []
+    for v in vllm_out["rows"]:
+        t = ours.get(v["batch"])
+        if t is None:
+            continue
+        rows.append({"batch": v["batch"],
+                     "titanrl_decode_tok_s": t["decode_tok_s"], "vllm_decode_tok_s": v["decode_tok_s"],
+                     "titanrl_over_vllm_decode": t["decode_tok_s"] / v["decode_tok_s"],
+                     "titanrl_tok_s": t["tok_s"], "vllm_tok_s": v["tok_s"],
+                     "titanrl_over_vllm": t["tok_s"] / v["tok_s"],
+                     "titanrl_prefill_s": t["prefill_s"], "vllm_prefill_s": v["prefill_s"],
+                     "vllm_generated_tokens": v["generated_tokens"]})
+    return rows
+
+
+def rl_step_section(rl: dict, flavor: str, model_dir: str, jsonl: str, workdir: str, left, cuda: bool,
+                    a: argparse.Namespace) -> dict | str:
+    cap = min(a.rl_timeout, left() - 10)
+    if cap < 20:
+        return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
+    print(f"rl step ({flavor}, {rl['steps']} steps, cap {cap:.0f} s):", flush=True)
+    out = run_worker("rl_step", {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir}, workdir, cap, cuda)
+    if not isinstance(out, dict):
+        print(f"  {out[:300]}", flush=True)
+        return out
+    print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_s"].items()), flush=True)
+    return {"recipe": "train_configs/grpo_reverse_debug.toml", "runner": "scripts/bench_rl_step.py:run_titanrl",
+            "model": f"{flavor} flavor's shape, random weights (bf16 HF folder), character tokenizer",
+            "device": "cuda" if cuda else "cpu", **rl, "steps_timed": rl["steps"] - 1, **out}
+
+
+def vllm_section(model_dir: str, flavor: str, shape: TransformerModelArgs, titanrl_rows: list[dict], prompt_len: int,
+                 new_tokens: int, workdir: str, left, cuda: bool, a: argparse.Namespace) -> dict | str:
+    if importlib.util.find_spec("vllm") is None:
+        return "not installed"
+    if not cuda:
+        return "skipped: --dry-run (CPU)"
+    if left() - 10 < a.vllm_min_s:
+        return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget, needs {a.vllm_min_s:.0f}"
+    cap = min(a.vllm_timeout, left() - 10)
+    print(f"vllm ({flavor}, cap {cap:.0f} s):", flush=True)
+    cfg = {"model": model_dir, "vocab_size": shape.vocab_size, "batch_sizes": VLLM_BATCH_SIZES,
+           "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enforce_eager": a.vllm_eager}
+    out = run_worker("vllm", cfg, workdir, cap, cuda)
+    if not isinstance(out, dict):
+        print(f"  {out[:300]}", flush=True)
+        return out
+    out = {"model": f"{flavor} flavor's shape, random weights, bf16 (the folder the RL step loads)",
+           "enforce_eager": a.vllm_eager, "titanrl_compile": a.compile,
+           "gpu_memory_utilization": a.vllm_gpu_memory_utilization, **out,
+           "vs_titanrl": compare_with_vllm(titanrl_rows, out)}
+    for r in out["vs_titanrl"]:
+        print(f"  batch {r['batch']}: titanrl / vLLM decode {r['titanrl_over_vllm_decode']:.2f}x", flush=True)
+    return out
+
+
+def write_report(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=2)
+    os.replace(tmp, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps (CI)")
     p.add_argument("--out", default="benchmarks/bench_gpu.json")
     p.add_argument("--compile", action="store_true", help="compiled decode (CUDA graphs); longer warm-up")
+    p.add_argument("--models", default=f"{VLLM_MODEL},qwen2.5-1.5b",
+                   help="flavors of the decode / train / sync sections on a GPU (vLLM compares with the first)")
+    p.add_argument("--budget-s", type=float, default=450.0,
+                   help="seconds for the whole run: the RL step and vLLM get at most what is left of it")
+    p.add_argument("--rl-timeout", type=float, default=180.0, help="time cap of the RL step run (seconds)")
+    p.add_argument("--vllm-timeout", type=float, default=240.0, help="time cap of the vLLM run, start-up included")
+    p.add_argument("--vllm-min-s", type=float, default=90.0,
+                   help="skip vLLM when less than this is left of the budget (start-up alone takes about a minute)")
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no CUDA graphs)")
+    p.add_argument("--worker", choices=["rl_step", "vllm"], help=argparse.SUPPRESS)
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.worker:
+        worker_main(a.worker, a.worker_config)
+        return
+    signal.signal(signal.SIGTERM, on_sigterm)
     cuda = torch.cuda.is_available() and not a.dry_run
     device = torch.device("cuda" if cuda else "cpu")
     if a.dry_run:
         models = {"debug": get_model_args("debug")}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 4], 16, 8, torch.float32
         train_shape, reps, bw_bytes = (2, 32), 2, 32 * 2**20
+        rl_flavor, rl = "debug", {"steps": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "threads": 1}
     else:
-        models = {name: get_model_args(name) for name in ("qwen2.5-0.5b", "qwen2.5-1.5b")}
+        models = {name: get_model_args(name) for name in a.models.split(",") if name}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 16, 64, 256], 128, 128, torch.bfloat16
         train_shape, reps, bw_bytes = (8, 1024), 5, 2**30
+        rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64,
+                                     "threads": 4}
+    rl["lr"] = 1e-6
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if cuda else None
     start = time.perf_counter()
+
+    def left() -> float:
+        return a.budget_s - (time.perf_counter() - start)
+
     bandwidth = copy_bandwidth(device, bw_bytes)
     print(f"device {name}: copy bandwidth {bandwidth / 1e9:,.1f} GB/s", flush=True)
     report = {
-        "benchmark": "single-device generator decode vs roofline, training MFU, weight sync",
+        "benchmark": "single-device generator decode vs roofline, training MFU, weight sync, GRPO step phases, "
+                     "decode vs vLLM",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "device": name, "dry_run": a.dry_run,
         "torch": torch.__version__, "command": "bash scripts/bench_gpu.sh " + " ".join(sys.argv[1:]),
         "copy_bandwidth_gb_s": bandwidth / 1e9, "peak_bf16_tflops": peak / 1e12 if peak else None,
         "config": {"prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": str(dtype),
-                   "compile": a.compile, "train_batch_seq": list(train_shape)},
+                   "compile": a.compile, "train_batch_seq": list(train_shape), "budget_s": a.budget_s},
         "models": {},
+        "rl_step": "not run",
+        "vllm": "not run",
     }
     for model_name, args in models.items():
         print(f"{model_name}:", flush=True)
@@ -195,10 +462,32 @@ def main() -> None:
         report["models"][model_name] = entry
         if cuda:
             torch.cuda.empty_cache()
+        report["wall_s"] = time.perf_counter() - start
+        write_report(report, a.out)
+
+    workdir = tempfile.mkdtemp(prefix="bench_gpu_")
+    try:
+        gc.collect()  # the workers need the GPU memory this process still holds or caches
+        if cuda:
+            torch.cuda.empty_cache()
+        shape = get_model_args(rl_flavor)
+        try:
+            model_dir, jsonl = make_rl_assets(workdir, shape, rl["batch_size"] * rl["steps"] + 1)
+        except Exception as e:  # e.g. no `tokenizers`: the sections below say so, the rest stands
+            report["rl_step"] = f"failed: writing the model folder: {type(e).__name__}: {e}"
+            report["vllm"] = "not installed" if importlib.util.find_spec("vllm") is None else report["rl_step"]
+            model_dir = None
+        if model_dir:
+            report["rl_step"] = rl_step_section(rl, rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
+            report["wall_s"] = time.perf_counter() - start
+            write_report(report, a.out)
+            titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
+            report["vllm"] = vllm_section(model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir,
+                                          left, cuda, a)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - start
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(report, a.out)
     print(f"wrote {a.out} in {report['wall_s']:.0f} s", flush=True)
 
 

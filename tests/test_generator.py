@@ -135,30 +135,30 @@ def test_sampling_filters_restrict_support():
 
 
 def test_sampler_draws_from_the_filtered_distribution():
-    """sample_tokens (one uniform per row through the row's CDF): 40,000 seeded draws match the
-    tempered, filtered softmax to 3 standard errors per token, filtered tokens never come,
-    greedy rows are argmax, and a row's draw depends only on its own stream."""
+    """sample_tokens (one uniform per row through the row's CDF): 40,000 draws from the
+    stateless streams (4 keys x 10,000 counters) match the tempered, filtered softmax to 3
+    standard errors per token, filtered tokens never come, greedy rows are argmax, and a row's
+    draw depends only on its own (key, counter)."""
     from titanrl.generator.sampling import _filtered_logits, sample_tokens
 
     logits_V = torch.log(torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1]))
+    n = 40_000
+    keys_N = torch.tensor([1, 2, 2**40 + 7, 2**62 + 3]).repeat_interleave(n // 4)
+    counters_N = torch.arange(n // 4).repeat(4) + 17
     for params in (SamplingParams(temperature=0.7), SamplingParams(top_k=3), SamplingParams(top_p=0.8)):
-        n = 40_000
-        rng = torch.Generator().manual_seed(0)
-        rows = 8
-        counts = torch.zeros(6)
-        for _ in range(n // rows):
-            drawn = sample_tokens(logits_V.expand(rows, 6), [params] * rows, [rng] * rows)
-            counts += torch.bincount(torch.tensor(drawn), minlength=6)
+        drawn = sample_tokens(logits_V.expand(n, 6), params, keys_N, counters_N)
+        counts = torch.bincount(drawn, minlength=6).float()
         expected = _filtered_logits(logits_V, params).softmax(-1)
         stderr = (expected * (1 - expected) / n).sqrt()
         assert ((counts / n - expected).abs() <= 3 * stderr + 1e-9).all(), (params, counts / n, expected)
         assert counts[expected == 0].sum() == 0
     logits_NV = torch.randn(3, 151_936)
-    greedy, hot = SamplingParams(temperature=0), SamplingParams(temperature=1.0)
-    streams = [torch.Generator().manual_seed(s) for s in (1, 2, 3)]
-    mixed = sample_tokens(logits_NV, [greedy, hot, hot], streams)
-    alone = sample_tokens(logits_NV[2:], [hot], [torch.Generator().manual_seed(3)])
-    assert mixed[0] == int(logits_NV[0].argmax()) and mixed[2] == alone[0]
+    hot = SamplingParams(temperature=1.0)
+    assert sample_tokens(logits_NV, SamplingParams(temperature=0), None, None).tolist() == logits_NV.argmax(-1).tolist()
+    together = sample_tokens(logits_NV, hot, torch.tensor([5, 6, 7]), torch.tensor([3, 3, 9]))
+    alone = sample_tokens(logits_NV[2:], hot, torch.tensor([7]), torch.tensor([9]))
+    other = sample_tokens(logits_NV[2:].expand(8, -1), hot, torch.arange(8) + 100, torch.tensor([9] * 8))
+    assert together[2] == alone[0] and len(set(other.tolist())) > 1
 
 
 def test_stop_conditions():
@@ -402,13 +402,13 @@ def test_weight_sync_invalidates_prefix_cache():
     assert c.token_ids == greedy_reference(model, prompt, 8)[0]
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_decode_matches_and_does_not_recompile(backend):
+@pytest.mark.parametrize("backend,impl", [("aot_eager", "sdpa"), ("inductor", "inplace")])
+def test_compiled_decode_matches_and_does_not_recompile(backend, impl):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     model = _trainer_model()
-    gen = _generator(model, block_size=4, num_blocks=128, compile=True, compile_backend=backend)
+    gen = _generator(model, block_size=4, num_blocks=128, compile=True, compile_backend=backend, attention_impl=impl)
     params = SamplingParams(max_new_tokens=16, temperature=0)
     prompts = _prompts([3, 9, 17])  # decode batches of 3 -> bucket 4
     completions, _ = gen.generate(prompts, params)
@@ -460,3 +460,50 @@ def test_uninitialised_pool_memory_never_leaks_into_outputs():
     for c in completions:
         assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 7)[0]
         assert all(math.isfinite(lp) for lp in c.logprobs)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
+    """DecodeAttention (one query per row over its pages, GQA 4:2) against a float64 softmax over
+    each row's keys 0..pos; the new K/V lands at the row's slot, a dead row writes the scratch block."""
+    from titanrl.generator.decode import DecodeAttention
+
+    g = torch.Generator().manual_seed(0)
+    P, B, Hkv, H, D = 12, 4, 2, 4, 8
+    k_pages, v_pages = torch.randn(P, B, Hkv, D, generator=g), torch.randn(P, B, Hkv, D, generator=g)
+    table_NM = torch.tensor([[3, 7, 1], [5, 8, 11], [2, 11, 11]])  # 11 = scratch
+    pos_N, live_N = torch.tensor([9, 4, 2]), torch.tensor([True, True, False])
+    q, k, v = (torch.randn(1, 3, h, D, generator=g) for h in (H, Hkv, Hkv))
+    before = k_pages.clone()
+    out = DecodeAttention([k_pages], [v_pages], table_NM, pos_N, live_N, scratch=11, fused=fused).attend(0, q, k, v)
+    assert torch.equal(k_pages[1, 1], k[0, 0]) and torch.equal(v_pages[8, 0], v[0, 1])  # positions 9, 4
+    assert torch.equal(k_pages[11, 0], k[0, 2]) and torch.equal(k_pages[2], before[2])  # dead row -> scratch
+    for n in range(3):
+        keys = torch.cat([k_pages[b] for b in table_NM[n]])[: pos_N[n] + 1].double()
+        vals = torch.cat([v_pages[b] for b in table_NM[n]])[: pos_N[n] + 1].double()
+        keys, vals = keys.repeat_interleave(H // Hkv, 1), vals.repeat_interleave(H // Hkv, 1)
+        probs_HL = torch.einsum("hd,lhd->hl", q[0, n].double(), keys).mul(D**-0.5).softmax(-1)
+        ref_HD = torch.einsum("hl,lhd->hd", probs_HL, vals)
+        if live_N[n]:
+            torch.testing.assert_close(out[0, n].double(), ref_HD, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_passes_match_step_by_step_scheduling():
+    """Several decode steps per scheduler pass (eos and length stops tested on device) give the
+    same samples, logprobs and finish reasons as scheduling every step."""
+    model = _trainer_model()
+    prompts = _prompts([5, 11, 3, 17])
+    params = SamplingParams(max_new_tokens=21, temperature=1.0, n=3, seed=4, stop_token_ids=[7, 19])
+    runs = []
+    for steps in (1, 32):
+        completions, stats = _generator(model, block_size=4, num_blocks=256,
+                                        decode_steps_per_schedule=steps).generate(prompts, params)
+        runs.append((completions, stats))
+    (a, sa), (b, sb) = runs
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+    assert {c.finish_reason for c in a} == {"stop", "length"}
+    for x, y in zip(a, b):
+        torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+    assert sa.decode_tokens == sb.decode_tokens and sa.steps == sb.steps
+    assert sb.scheduler_passes < sa.scheduler_passes / 4

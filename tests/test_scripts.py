@@ -38,6 +38,8 @@ def test_generate_cli_on_hf_folder(tmp_path):
 def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
     """The GPU benchmark's own code path, on a tiny model on CPU: every number is present,
     positive and self-consistent, so that the one H200 run is right on the first try."""
+    import importlib.util
+
     out = tmp_path / "bench_gpu.json"
     proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
@@ -50,8 +52,20 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
         assert row["decode_tok_s"] > 0 and row["roofline_tok_s"] > 0
         assert row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
         assert row["decode_steps"] >= report["config"]["new_tokens"]
+        assert row["tok_s"] > 0 and row["generate_s"] > 0
     assert entry["train"]["tokens_per_s"] > 0 and entry["train"]["mfu"] is None  # no peak known on CPU
     assert entry["weight_sync"]["sync_s"] > 0
+    # A real GRPO recipe, 2 steps on CPU (the first dropped), split by phase.
+    rl = report["rl_step"]
+    assert isinstance(rl, dict), rl  # a string says why it did not run
+    assert rl["steps"] == 2 and rl["steps_timed"] == 1 and rl["device"] == "cpu"
+    assert set(rl["phases_s"]) == {"sync", "generate", "reward", "logprob", "train"}
+    assert all(v >= 0 for v in rl["phases_s"].values()) and rl["phases_s"]["generate"] > 0
+    assert abs(rl["step_s"] - sum(rl["phases_s"].values())) < 1e-9
+    assert 0 < rl["response_len"] <= rl["max_new_tokens"]
+    # vLLM never runs in a dry run; the key says why.
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    assert report["vllm"] == ("skipped: --dry-run (CPU)" if has_vllm else "not installed")
 
 
 def test_bench_gpu_refuses_to_run_without_a_gpu():

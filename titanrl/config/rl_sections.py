@@ -46,16 +46,22 @@ class Generator:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """`torch.compile` backend of the decode step when `compile` is on."""
 
-    attention_impl: Literal["sdpa", "flex"] = "sdpa"
+    attention_impl: Literal["sdpa", "flex", "inplace"] = "sdpa"
     """Paged attention: 'sdpa' gathers pages then runs SDPA (portable); 'flex' runs FlexAttention
-    with a block mask over the pages (the fast path on GPU; correct but slow on CPU)."""
+    with a block mask over the pages (the fast path on GPU; correct but slow on CPU); 'inplace'
+    decodes reading the pages where they are (indexing, products and sums that torch.compile
+    fuses into one pass over the KV, no gathered copy; use with compile) and prefills as 'sdpa'."""
+
+    decode_steps_per_schedule: int = 32
+    """Decode steps run on device between two scheduler passes (KV blocks reserved ahead, one
+    small host read per step, tokens read once per pass); 1 schedules every step."""
 
     def validate(self) -> None:
         if self.num_blocks < 0:
             raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")
         if self.compile and self.batch_invariant:
             raise ValueError("[generator] compile and batch_invariant cannot be combined; pick one")
-        for name in ("block_size", "max_num_seqs", "max_new_tokens", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_new_tokens", "max_num_batched_tokens", "decode_steps_per_schedule"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:

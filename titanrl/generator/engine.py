@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
+from titanrl.generator.decode import DecodeRows, decode_step, run_decode_pass
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
@@ -71,6 +72,14 @@ class Generator:
         if config.compile:
             mode = "reduce-overhead" if device.type == "cuda" else None
             self._decode_model = torch.compile(self.model, backend=config.compile_backend, mode=mode)
+            # The generator's modules never change type or structure (weights are updated in
+            # place): guarding on them would cost ~0.2 ms per decode step on CPU.
+            self._decode_step = torch.compile(
+                decode_step, backend=config.compile_backend, mode=mode,
+                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            )
+        else:
+            self._decode_step = decode_step
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -206,13 +215,15 @@ class Generator:
         )
         while sched.has_work:
             sched.stats.steps += 1
+            sched.stats.scheduler_passes += 1
             if turns is not None and not sched.exchange_turns():
                 continue
             prefill = sched.admit()
             if prefill:
-                self._prefill(sched, prefill)
+                with torch.profiler.record_function("generator/prefill"):
+                    self._prefill(sched, prefill)
             else:
-                self._decode(sched)
+                self._decode(sched, turns)
             if turns is not None:
                 sched.pause()
         results = sched.results()
@@ -244,13 +255,47 @@ class Generator:
         if samples:
             self._sample(sched, samples, logits_SV[rows])
 
-    def _decode(self, sched: Scheduler) -> None:
-        """One token for every running sequence (preempting some if blocks run out)."""
+    def _decode(self, sched: Scheduler, turns: TurnHandler | None) -> None:
+        """Tokens for every running sequence (preempting some if blocks run out): several steps
+        on device per scheduler pass (`decode.py`), or one step when a stop needs the host
+        (stop strings, multi-turn) or the step is not the tensor-only kind (top logprobs,
+        FlexAttention)."""
         batch = sched.schedule_decode()
         if not batch:
             return
+        params = batch[0].params
+        if turns is not None or params.stop_strings or params.num_top_logprobs or self.config.attention_impl == "flex":
+            return self._decode_one_step(sched, batch)
+        steps = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
+        stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
+        rows = DecodeRows(
+            tokens=[s.token_ids[-1] for s in batch], positions=[len(s.token_ids) - 1 for s in batch],
+            left=[sched.tokens_left(s) for s in batch], keys=[s.key for s in batch],
+            tables=[s.block_table for s in batch],
+        )
+        compiled = self._decode_step is not decode_step
+        with torch.profiler.record_function("generator/decode"):
+            out = run_decode_pass(
+                self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
+                bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
+                scratch=self.num_blocks, fused=self.config.attention_impl == "inplace",
+                end_when_any_stops=bool(sched.waiting), device=self.device, exact=self.config.batch_invariant,
+            )
+        sched.stats.steps += out.steps - 1
+        for seq, tokens, logprobs, stopped in zip(batch, out.tokens, out.logprobs, out.stopped):
+            seq.token_ids.extend(tokens)
+            seq.logprobs.extend(logprobs)
+            seq.num_computed = len(seq.token_ids) - 1
+            sched.stats.decode_tokens += len(tokens)
+            reason = ("stop" if tokens[-1] in stop_ids else "length") if stopped else None
+            if reason is None:
+                sched.trim_blocks(seq)
+            sched.after_sample(seq, reason)
+
+    def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
-        logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
+        with torch.profiler.record_function("generator/decode"):
+            logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
         sched.stats.decode_tokens += len(batch)
         for seq in batch:
             seq.num_computed = len(seq.token_ids)
@@ -270,7 +315,8 @@ class Generator:
             tokens = tokens + [0] * (bucket - n)
             model = self._decode_model
         backend = PagedAttention(
-            self.pool, slices, self.device, exact=self.config.batch_invariant, impl=self.config.attention_impl
+            self.pool, slices, self.device, exact=self.config.batch_invariant,
+            impl="flex" if self.config.attention_impl == "flex" else "sdpa",
         )
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
@@ -286,9 +332,12 @@ class Generator:
     def _sample(self, sched: Scheduler, seqs: list[Seq], logits_NV: torch.Tensor) -> None:
         """Sample the next token of each seq from its row of `logits_NV`; the scheduler keeps it
         running or retires it."""
-        tokens = sample_tokens(logits_NV, [seq.params for seq in seqs], [seq.rng for seq in seqs])
-        tokens_N = torch.tensor(tokens, device=logits_NV.device)
-        logprobs_N = sampled_logprobs(logits_NV, tokens_N).tolist()
+        with torch.profiler.record_function("generator/sample"):
+            keys_N = torch.tensor([seq.key for seq in seqs], device=logits_NV.device)
+            counters_N = torch.tensor([len(seq.token_ids) for seq in seqs], device=logits_NV.device)
+            tokens_N = sample_tokens(logits_NV, seqs[0].params, keys_N, counters_N)
+            logprobs_N = sampled_logprobs(logits_NV, tokens_N).tolist()
+            tokens = tokens_N.tolist()
         num_top = seqs[0].params.num_top_logprobs
         if num_top:
             top = torch.log_softmax(logits_NV.float(), -1).topk(num_top)

@@ -78,34 +78,53 @@ def _filtered_logits(logits_XV: torch.Tensor, params: SamplingParams) -> torch.T
     return logits
 
 
-def _filter_key(params: SamplingParams) -> tuple:
-    return params.temperature, params.top_k, params.top_p, params.min_p
+_M32 = 0xFFFF_FFFF
 
 
-def sample_tokens(logits_NV: torch.Tensor, params: list[SamplingParams], rngs: list[torch.Generator | None]
-                  ) -> list[int]:
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in int64 without overflow (16-bit halves)."""
+    return (((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(key_N: torch.Tensor, counter_N: torch.Tensor) -> torch.Tensor:
+    """A float64 uniform in [0, 1) per row that depends only on (key, counter): a stateless
+    random stream. A sample's key is fixed when it is forked and the counter is the position of
+    the token being drawn, so a draw does not depend on batching, on how many steps run between
+    scheduler passes, or on preemption; it runs on device without per-row generator objects."""
+    lo, hi, c = key_N & _M32, (key_N >> 32) & _M32, counter_N & _M32
+    a = _mix32(_mix32(c ^ hi) ^ lo)
+    b = _mix32(a ^ hi ^ 0x9E3779B9)
+    # 26 + 26 high-quality bits: a 52-bit mantissa.
+    return ((a >> 6) * (1 << 26) + (b >> 6)).to(torch.float64) * 2.0**-52
+
+
+def sample_tokens(logits_NV: torch.Tensor, params: SamplingParams, key_N: torch.Tensor | None,
+                  counter_N: torch.Tensor | None) -> torch.Tensor:
     """One token id per row: argmax for temperature 0, else a draw from the filtered softmax.
 
-    Rows that share filter settings are filtered together ([N, V] ops, not N row calls), and a
-    draw is one uniform number from the row's own stream, inverted through the row's CDF: at a
-    150k vocabulary `torch.multinomial` on a row costs ~35 ms on CPU (one random number per
-    vocabulary entry); this costs one. A row's token depends only on its logits and its stream,
-    so seeded samples do not depend on batching.
+    A draw is one uniform number from the row's stateless stream (`counter_uniform`), inverted
+    through the row's CDF: at a 150k vocabulary `torch.multinomial` on a row costs ~35 ms on CPU
+    (one random number per vocabulary entry); this costs one. All tensor ops: it runs inside the
+    compiled decode step.
     """
-    tokens = torch.argmax(logits_NV, dim=-1)
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        if p.temperature != 0:
-            groups.setdefault(_filter_key(p), []).append(i)
-    for rows in groups.values():
-        probs_RV = _filtered_logits(logits_NV[rows], params[rows[0]]).softmax(-1)
-        cdf_RV = probs_RV.cumsum(-1, dtype=torch.float64)
-        u_R = torch.cat([torch.rand(1, generator=rngs[i], dtype=torch.float64) for i in rows]).to(cdf_RV.device)
-        # The first index whose cumulative probability exceeds u: a token of probability 0 has an
-        # empty interval and is never drawn.
-        drawn_R = torch.searchsorted(cdf_RV, (u_R * cdf_RV[:, -1])[:, None], right=True)[:, 0]
-        tokens[rows] = drawn_R.clamp(max=logits_NV.shape[-1] - 1).to(tokens.dtype)
-    return tokens.tolist()
+    if params.temperature == 0:
+        return torch.argmax(logits_NV, dim=-1)
+    probs_NV = _filtered_logits(logits_NV, params).softmax(-1)
+    cdf_NV = probs_NV.cumsum(-1, dtype=torch.float64)
+    u_N = counter_uniform(key_N, counter_N)
+    # The first index whose cumulative probability exceeds u: a token of probability 0 has an
+    # empty interval and is never drawn.
+    drawn_N = torch.searchsorted(cdf_NV, (u_N * cdf_NV[:, -1])[:, None], right=True)[:, 0]
+    return drawn_N.clamp(max=logits_NV.shape[-1] - 1)
 
 
 def sampled_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,6 @@ across the ranks of a TP group, so every rank builds the same schedule.
 
 import math
 
-import torch
-
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
 from titanrl.generator.sampling import SamplingParams
@@ -49,7 +47,7 @@ class Scheduler:
         self.turns = turns
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
         self.waiting: list[Seq] = [
-            Seq(i, 0, list(p), len(p), params, None, is_group_prompt=True) for i, p in enumerate(prompts)
+            Seq(i, 0, list(p), len(p), params, 0, is_group_prompt=True) for i, p in enumerate(prompts)
         ]
         self.running: list[Seq] = []
         self.finished: list[Seq] = []
@@ -160,12 +158,9 @@ class Scheduler:
 
     def _fork(self, group: Seq, sample_index: int, seed: int) -> Seq:
         """Sample `sample_index` of a group: its own random stream, the group's blocks shared."""
-        rng = None
-        if group.params.temperature > 0:
-            rng = torch.Generator(device="cpu")
-            rng.manual_seed(hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        key = hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
         return Seq(
-            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params, rng,
+            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params, key,
             block_table=[self.allocator.fork(b) for b in group.block_table], num_computed=group.num_computed,
         )
 
@@ -187,6 +182,36 @@ class Scheduler:
                 self.running.insert(0, seq)
                 self._preempt(victims.pop())
         return batch
+
+    def tokens_left(self, seq: Seq) -> int:
+        """Tokens `seq` may still add: its max_new_tokens budget, and the model's context."""
+        return min(seq.params.max_new_tokens - seq.num_generated, self.max_seq_len - len(seq.token_ids))
+
+    def reserve_ahead(self, batch: list[Seq], max_steps: int) -> int:
+        """Blocks for the next decode steps of every sequence in `batch` (each already has a
+        writable slot for its next one). Returns the number of steps reserved: 1 when the
+        blocks for more are not free (the next pass schedules, and preempts, step by step)."""
+        B = self.block_size
+        steps = min(max_steps, max(self.tokens_left(s) for s in batch))
+        if steps <= 1:
+            return 1
+        # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
+        needed = [
+            max(0, (len(s.token_ids) - 2 + min(steps, self.tokens_left(s))) // B + 1 - len(s.block_table))
+            for s in batch
+        ]
+        if sum(needed) > self.allocator.num_free:
+            return 1
+        for seq, n in zip(batch, needed):
+            for _ in range(n):
+                self._append_block(seq)
+        return steps
+
+    def trim_blocks(self, seq: Seq) -> None:
+        """Give back blocks reserved ahead but not reached (a pass ended early)."""
+        keep = (len(seq.token_ids) - 1) // self.block_size + 1
+        while len(seq.block_table) > keep:
+            self.allocator.free(seq.block_table.pop())
 
     def _reserve_slot(self, seq: Seq) -> None:
         """Make the block for the token at position len-1 writable by this sequence alone."""

@@ -4,8 +4,6 @@
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-import torch
-
 from titanrl.generator.sampling import SamplingParams
 from titanrl.models.tokenizer import Tokenizer
 
@@ -46,6 +44,9 @@ class GenerationStats:
     resumed_turns: int = 0
     """Multi-turn: turns resumed after an environment step, with their KV blocks kept."""
     steps: int = 0
+    """Forward steps (prefill or one decode token per running sample)."""
+    scheduler_passes: int = 0
+    """Host scheduling passes; a pass runs up to generator.decode_steps_per_schedule decode steps."""
     seconds: float = 0.0
 
     @property
@@ -62,7 +63,8 @@ class Seq:
     token_ids: list[int]
     prompt_len: int
     params: SamplingParams
-    rng: torch.Generator | None
+    key: int
+    """Key of the sample's random stream (`sampling.counter_uniform`)."""
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     logprobs: list[float] = field(default_factory=list)

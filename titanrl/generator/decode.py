@@ -1,0 +1,169 @@
+"""The decode loop on device: the running samples decode several steps between two scheduler
+passes, with their state in tensors.
+
+A scheduler pass (host, Python) reserves KV blocks for the next `steps` tokens of every running
+sample and uploads its state once: last token, position, block table, random key, tokens left.
+Then each step runs on device without host bookkeeping: write K/V at the row's slot, attend over
+its pages, sample (a stateless per-row stream, `sampling.counter_uniform`), take the logprob,
+test eos / length for all rows at once. Rows that finish stop writing (their slot becomes the
+scratch block) and are padding until the pass ends. The host reads one small scalar per step
+(live rows) to end a pass early when many rows finished or waiting samples could be admitted,
+and the tokens once per pass. With `compile`, the step (model, sampling, logprob, stop test) is
+one compiled region per power-of-two batch bucket (CUDA graphs on GPU).
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
+from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
+
+
+class DecodeAttention:
+    """`AttentionBackend` of a decode step: row n feeds one token at position `pos_N[n]` and
+    attends to its positions 0..pos through `table_NM` (block tables padded with the scratch
+    block). `fused=True` reads the pages where they are (indexing, products and sums that the
+    compiler fuses into one pass over the KV, no gathered copy); otherwise pages are gathered
+    and SDPA runs on the copy (the fast form eagerly, where a broadcast product would allocate).
+    """
+
+    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], table_NM: torch.Tensor,
+                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, fused: bool, exact: bool = False) -> None:
+        self.k_cache, self.v_cache, self.table_NM, self.fused, self.exact = k_cache, v_cache, table_NM, fused, exact
+        self.pos_N = pos_N
+        B = k_cache[0].shape[1]
+        M = table_NM.shape[1]
+        slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
+        self.slot_N = torch.where(live_N, slot_N, scratch * B)
+        self.valid_NL = torch.arange(M * B, device=pos_N.device)[None, :] <= pos_N[:, None]
+
+    def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
+        k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
+        _, B, Hkv, D = k_pages.shape
+        k_pages.view(-1, Hkv, D)[self.slot_N] = k_1NHD[0].to(k_pages.dtype)
+        v_pages.view(-1, Hkv, D)[self.slot_N] = v_1NHD[0].to(v_pages.dtype)
+        q_NHD = q_1NHD[0]
+        N, H, _ = q_NHD.shape
+        if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
+            out_N1HD = attend_exact_batched(q_NHD[:, None], k_pages[self.table_NM].flatten(1, 2),
+                                            v_pages[self.table_NM].flatten(1, 2), self.pos_N[:, None])
+            return out_N1HD.view(1, N, H, D)
+        if self.fused:
+            return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
+        # The R query heads of a KV head are R queries of one attention (no causal mask among
+        # them): one SDPA problem per (row, KV head) instead of per query head.
+        k_NGLD = k_pages[self.table_NM].flatten(1, 2).transpose(1, 2).to(q_NHD.dtype)
+        v_NGLD = v_pages[self.table_NM].flatten(1, 2).transpose(1, 2).to(q_NHD.dtype)
+        out_NGRD = F.scaled_dot_product_attention(
+            q_NHD.view(N, Hkv, H // Hkv, D), k_NGLD, v_NGLD, attn_mask=self.valid_NL[:, None, None, :],
+        )
+        return out_NGRD.reshape(1, N, H, D)
+
+    def _attend_in_place(self, q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied."""
+        N, G, R, D = q_NGRD.shape
+        k_NLG1D = k_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
+        v_NLG1D = v_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
+        scores_NLGR = (q_NGRD.unsqueeze(1) * k_NLG1D).sum(-1) * D**-0.5
+        scores_NLGR = scores_NLGR.masked_fill(~self.valid_NL[:, :, None, None], float("-inf"))
+        probs_NLGR = scores_NLGR.float().softmax(1).to(q_NGRD.dtype)
+        return (probs_NLGR.unsqueeze(-1) * v_NLG1D).sum(1)
+
+
+def decode_step(
+    model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
+    tokens_N: torch.Tensor, pos_N: torch.Tensor, live_N: torch.Tensor, left_N: torch.Tensor, key_N: torch.Tensor,
+    table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, fused: bool, exact: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """One token for every live row. Returns the next state (tokens, positions, live, tokens
+    left), the sampled tokens' logprobs, and which rows stopped at this step. `exact`: batch-
+    invariant mode (eager only)."""
+    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, fused, exact)
+    with batch_invariant_mode() if exact else contextlib.nullcontext():
+        logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
+    # The counter is the drawn token's position: the same draw whatever the batching.
+    next_N = sample_tokens(logits_NV, params, key_N, pos_N + 1)
+    logprobs_N = sampled_logprobs(logits_NV, next_N)
+    stopped_N = live_N & (torch.isin(next_N, stop_ids_E) | (left_N <= 1))
+    next_live_N = live_N & ~stopped_N
+    return next_N, torch.where(next_live_N, pos_N + 1, pos_N), next_live_N, left_N - 1, logprobs_N, stopped_N
+
+
+@dataclass
+class DecodeRows:
+    """Host-side description of the rows of one pass (built by the engine from the scheduler)."""
+
+    tokens: list[int]
+    """Last token of each sample (fed at this pass's first step)."""
+    positions: list[int]
+    """Its position."""
+    left: list[int]
+    """Tokens each sample may still add (max_new_tokens, context length)."""
+    keys: list[int]
+    """Random-stream keys."""
+    tables: list[list[int]]
+    """Block tables, covering every position the pass may write."""
+
+
+@dataclass
+class DecodeOutput:
+    tokens: list[list[int]]
+    """New tokens per row (only those before and including its stop)."""
+    logprobs: list[list[float]]
+    stopped: list[bool]
+    """Whether the row stopped (eos / stop id / length) in this pass."""
+    steps: int
+
+
+def run_decode_pass(
+    step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
+    rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int, fused: bool,
+    end_when_any_stops: bool, device: torch.device, exact: bool = False,
+) -> DecodeOutput:
+    """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
+    from the start). Ends early when every row stopped, when a quarter stopped (their compute
+    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
+    N, P = len(rows.tokens), bucket - len(rows.tokens)
+    M = max(2, max(len(t) for t in rows.tables))  # >= 2: keeps the dynamic width off 0/1 specialisation
+    meta = torch.tensor(
+        [[tok, pos, left, key, *table, *[scratch] * (M - len(table))]
+         for tok, pos, left, key, table in zip(rows.tokens, rows.positions, rows.left, rows.keys, rows.tables)]
+        + [[0, 0, 1, 0, *[scratch] * M]] * P,
+        dtype=torch.long,
+    ).to(device)
+    # Fresh row-major tensors: views into `meta` have strides that change with the table width
+    # (size-1 dimensions included), which the compiled step guards on.
+    tokens_N, pos_N, left_N, key_N = (torch.empty(bucket, dtype=torch.long, device=device).copy_(meta[:, i])
+                                      for i in range(4))
+    table_NM = torch.empty(bucket, M, dtype=torch.long, device=device).copy_(meta[:, 4:])
+    live_N = torch.arange(bucket, device=device) < N
+    stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    if step_fn is not decode_step:
+        torch._dynamo.mark_dynamic(table_NM, 1)
+    out_tokens, out_logprobs, stop_step_N = [], [], torch.full((bucket,), steps, dtype=torch.long, device=device)
+    for k in range(steps):
+        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = step_fn(
+            model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, table_NM, stop_ids_E,
+            scratch, fused, exact,
+        )
+        out_tokens.append(tokens_N)
+        out_logprobs.append(logprobs_N)
+        stop_step_N = torch.where(stopped_N, k + 1, stop_step_N)
+        num_live = int(live_N.sum())  # the one host read per step
+        if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
+            break
+    done = len(out_tokens)
+    stop_step_N = torch.where(live_N, done, stop_step_N.clamp(max=done))
+    tokens = torch.stack(out_tokens, 1)[:N].tolist()
+    logprobs = torch.stack(out_logprobs, 1)[:N].tolist()
+    lengths = stop_step_N[:N].tolist()
+    return DecodeOutput(
+        tokens=[t[:n] for t, n in zip(tokens, lengths)],
+        logprobs=[lp[:n] for lp, n in zip(logprobs, lengths)],
+        stopped=(~live_N[:N]).tolist(),
+        steps=done,
+    )
