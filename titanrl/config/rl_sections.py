@@ -46,11 +46,13 @@ class Generator:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """`torch.compile` backend of the decode step when `compile` is on."""
 
-    attention_impl: Literal["sdpa", "flex", "inplace"] = "sdpa"
-    """Paged attention: 'sdpa' gathers pages then runs SDPA (portable); 'flex' runs FlexAttention
-    with a block mask over the pages (the fast path on GPU; correct but slow on CPU); 'inplace'
-    decodes reading the pages where they are (indexing, products and sums that torch.compile
-    fuses into one pass over the KV, no gathered copy; use with compile) and prefills as 'sdpa'."""
+    attention_impl: Literal["auto", "sdpa", "flex", "inplace"] = "auto"
+    """Paged attention: 'sdpa' gathers a sequence's pages then runs SDPA (portable); 'flex' runs
+    FlexAttention with a block mask over the pages (the fast path on GPU; correct but slow on
+    CPU); 'inplace' decodes reading the pages where they are (indexing, products and sums that
+    torch.compile fuses into one pass over the KV, no gathered copy; eager it allocates) and
+    prefills as 'sdpa'. 'auto': 'inplace' for the compiled decode step when head_dim >= 32
+    (2.1x faster than 'sdpa' at head_dim 64, batch 256 on CPU; 0.6x at head_dim 16), else 'sdpa'."""
 
     decode_steps_per_schedule: int = 32
     """Decode steps run on device between two scheduler passes (KV blocks reserved ahead, one

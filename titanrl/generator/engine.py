@@ -278,7 +278,7 @@ class Generator:
             out = run_decode_pass(
                 self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
                 bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
-                scratch=self.num_blocks, fused=self.config.attention_impl == "inplace",
+                scratch=self.num_blocks, fused=self._decode_in_place(compiled),
                 end_when_any_stops=bool(sched.waiting), device=self.device, exact=self.config.batch_invariant,
             )
         sched.stats.steps += out.steps - 1
@@ -291,6 +291,10 @@ class Generator:
             if reason is None:
                 sched.trim_blocks(seq)
             sched.after_sample(seq, reason)
+
+    def _decode_in_place(self, compiled: bool) -> bool:
+        impl = self.config.attention_impl
+        return impl == "inplace" or (impl == "auto" and compiled and self.args.head_dim >= 32)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
