@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanrl.generator.kv_cache import write_kv
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
 
@@ -26,16 +27,19 @@ from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant
 class DecodeAttention:
     """`AttentionBackend` of a decode step: row n feeds one token at position `pos_N[n]` and
     attends to its positions 0..pos through `table_NM` (block tables padded with the scratch
-    block). `fused=True` reads the pages where they are (indexing, products and sums that the
-    compiler fuses into one pass over the KV, no gathered copy); otherwise pages are gathered
-    and SDPA runs on the copy (the fast form eagerly, where a broadcast product would allocate).
+    block). `fused=True` (K pages transposed, `KVCachePool(k_transposed=True)`) reads the pages
+    where they are (indexing, products and sums that the compiler fuses into passes over the KV,
+    no gathered copy); otherwise pages are gathered and SDPA runs on the copy (the fast form
+    eagerly, where a broadcast product would allocate).
     """
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], table_NM: torch.Tensor,
-                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, fused: bool, exact: bool = False) -> None:
+                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, fused: bool, exact: bool = False,
+                 k_transposed: bool = False) -> None:
         self.k_cache, self.v_cache, self.table_NM, self.fused, self.exact = k_cache, v_cache, table_NM, fused, exact
-        self.pos_N = pos_N
-        B = k_cache[0].shape[1]
+        self.pos_N, self.k_transposed = pos_N, k_transposed
+        assert k_transposed or not fused, "in-place decode attention reads transposed K pages"
+        B = v_cache[0].shape[1]
         M = table_NM.shape[1]
         slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
         self.slot_N = torch.where(live_N, slot_N, scratch * B)
@@ -43,34 +47,42 @@ class DecodeAttention:
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
-        _, B, Hkv, D = k_pages.shape
-        k_pages.view(-1, Hkv, D)[self.slot_N] = k_1NHD[0].to(k_pages.dtype)
-        v_pages.view(-1, Hkv, D)[self.slot_N] = v_1NHD[0].to(v_pages.dtype)
+        write_kv(k_pages, v_pages, self.slot_N, k_1NHD[0], v_1NHD[0], self.k_transposed)
         q_NHD = q_1NHD[0]
-        N, H, _ = q_NHD.shape
-        if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
-            out_N1HD = attend_exact_batched(q_NHD[:, None], k_pages[self.table_NM].flatten(1, 2),
-                                            v_pages[self.table_NM].flatten(1, 2), self.pos_N[:, None])
-            return out_N1HD.view(1, N, H, D)
+        N, H, D = q_NHD.shape
+        Hkv = v_pages.shape[2]
         if self.fused:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
+        k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
+        v_NLHD = v_pages[self.table_NM].flatten(1, 2).to(q_NHD.dtype)
+        if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
+            return attend_exact_batched(q_NHD[:, None], k_NLHD, v_NLHD, self.pos_N[:, None]).view(1, N, H, D)
         # The R query heads of a KV head are R queries of one attention (no causal mask among
         # them): one SDPA problem per (row, KV head) instead of per query head.
-        k_NGLD = k_pages[self.table_NM].flatten(1, 2).transpose(1, 2).to(q_NHD.dtype)
-        v_NGLD = v_pages[self.table_NM].flatten(1, 2).transpose(1, 2).to(q_NHD.dtype)
         out_NGRD = F.scaled_dot_product_attention(
-            q_NHD.view(N, Hkv, H // Hkv, D), k_NGLD, v_NGLD, attn_mask=self.valid_NL[:, None, None, :],
+            q_NHD.view(N, Hkv, H // Hkv, D), k_NLHD.transpose(1, 2), v_NLHD.transpose(1, 2),
+            attn_mask=self.valid_NL[:, None, None, :],
         )
         return out_NGRD.reshape(1, N, H, D)
 
+    def _keys(self, k_pages: torch.Tensor) -> torch.Tensor:
+        """Each row's keys [N, L, Hkv, D], gathered through its block table."""
+        if self.k_transposed:
+            return k_pages[self.table_NM].permute(0, 1, 4, 2, 3).flatten(1, 2)
+        return k_pages[self.table_NM].flatten(1, 2)
+
     def _attend_in_place(self, q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied."""
+        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied.
+        K pages are transposed ([page, head, dim, slot]): the score reduction runs over features
+        with a page's keys contiguous, which the compiler vectorises (over features instead, with
+        the [page, slot, head, dim] layout, the kernel was 1.9x slower at head_dim 64)."""
         N, G, R, D = q_NGRD.shape
-        k_NLG1D = k_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
-        v_NLG1D = v_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
-        scores_NLGR = (q_NGRD.unsqueeze(1) * k_NLG1D).sum(-1) * D**-0.5
+        k_NMG1DB = k_pages[self.table_NM].unsqueeze(3).to(q_NGRD.dtype)
+        scores_NMGRB = (q_NGRD[:, None, :, :, :, None] * k_NMG1DB).sum(-2)
+        scores_NLGR = scores_NMGRB.permute(0, 1, 4, 2, 3).flatten(1, 2) * D**-0.5
         scores_NLGR = scores_NLGR.masked_fill(~self.valid_NL[:, :, None, None], float("-inf"))
         probs_NLGR = scores_NLGR.float().softmax(1).to(q_NGRD.dtype)
+        v_NLG1D = v_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
         return (probs_NLGR.unsqueeze(-1) * v_NLG1D).sum(1)
 
 
@@ -78,11 +90,12 @@ def decode_step(
     model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     tokens_N: torch.Tensor, pos_N: torch.Tensor, live_N: torch.Tensor, left_N: torch.Tensor, key_N: torch.Tensor,
     table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, fused: bool, exact: bool = False,
+    k_transposed: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, and which rows stopped at this step. `exact`: batch-
     invariant mode (eager only)."""
-    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, fused, exact)
+    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, fused, exact, k_transposed)
     with batch_invariant_mode() if exact else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -122,7 +135,7 @@ class DecodeOutput:
 def run_decode_pass(
     step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int, fused: bool,
-    end_when_any_stops: bool, device: torch.device, exact: bool = False,
+    end_when_any_stops: bool, device: torch.device, exact: bool = False, k_transposed: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -148,7 +161,7 @@ def run_decode_pass(
     for k in range(steps):
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, table_NM, stop_ids_E,
-            scratch, fused, exact,
+            scratch, fused, exact, k_transposed,
         )
         out_tokens.append(tokens_N)
         out_logprobs.append(logprobs_N)

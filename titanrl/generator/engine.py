@@ -121,6 +121,7 @@ class Generator:
             self.pool = KVCachePool(
                 self.args.n_layers, self.num_blocks + 1, self.config.block_size, kv_heads, self.args.head_dim,
                 self.dtype, self.device, zero_all=self.config.attention_impl == "flex",
+                k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
 
@@ -278,8 +279,9 @@ class Generator:
             out = run_decode_pass(
                 self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
                 bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
-                scratch=self.num_blocks, fused=self._decode_in_place(compiled),
+                scratch=self.num_blocks, fused=self.pool.k_transposed,
                 end_when_any_stops=bool(sched.waiting), device=self.device, exact=self.config.batch_invariant,
+                k_transposed=self.pool.k_transposed,
             )
         sched.stats.steps += out.steps - 1
         for seq, tokens, logprobs, stopped in zip(batch, out.tokens, out.logprobs, out.stopped):
@@ -292,9 +294,10 @@ class Generator:
                 sched.trim_blocks(seq)
             sched.after_sample(seq, reason)
 
-    def _decode_in_place(self, compiled: bool) -> bool:
+    def _decode_in_place(self) -> bool:
+        """Decode attention reads the pages in place (the pool then keeps K transposed)."""
         impl = self.config.attention_impl
-        return impl == "inplace" or (impl == "auto" and compiled and self.args.head_dim >= 32)
+        return impl == "inplace" or (impl == "auto" and self.config.compile and self.args.head_dim >= 32)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]

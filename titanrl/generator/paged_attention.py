@@ -100,13 +100,13 @@ class PagedAttention:
         )
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
-        k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
-        v_cache = self.pool.v[layer_id].view(-1, *v_1NHD.shape[2:])
-        k_cache[self.slot_mapping_N] = k_1NHD[0].to(k_cache.dtype)
-        v_cache[self.slot_mapping_N] = v_1NHD[0].to(v_cache.dtype)
+        self.pool.write(layer_id, self.slot_mapping_N, k_1NHD[0], v_1NHD[0])
         if self.exact:
-            return self._attend_exact(q_1NHD[0], k_cache, v_cache).unsqueeze(0)
+            return self._attend_exact(q_1NHD[0], layer_id).unsqueeze(0)
         if self.impl == "flex":
+            assert not self.pool.k_transposed, "FlexAttention reads the pool in the [slot, head, dim] layout"
+            k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
+            v_cache = self.pool.v[layer_id].view(-1, *v_1NHD.shape[2:])
             out_1HND = flex_attention(
                 q_1NHD.transpose(1, 2),
                 k_cache.unsqueeze(0).transpose(1, 2).to(q_1NHD.dtype),
@@ -115,9 +115,9 @@ class PagedAttention:
                 enable_gqa=q_1NHD.shape[2] != k_cache.shape[1],
             )
             return out_1HND.transpose(1, 2)
+        k_SLHD, v_SLHD = self.pool.gather(layer_id, self.gather_slots_SL)
         q_SQHD = q_1NHD[0].unsqueeze(1) if self.decode_only else q_1NHD[0][self.query_index_SQ]
-        k_SLHD = k_cache[self.gather_slots_SL].to(q_SQHD.dtype)
-        v_SLHD = v_cache[self.gather_slots_SL].to(q_SQHD.dtype)
+        k_SLHD, v_SLHD = k_SLHD.to(q_SQHD.dtype), v_SLHD.to(q_SQHD.dtype)
         out_SHQD = F.scaled_dot_product_attention(
             q_SQHD.transpose(1, 2),
             k_SLHD.transpose(1, 2),
@@ -133,12 +133,11 @@ class PagedAttention:
         out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
         return out_NHD[:N].unsqueeze(0)
 
-    def _attend_exact(self, q_NHD: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _attend_exact(self, q_NHD: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Batch-invariant attention of every (sequence, query) at once (`attend_exact_batched`)."""
         pos_SQ = self.positions_1N[0][self.query_index_SQ]  # padding queries: any real position
-        out_SQHD = attend_exact_batched(
-            q_NHD[self.query_index_SQ], k_cache[self.gather_slots_SL], v_cache[self.gather_slots_SL], pos_SQ
-        )
+        k_SLHD, v_SLHD = self.pool.gather(layer_id, self.gather_slots_SL)
+        out_SQHD = attend_exact_batched(q_NHD[self.query_index_SQ], k_SLHD, v_SLHD, pos_SQ)
         if self.decode_only:
             return out_SQHD[:, 0]
         out_NHD = q_NHD.new_zeros(q_NHD.shape[0] + 1, *q_NHD.shape[1:])
