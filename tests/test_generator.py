@@ -358,13 +358,14 @@ def test_random_workloads_leave_no_block_behind(seed):
     assert math.isfinite(stats.tokens_per_s)
 
 
-def test_batch_invariant_mode_logprobs_bitwise_equal_trainer():
+@pytest.mark.parametrize("impl", ["sdpa", "inplace"])  # 'inplace': K pages transposed
+def test_batch_invariant_mode_logprobs_bitwise_equal_trainer(impl):
     """In batch-invariant mode the generator's logprobs equal the trainer's forward bit for bit,
     for sequences decoded among others of different lengths, with sharing and preemption."""
     from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 
     model = _trainer_model()
-    gen = _generator(model, block_size=4, num_blocks=14, batch_invariant=True)
+    gen = _generator(model, block_size=4, num_blocks=14, batch_invariant=True, attention_impl=impl)
     prompts = _prompts([5, 11, 3])
     completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, n=2, seed=5))
     assert stats.preemptions > 0
@@ -478,7 +479,7 @@ def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
     before = k_pages.clone()
     # The in-place path reads K pages transposed ([page, head, dim, slot]).
     k_stored = k_pages.permute(0, 2, 3, 1).contiguous() if fused else k_pages
-    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11, fused=fused,
+    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11,
                           k_transposed=fused).attend(0, q, k, v)
     if fused:
         k_pages = k_stored.permute(0, 3, 1, 2)

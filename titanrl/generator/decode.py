@@ -27,18 +27,17 @@ from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant
 class DecodeAttention:
     """`AttentionBackend` of a decode step: row n feeds one token at position `pos_N[n]` and
     attends to its positions 0..pos through `table_NM` (block tables padded with the scratch
-    block). `fused=True` (K pages transposed, `KVCachePool(k_transposed=True)`) reads the pages
-    where they are (indexing, products and sums that the compiler fuses into passes over the KV,
-    no gathered copy); otherwise pages are gathered and SDPA runs on the copy (the fast form
-    eagerly, where a broadcast product would allocate).
+    block). With `k_transposed` (`KVCachePool(k_transposed=True)`) it reads the pages where they
+    are (indexing, products and sums that the compiler fuses into passes over the KV, no gathered
+    copy); otherwise pages are gathered and SDPA runs on the copy (the fast form eagerly, where a
+    broadcast product would allocate). `exact` (batch-invariant mode) gathers in either layout.
     """
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], table_NM: torch.Tensor,
-                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, fused: bool, exact: bool = False,
-                 k_transposed: bool = False) -> None:
-        self.k_cache, self.v_cache, self.table_NM, self.fused, self.exact = k_cache, v_cache, table_NM, fused, exact
-        self.pos_N, self.k_transposed = pos_N, k_transposed
-        assert k_transposed or not fused, "in-place decode attention reads transposed K pages"
+                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, k_transposed: bool = False,
+                 exact: bool = False) -> None:
+        self.k_cache, self.v_cache, self.table_NM = k_cache, v_cache, table_NM
+        self.pos_N, self.k_transposed, self.exact = pos_N, k_transposed, exact
         B = v_cache[0].shape[1]
         M = table_NM.shape[1]
         slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
@@ -51,7 +50,7 @@ class DecodeAttention:
         q_NHD = q_1NHD[0]
         N, H, D = q_NHD.shape
         Hkv = v_pages.shape[2]
-        if self.fused:
+        if self.k_transposed and not self.exact:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
         k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
         v_NLHD = v_pages[self.table_NM].flatten(1, 2).to(q_NHD.dtype)
@@ -89,13 +88,13 @@ class DecodeAttention:
 def decode_step(
     model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     tokens_N: torch.Tensor, pos_N: torch.Tensor, live_N: torch.Tensor, left_N: torch.Tensor, key_N: torch.Tensor,
-    table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, fused: bool, exact: bool = False,
-    k_transposed: bool = False,
+    table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, k_transposed: bool = False,
+    exact: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, and which rows stopped at this step. `exact`: batch-
     invariant mode (eager only)."""
-    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, fused, exact, k_transposed)
+    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact)
     with batch_invariant_mode() if exact else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -134,8 +133,8 @@ class DecodeOutput:
 
 def run_decode_pass(
     step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
-    rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int, fused: bool,
-    end_when_any_stops: bool, device: torch.device, exact: bool = False, k_transposed: bool = False,
+    rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int,
+    end_when_any_stops: bool, device: torch.device, k_transposed: bool = False, exact: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -161,7 +160,7 @@ def run_decode_pass(
     for k in range(steps):
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, table_NM, stop_ids_E,
-            scratch, fused, exact, k_transposed,
+            scratch, k_transposed, exact,
         )
         out_tokens.append(tokens_N)
         out_logprobs.append(logprobs_N)

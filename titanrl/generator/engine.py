@@ -279,9 +279,8 @@ class Generator:
             out = run_decode_pass(
                 self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
                 bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
-                scratch=self.num_blocks, fused=self.pool.k_transposed,
-                end_when_any_stops=bool(sched.waiting), device=self.device, exact=self.config.batch_invariant,
-                k_transposed=self.pool.k_transposed,
+                scratch=self.num_blocks, end_when_any_stops=bool(sched.waiting), device=self.device,
+                k_transposed=self.pool.k_transposed, exact=self.config.batch_invariant,
             )
         sched.stats.steps += out.steps - 1
         for seq, tokens, logprobs, stopped in zip(batch, out.tokens, out.logprobs, out.stopped):
