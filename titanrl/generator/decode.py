@@ -92,8 +92,8 @@ def decode_step(
     exact: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
-    left), the sampled tokens' logprobs, and which rows stopped at this step. `exact`: batch-
-    invariant mode (eager only)."""
+    left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
+    still live (0-d, the host's one read per step). `exact`: batch-invariant mode (eager only)."""
     backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact)
     with batch_invariant_mode() if exact else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
@@ -102,7 +102,8 @@ def decode_step(
     logprobs_N = sampled_logprobs(logits_NV, next_N)
     stopped_N = live_N & (torch.isin(next_N, stop_ids_E) | (left_N <= 1))
     next_live_N = live_N & ~stopped_N
-    return next_N, torch.where(next_live_N, pos_N + 1, pos_N), next_live_N, left_N - 1, logprobs_N, stopped_N
+    return (next_N, torch.where(next_live_N, pos_N + 1, pos_N), next_live_N, left_N - 1, logprobs_N, stopped_N,
+            next_live_N.sum())
 
 
 @dataclass
@@ -156,23 +157,24 @@ def run_decode_pass(
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
     if step_fn is not decode_step:
         torch._dynamo.mark_dynamic(table_NM, 1)
-    out_tokens, out_logprobs, stop_step_N = [], [], torch.full((bucket,), steps, dtype=torch.long, device=device)
-    for k in range(steps):
-        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = step_fn(
+    out_tokens, out_logprobs, out_stopped = [], [], []
+    for _ in range(steps):
+        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, table_NM, stop_ids_E,
             scratch, k_transposed, exact,
         )
         out_tokens.append(tokens_N)
         out_logprobs.append(logprobs_N)
-        stop_step_N = torch.where(stopped_N, k + 1, stop_step_N)
-        num_live = int(live_N.sum())  # the one host read per step
+        out_stopped.append(stopped_N)
+        num_live = int(num_live)  # the one host read per step
         if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
             break
     done = len(out_tokens)
-    stop_step_N = torch.where(live_N, done, stop_step_N.clamp(max=done))
+    # A row's length is the step it stopped at (argmax finds the first True), or all steps.
+    stopped_NK = torch.stack(out_stopped, 1)[:N]
+    lengths = torch.where(stopped_NK.any(1), stopped_NK.int().argmax(1) + 1, done).tolist()
     tokens = torch.stack(out_tokens, 1)[:N].tolist()
     logprobs = torch.stack(out_logprobs, 1)[:N].tolist()
-    lengths = stop_step_N[:N].tolist()
     return DecodeOutput(
         tokens=[t[:n] for t, n in zip(tokens, lengths)],
         logprobs=[lp[:n] for lp, n in zip(logprobs, lengths)],

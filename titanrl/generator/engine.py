@@ -296,7 +296,7 @@ class Generator:
     def _decode_in_place(self) -> bool:
         """Decode attention reads the pages in place (the pool then keeps K transposed)."""
         impl = self.config.attention_impl
-        return impl == "inplace" or (impl == "auto" and self.config.compile and self.args.head_dim >= 32)
+        return impl == "inplace" or (impl == "auto" and self.config.compile)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
