@@ -80,6 +80,12 @@ def test_typo_section_and_cli_key():
         (["--env.name=calculator", "--reward.function=m:f"], r"the environment's steps give the rewards"),
         (["--env.max_turns=0"], r"\[env\] max_turns must be >= 1"),
         (["--dpo.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
+        (["--rollout.partial=true"], r"set algorithm.off_policy_correction = 'tis'"),
+        (["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--algorithm.dynamic_sampling=true"],
+         r"partial = true and algorithm.dynamic_sampling cannot be combined"),
+        (["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--data.task=calculator",
+          "--env.name=calculator"], r"partial = true does not support multi-turn"),
+        (["--rollout.oversample=0.5"], r"oversample must be >= 1"),
     ],
 )
 def test_invalid_values_are_clear_errors(args, pattern):

@@ -219,7 +219,7 @@ class Trainer:
         host = {
             "step": step, "scheduler": self.lr_scheduler.state_dict(), "loader": self.recipe.loader.state_dict(),
             "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-            "first_eval": first_eval, "last_eval": last_eval,
+            "first_eval": first_eval, "last_eval": last_eval, "recipe": self.recipe.state_dict(),
         }
         with phase(self.watchdog, "checkpoint"):
             self.checkpointer.save(step, *self.checkpoint_parts(), host)
@@ -249,6 +249,7 @@ class Trainer:
             path = self.checkpointer.step_dir(restored[0])
         self.lr_scheduler.load_state_dict(host["scheduler"])
         self.recipe.loader.load_state_dict(host["loader"])
+        self.recipe.load_state_dict(host.get("recipe", {}))
         torch.set_rng_state(host["torch_rng"])
         random.setstate(host["py_rng"])
         if self.rank == 0:

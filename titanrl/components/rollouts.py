@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
 from titanrl.components.checkpoint import fault_active
@@ -62,6 +63,26 @@ class RolloutCollector:
         self.trainer, self.config = trainer, trainer.config
         self.generator, self.rewards, self.envs, self.reward_model = generator, rewards, envs, reward_model
         self.baseline_rollout = baseline_rollout
+        self.lengths: list[int] = []
+        """Response lengths of the last step's rollouts."""
+
+    def metrics(self) -> dict[str, float]:
+        """The tail of this step's responses over data-parallel ranks (collective): what sets a
+        synchronous step's length."""
+        gathered = [self.lengths]
+        if self.trainer.dp_group is not None:
+            gathered = [None] * self.trainer.dims.dp_size
+            dist.all_gather_object(gathered, self.lengths, group=self.trainer.dp_group)
+        lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
+        q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
+        return {"response_len_p50": q50, "response_len_p90": q90, "response_len_max": lengths_N.max().item()}
+
+    def state_dict(self) -> dict:
+        """Rollout state to checkpoint (partial rollouts' groups in flight); none here."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
     def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
                  ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
@@ -156,7 +177,13 @@ class RolloutCollector:
         return Rollouts(prompts, completions, results, rewards_N.tolist(), baseline)
 
     def collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
-        """(rollouts to train on, every rollout generated this step, for metrics).
+        """(rollouts to train on, every rollout generated this step, for metrics)."""
+        train, generated = self._collect(batches, step, timer, stats)
+        self.lengths = [len(c.token_ids) for c in generated.completions]
+        return train, generated
+
+    def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+        """`collect`.
 
         With dynamic sampling (DAPO), groups whose rewards are all equal are dropped and further
         prompts are drawn until this rank has its share of batch_size groups, for at most max_sampling_rounds

@@ -9,7 +9,7 @@ concerns.
 
 from dataclasses import dataclass, field
 
-from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, SFTWarmup
+from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, Rollout, SFTWarmup
 from titanrl.config.sections import (
     ActivationCheckpoint,
     Checkpoint,
@@ -42,6 +42,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     generator: Generator = field(default_factory=Generator)
     algorithm: Algorithm = field(default_factory=Algorithm)
+    rollout: Rollout = field(default_factory=Rollout)
     reward: Reward = field(default_factory=Reward)
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -62,8 +63,21 @@ class JobConfig:
             raise ValueError(f"[data] task '{self.data.task}' is multi-turn: set env.name = '{self.data.task}'")
         if self.env.name and self.reward.function:
             raise ValueError("[reward] function is not used with an [env]: the environment's steps give the rewards")
+        if self.rollout.partial:
+            self._validate_partial_rollouts()
         if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"[training] micro_batch_tokens ({self.training.micro_batch_tokens}) is below one sequence "
                 f"of model.max_seq_len ({self.model.max_seq_len}); raise it or set 0"
             )
+
+    def _validate_partial_rollouts(self) -> None:
+        if self.algorithm.off_policy_correction == "none":
+            raise ValueError(
+                "[rollout] partial = true continues samples under newer weights: set algorithm.off_policy_correction "
+                "= 'tis' (or 'mis') so that tokens sampled by older weights are importance-weighted"
+            )
+        if self.env.name:
+            raise ValueError("[rollout] partial = true does not support multi-turn environments ([env] name)")
+        if self.algorithm.dynamic_sampling:
+            raise ValueError("[rollout] partial = true and algorithm.dynamic_sampling cannot be combined")

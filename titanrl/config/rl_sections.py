@@ -325,3 +325,31 @@ class DPO:
             raise ValueError(f"[dpo] beta must be > 0, got {self.beta}")
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ValueError(f"[dpo] label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclass
+class Rollout:
+    partial: bool = False
+    """Partial rollouts (colocated): a step decodes more groups than it trains (`oversample`) and
+    ends generation as soon as this rank's share of training.batch_size groups is complete
+    (those are trained on); samples still decoding are paused (KV blocks freed;
+    their tokens, behaviour logprobs and weight versions kept) and continue in the next step under
+    the new weights, beside that step's new prompts. Only complete groups are trained on; each
+    token's behaviour logprob is the one of the weights that sampled it, and the off-policy
+    correction (algorithm.off_policy_correction 'tis' or 'mis') weighs it. Paused samples are
+    saved in checkpoints (resume on the same number of data-parallel ranks continues them)."""
+
+    oversample: float = 2.0
+    """Partial rollouts: groups decoding together, as a multiple of this rank's share of
+    training.batch_size (new prompts join the groups in flight until there are that many). The
+    larger, the less a step waits for long responses, and the staler their first tokens."""
+
+    max_step_tokens: int = 0
+    """Partial rollouts: decode tokens a rank may generate in one step before it pauses with
+    fewer complete groups than its share (once at least one group is complete); 0: no cap."""
+
+    def validate(self) -> None:
+        if self.max_step_tokens < 0:
+            raise ValueError(f"[rollout] max_step_tokens must be >= 0, got {self.max_step_tokens}")
+        if not self.oversample >= 1.0:
+            raise ValueError(f"[rollout] oversample must be >= 1, got {self.oversample}")

@@ -24,7 +24,7 @@ from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
-from titanrl.generator.sequence import Completion, GenerationStats, Seq, TurnHandler
+from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
 from titanrl.generator.weight_sync import copy_trainer_weights, share_trainer_weights
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
@@ -32,7 +32,7 @@ from titanrl.models.hf import load_hf_weights
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
-__all__ = ["Completion", "GenerationStats", "Generator", "TurnHandler"]
+__all__ = ["Completion", "GenerationStats", "Generator", "PauseWhen", "ResumedSample", "TurnHandler"]
 
 
 class Generator:
@@ -197,22 +197,34 @@ class Generator:
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None,
-        turns: TurnHandler | None = None,
+        turns: TurnHandler | None = None, *, resume: list[ResumedSample] = (),
+        pause_when: PauseWhen | None = None,
     ) -> tuple[list[Completion], GenerationStats]:
         """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample).
 
         Sample j of prompt i draws from a random stream seeded by (params.seed, prompt_ids[i], j);
         passing global prompt ids makes samples independent of how prompts are split over ranks.
         With `turns`, samples are multi-turn episodes (`TurnHandler`); max_new_tokens is per turn.
+        Partial rollouts: `pause_when` (asked after every scheduler pass) pauses the unfinished
+        samples, which come back with finish_reason 'paused'; `resume` continues paused samples
+        of `prompts` (those prompts are not forked into new groups; only the resumed samples of
+        them are returned).
         """
         self._validate(prompts, params)
+        if (resume or pause_when is not None) and turns is not None:
+            raise ValueError("partial rollouts (pause / resume) do not support multi-turn environments")
+        for r in resume:
+            if not r.token_ids or len(r.token_ids) != len(r.logprobs):
+                raise ValueError(f"resumed sample {(r.prompt_index, r.sample_index)} needs its tokens and their logprobs")
+            if len(prompts[r.prompt_index]) + len(r.token_ids) >= self.args.max_seq_len:
+                raise ValueError(f"resumed sample {(r.prompt_index, r.sample_index)} already fills the model context")
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         start = time.perf_counter()
         sched = Scheduler(
             self.pool, self.allocator, self.config, prompts, prompt_ids, params,
-            max_seq_len=self.args.max_seq_len, vocab_size=self.args.vocab_size, turns=turns,
+            max_seq_len=self.args.max_seq_len, vocab_size=self.args.vocab_size, turns=turns, resume=resume,
         )
         while sched.has_work:
             sched.stats.steps += 1
@@ -227,6 +239,9 @@ class Generator:
                 self._decode(sched, turns)
             if turns is not None:
                 sched.pause()
+            if pause_when is not None and sched.has_work and pause_when(
+                    [(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats):
+                sched.pause_all()
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         return [seq.to_completion(self.tokenizer) for seq in results], sched.stats

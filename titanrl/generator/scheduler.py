@@ -13,7 +13,7 @@ import math
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
 from titanrl.generator.sampling import SamplingParams
-from titanrl.generator.sequence import GenerationStats, Seq, TurnHandler
+from titanrl.generator.sequence import GenerationStats, ResumedSample, Seq, TurnHandler
 
 
 class Scheduler:
@@ -33,6 +33,7 @@ class Scheduler:
         max_seq_len: int,
         vocab_size: int,
         turns: TurnHandler | None = None,
+        resume: list[ResumedSample] = (),
     ) -> None:
         self.pool = pool
         self.allocator = allocator
@@ -46,9 +47,14 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.turns = turns
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+        # Resumed samples first (the oldest work); their prompts are not forked again.
+        resumed = {r.prompt_index for r in resume}
         self.waiting: list[Seq] = [
-            Seq(i, 0, list(p), len(p), params, 0, is_group_prompt=True) for i, p in enumerate(prompts)
-        ]
+            Seq(r.prompt_index, r.sample_index, prompts[r.prompt_index] + r.token_ids, len(prompts[r.prompt_index]),
+                params, r.key, logprobs=list(r.logprobs))
+            for r in resume
+        ] + [Seq(i, 0, list(p), len(p), params, 0, is_group_prompt=True)
+             for i, p in enumerate(prompts) if i not in resumed]
         self.running: list[Seq] = []
         self.finished: list[Seq] = []
         self.paused: dict[tuple[int, int], Seq] = {}
@@ -145,10 +151,14 @@ class Scheduler:
             # Resumed (after preemption or an environment step): its next token is already sampled.
             self.running.append(seq)
             return []
-        group_seed = hash((self.seed, self.prompt_ids[seq.prompt_index]))
-        samples = [self._fork(seq, sample_index, group_seed) for sample_index in range(seq.params.n)]
+        samples = [self._fork(seq, sample_index) for sample_index in range(seq.params.n)]
         self._free_blocks(seq)  # the samples hold their own references
         return samples
+
+    def sample_key(self, prompt_index: int, sample_index: int) -> int:
+        """Key of a sample's random stream, from (seed, global prompt id, sample index)."""
+        group_seed = hash((self.seed, self.prompt_ids[prompt_index]))
+        return hash((group_seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
 
     def _register_prompt_blocks(self, seq: Seq) -> None:
         B = self.block_size
@@ -156,11 +166,11 @@ class Scheduler:
         for block, h in zip(seq.block_table[:full], block_hashes(seq.token_ids[: full * B], B)):
             self.allocator.register(block, h)
 
-    def _fork(self, group: Seq, sample_index: int, seed: int) -> Seq:
+    def _fork(self, group: Seq, sample_index: int) -> Seq:
         """Sample `sample_index` of a group: its own random stream, the group's blocks shared."""
-        key = hash((seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
         return Seq(
-            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params, key,
+            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params,
+            self.sample_key(group.prompt_index, sample_index),
             block_table=[self.allocator.fork(b) for b in group.block_table], num_computed=group.num_computed,
         )
 
@@ -239,6 +249,22 @@ class Scheduler:
         if self.turns is None:  # a multi-turn sample keeps its blocks for its next turn
             self._free_blocks(seq)
         self.finished.append(seq)
+
+    def pause_all(self) -> None:
+        """Finish every unfinished sample as 'paused' and free its blocks: a group prompt not
+        yet prefilled comes back as its `n` samples without tokens."""
+        for seq in self.running + self.waiting:
+            self._free_blocks(seq)
+            if seq.is_group_prompt:
+                self.finished.extend(
+                    Seq(seq.prompt_index, j, list(seq.token_ids), seq.prompt_len, seq.params,
+                        self.sample_key(seq.prompt_index, j), finish_reason="paused")
+                    for j in range(seq.params.n))
+            else:
+                seq.finish_reason = "paused"
+                self.finished.append(seq)
+            self.stats.paused += 1 if not seq.is_group_prompt else seq.params.n
+        self.running, self.waiting = [], []
 
     # ---- multi-turn ----
 

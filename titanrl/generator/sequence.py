@@ -1,6 +1,7 @@
 """What the generator hands back (`Completion`, `GenerationStats`), the multi-turn hook
 (`TurnHandler`), and the scheduler's per-sample state (`Seq`)."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -14,11 +15,35 @@ class Completion:
     sample_index: int
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "paused"]
+    """'paused': generation was paused (`pause_when`) before the sample finished; pass it back
+    as a `ResumedSample` to continue it (a sample of a group never started has no tokens)."""
     text: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     model_mask: list[int] | None = None
     """Multi-turn only: 1 for tokens the model sampled, 0 for environment tokens (logprob 0)."""
+    key: int = 0
+    """Key of the sample's random stream: a resumed sample continues the same stream."""
+
+
+@dataclass
+class ResumedSample:
+    """A paused sample to continue: `Completion` fields of a 'paused' completion. Its prompt
+    (`prompts[prompt_index]` of the `generate` call) is not forked into a new group; the sample
+    is prefilled again (prompt blocks shared with its group's other resumed samples) and
+    continues its random stream, under whatever weights the generator has now."""
+
+    prompt_index: int
+    sample_index: int
+    key: int
+    token_ids: list[int]
+    """Completion tokens so far (at least one)."""
+    logprobs: list[float]
+
+
+PauseWhen = Callable[[list[tuple[int, int]], "GenerationStats"], bool]
+"""Asked after every scheduler pass with the (prompt, sample) keys finished so far in this call
+and the call's stats; True pauses every unfinished sample (KV blocks freed) and returns."""
 
 
 class TurnHandler(Protocol):
@@ -41,6 +66,8 @@ class GenerationStats:
     prefix_cache_hit_tokens: int = 0
     decode_tokens: int = 0
     preemptions: int = 0
+    paused: int = 0
+    """Samples returned unfinished because `pause_when` said so."""
     resumed_turns: int = 0
     """Multi-turn: turns resumed after an environment step, with their KV blocks kept."""
     steps: int = 0
@@ -115,4 +142,5 @@ class Seq:
             text=tokenizer.decode(ids) if tokenizer is not None else None,
             top_logprobs=self.top_logprobs if self.params.num_top_logprobs else None,
             model_mask=(self.model_mask + [1] * (len(ids) - len(self.model_mask))) if self.model_mask else None,
+            key=self.key,
         )

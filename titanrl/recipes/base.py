@@ -50,6 +50,13 @@ class Recipe:
         """Models and optimizers to checkpoint beside the Trainer's model and optimizer."""
         return {}, {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Host state to checkpoint beyond the loader's (per rank, e.g. RL's groups in flight)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned ({} for a checkpoint saved without it)."""
+
     def prepare(self) -> None:
         """Once, on a fresh run (not on resume), before the step-0 evaluation."""
 

@@ -27,6 +27,7 @@ from titanrl.algorithms.ppo import value_loss
 from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
 from titanrl.components.optimizer import build_optimizer
+from titanrl.components.partial_rollouts import PartialRolloutCollector
 from titanrl.components.plugins import load_object
 from titanrl.components.rollouts import RolloutCollector, Rollouts
 from titanrl.components.stats import StepStats, finite_max, maximum
@@ -151,8 +152,9 @@ class RLRecipe(Recipe):
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
-        self.rollouts = RolloutCollector(trainer, self.generator, self.rewards, self.envs, reward_model,
-                                         self.algorithm.needs_baseline_rollout)
+        collector = PartialRolloutCollector if cfg.rollout.partial else RolloutCollector
+        self.rollouts = collector(trainer, self.generator, self.rewards, self.envs, reward_model,
+                                  self.algorithm.needs_baseline_rollout)
         stream = (DatasetStream(self.train_samples, cfg.job.seed) if self.train_samples
                   else TaskStream(self.task, cfg.job.seed))
         self.loader = build_prompt_loader(stream, cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)
@@ -161,6 +163,12 @@ class RLRecipe(Recipe):
         models = {"reference": self.reference, "critic": self.critic}
         return {k: m for k, m in models.items() if m is not None}, (
             {"critic": self.critic_optimizer} if self.critic is not None else {})
+
+    def state_dict(self) -> dict:
+        return self.rollouts.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollouts.load_state_dict(state)
 
     def prepare(self) -> None:
         """A fresh run: the SFT warm-up (if configured), then the reference (and a critic that
@@ -351,6 +359,7 @@ class RLRecipe(Recipe):
                            sampling_short_groups=s.short_groups)
         if algo.overlong_filter:
             metrics["overlong_filtered"] = s.overlong_filtered
+        metrics.update(self.rollouts.metrics())
         if self.config.reward.model_path:
             metrics["rm_score"] = s.rm_score_sum / n
         if self.algorithm.needs_baseline_rollout:

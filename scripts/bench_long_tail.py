@@ -1,0 +1,122 @@
+"""Long-tail rollouts: synchronous steps vs partial rollouts, side by side on one workload.
+
+    python scripts/bench_long_tail.py --out benchmarks/bench_long_tail.json
+
+Workload (written here as a JSONL data set): most prompts ask for a short answer (a number), a
+few (`--long_frac`) for a long one (the number, then a tail of digits past max_new_tokens); a
+short SFT warm-up teaches the debug model both, then GRPO samples at temperature 1, so most
+responses are a few tokens and about `--long_frac` of the groups run to the length cap, as in
+reasoning RL. The JSON records the response-length percentiles measured in each run.
+
+Both modes run the same job (same seed, same warm-up, `--steps` RL steps) under torchrun with
+`--nproc` gloo ranks; samples/s = samples trained over the RL steps / their wall time (the sum
+of the phase timers, first step excluded: it carries one-time costs). Partial rollouts train
+whichever groups complete (at least the batch), so both modes are compared per trained sample.
+"""
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PHASES = ("time_sync", "time_generate", "time_reward", "time_logprob", "time_train")
+
+
+def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            n = rng.randrange(100, 1000)
+            long = rng.random() < long_frac
+            tail = "".join(rng.choice("0123456789") for _ in range(long_chars)) if long else ""
+            prompt = f"{'long' if long else 'short'} {n}"
+            f.write(json.dumps({"prompt": prompt, "answer": str(n), "solution": f"{n}{' ' + tail if tail else ''}"})
+                    + "\n")
+
+
+def run(mode: str, data: str, folder: str, args) -> list[dict]:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        "-m", "titanrl.train", f"--job.config_file={os.path.join(REPO, 'train_configs', 'grpo_reverse_debug.toml')}",
+        "--data.task=jsonl", f"--data.path={data}", "--data.num_eval_samples=16", "--metrics.eval_freq=0",
+        f"--parallelism.dp_shard={args.nproc}", f"--training.steps={args.steps}",
+        f"--training.batch_size={args.batch_size}", f"--algorithm.group_size={args.group_size}",
+        f"--generator.max_new_tokens={args.max_new_tokens}", f"--sft_warmup.steps={args.sft_steps}",
+        "--algorithm.off_policy_correction=tis", f"--job.dump_folder={folder}", "--reward.num_workers=1",
+    ]
+    if mode == "partial":
+        cmd += ["--rollout.partial=true", f"--rollout.oversample={args.oversample}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    steps = {}
+    for line in open(os.path.join(folder, "metrics.jsonl")):
+        r = json.loads(line)
+        if r.get("phase") == "rl" and "reward_mean" in r:
+            steps[r["step"]] = r
+    return [steps[s] for s in sorted(steps)]
+
+
+def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
+    timed = steps[1:]
+    seconds = sum(sum(r[p] for p in PHASES) for r in timed)
+    samples = sum(r.get("trained_groups", batch_size) * group_size for r in timed)
+    return {
+        "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+        "step_s_mean": seconds / len(timed),
+        "generate_s_mean": sum(r["time_generate"] for r in timed) / len(timed),
+        "train_s_mean": sum(r["time_train"] for r in timed) / len(timed),
+        "response_len_p50": [r["response_len_p50"] for r in steps],
+        "response_len_p90": [r["response_len_p90"] for r in steps],
+        "response_len_max": [r["response_len_max"] for r in steps],
+        "reward_mean": [r["reward_mean"] for r in steps],
+        **({"stale_token_frac": [r["stale_token_frac"] for r in steps],
+            "version_lag_max": [r["version_lag_max"] for r in steps]} if "stale_token_frac" in steps[0] else {}),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_long_tail.json")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--group_size", type=int, default=8)
+    parser.add_argument("--max_new_tokens", type=int, default=160)
+    parser.add_argument("--long_frac", type=float, default=0.15)
+    parser.add_argument("--sft_steps", type=int, default=40)
+    parser.add_argument("--oversample", type=float, default=2.0)
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="bench_long_tail_")
+    data = os.path.join(work, "long_tail.jsonl")
+    write_workload(data, 4000, args.long_frac, long_chars=args.max_new_tokens + 40)
+    report = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
+        "command": "python scripts/bench_long_tail.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                                                    if k != "out"),
+        "workload": f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
+                    f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps, "
+                    "temperature 1",
+    }
+    for mode in ("sync", "partial"):
+        report[mode] = summarise(run(mode, data, os.path.join(work, mode), args), args.batch_size,
+                                 args.group_size)
+        print(mode, json.dumps({k: v for k, v in report[mode].items() if not isinstance(v, list)}), flush=True)
+    report["partial_vs_sync_samples_per_s"] = report["partial"]["samples_per_s"] / report["sync"]["samples_per_s"]
+    print(json.dumps({"partial_vs_sync_samples_per_s": report["partial_vs_sync_samples_per_s"]}))
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

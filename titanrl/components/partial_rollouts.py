@@ -1,0 +1,189 @@
+"""Partial rollouts: groups in flight across steps (`rollout.partial`).
+
+A synchronous step waits for its longest response while the rest of the batch sits idle. Here a
+step decodes `rollout.oversample` times the groups it trains: the groups carried over from
+earlier steps and new prompts (whole loader batches, drawn until there are that many), and ends
+generation as soon as this rank's share of groups is complete (or after `rollout.max_step_tokens`
+decode tokens, once one group is complete). Samples still decoding are paused: the generator
+frees their KV blocks and hands back their tokens and logprobs; the next step prefills them
+again and continues their random streams under the new weights. Every token keeps the logprob
+of the weights that sampled it (its behaviour logprob, what the off-policy correction divides
+by) and that weights' version, for the staleness metrics. Complete groups are scored and
+trained on; the groups in flight are part of the checkpoint, so a resumed run continues them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from titanrl.components.rollouts import RolloutCollector, Rollouts
+from titanrl.components.timer import PhaseTimer
+from titanrl.envs.tasks import Sample
+from titanrl.generator import Completion, GenerationStats, ResumedSample, SamplingParams
+
+if TYPE_CHECKING:
+    from titanrl.recipes.rl import RLStats
+
+
+@dataclass
+class SampleState:
+    """One sample of a group in flight."""
+
+    key: int
+    """Its random stream (continued when it resumes)."""
+    token_ids: list[int]
+    logprobs: list[float]
+    """Behaviour logprob of each token: under the weights that sampled it."""
+    versions: list[int]
+    """Weight version (optimizer updates applied) that sampled each token."""
+    finish_reason: str | None = None
+    """None while paused."""
+
+
+@dataclass
+class Group:
+    sample: Sample
+    prompt: list[int]
+    prompt_id: int
+    """Global id (seeds the group's sample keys when it starts)."""
+    samples: list[SampleState] = field(default_factory=list)
+    """Empty until the group's prompt has been prefilled and its samples forked."""
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.samples) and all(s.finish_reason is not None for s in self.samples)
+
+
+class PartialRolloutCollector(RolloutCollector):
+    """`RolloutCollector` whose `collect` carries unfinished groups over to the next step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.baseline_rollout:
+            raise ValueError("[rollout] partial = true does not support algorithms with a baseline rollout (remax)")
+        self.in_flight: list[Group] = []
+        self.drawn = 0
+        """Prompts this rank has drawn from its loader."""
+        self.last: dict[str, float] = {}
+
+    def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+        cfg = self.config
+        quota = cfg.training.batch_size // self.trainer.dims.dp_size  # this rank's share
+        groups = list(self.in_flight)
+        while len(groups) < cfg.rollout.oversample * quota:
+            groups.extend(self._new_groups(next(batches)))
+        version = step - 1
+        params = SamplingParams(
+            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
+            seed=hash((cfg.job.seed, step, 0)) & 0x7FFF_FFFF,
+        )
+        with timer("generate"):
+            completions, gen_stats = self.generator.generate(
+                [g.prompt for g in groups], params, [g.prompt_id for g in groups], resume=_resumed(groups),
+                pause_when=self._pause_when(groups, quota),
+            )
+        stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
+        _update(groups, completions, version)
+        done = [g for g in groups if g.complete]
+        self.in_flight = [g for g in groups if not g.complete]
+        trained = self._rollouts(done)
+        with timer("reward"):
+            results, rewards_N, rm_sum = self.score([g.sample for g in done], trained.prompts, trained.completions,
+                                                    None)
+        stats.rm_score_sum += rm_sum
+        trained.results, trained.rewards = results, rewards_N.tolist()
+        self.last = self._staleness(done, version, gen_stats)
+        return trained, trained
+
+    def _new_groups(self, samples: list[Sample]) -> list[Group]:
+        """Groups of a loader batch; their ids count this rank's share of the global stream (the
+        loader hands rank r prompts r, r + dp, ... of each global batch)."""
+        dims = self.trainer.dims
+        first, self.drawn = self.drawn, self.drawn + len(samples)
+        return [Group(s, self.trainer.encode_prompt(s.prompt, s.metadata), (first + i) * dims.dp_size + dims.dp_rank)
+                for i, s in enumerate(samples)]
+
+    def _pause_when(self, groups: list[Group], quota: int):
+        G, budget = self.config.algorithm.group_size, self.config.rollout.max_step_tokens
+        finished_before = [sum(s.finish_reason is not None for s in g.samples) for g in groups]
+
+        def pause_when(finished: list[tuple[int, int]], gen_stats: GenerationStats) -> bool:
+            now = Counter(p for p, _ in finished)
+            complete = sum(before + now[i] >= G for i, before in enumerate(finished_before))
+            return complete >= quota or (0 < budget <= gen_stats.decode_tokens and complete >= 1)
+
+        return pause_when
+
+    def _rollouts(self, done: list[Group]) -> Rollouts:
+        tokenizer = self.trainer.tokenizer
+        completions = [
+            Completion(i, j, s.token_ids, s.logprobs, s.finish_reason, text=tokenizer.decode(s.token_ids), key=s.key)
+            for i, g in enumerate(done) for j, s in enumerate(g.samples)
+        ]
+        return Rollouts([g.prompt for g in done], completions, [], [])
+
+    def _staleness(self, done: list[Group], version: int, gen_stats: GenerationStats) -> dict[str, float]:
+        """This rank's sums; `metrics` reduces them over the data-parallel ranks."""
+        samples = [s for g in done for s in g.samples]
+        lags = [version - min(s.versions) for s in samples if s.versions]
+        return {
+            "stale_tokens": float(sum(v < version for s in samples for v in s.versions)),
+            "tokens": float(sum(len(s.versions) for s in samples)),
+            "lag_sum": float(sum(lags)), "lag_max": float(max(lags, default=0)), "samples": float(len(samples)),
+            "in_flight_groups": float(len(self.in_flight)), "paused_samples": float(gen_stats.paused),
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """Staleness of the trained samples and the tail, over data-parallel ranks (collective)."""
+        s = self.last
+        stale, tokens, lag_sum, samples, in_flight, paused = self.trainer.dp_sum(
+            [s["stale_tokens"], s["tokens"], s["lag_sum"], s["samples"], s["in_flight_groups"], s["paused_samples"]])
+        (lag_max,) = self.trainer.dp_max([s["lag_max"]])
+        return {
+            **super().metrics(),
+            "stale_token_frac": stale / max(tokens, 1.0), "version_lag_mean": lag_sum / max(samples, 1.0),
+            "version_lag_max": lag_max, "in_flight_groups": in_flight, "paused_samples": paused,
+            "trained_groups": samples / self.config.algorithm.group_size,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        dims = self.trainer.dims
+        return {"dp_size": dims.dp_size, "in_flight": self.in_flight, "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        if state["dp_size"] != self.trainer.dims.dp_size:  # another rank's share: not ours to continue
+            if self.trainer.rank == 0:
+                print(f"partial rollouts: {len(state['in_flight'])} groups in flight were saved with "
+                      f"{state['dp_size']} data-parallel ranks, not {self.trainer.dims.dp_size}: dropped", flush=True)
+            return
+        self.in_flight, self.drawn = state["in_flight"], state["drawn"]
+
+
+def _resumed(groups: list[Group]) -> list[ResumedSample]:
+    return [ResumedSample(i, j, s.key, s.token_ids, s.logprobs)
+            for i, g in enumerate(groups) for j, s in enumerate(g.samples) if s.finish_reason is None]
+
+
+def _update(groups: list[Group], completions: list[Completion], version: int) -> None:
+    """Fold one generate call's completions into the groups: new tokens get `version`; a group
+    paused before its prompt was prefilled stays unstarted."""
+    by_group: dict[int, list[Completion]] = {}
+    for c in completions:
+        by_group.setdefault(c.prompt_index, []).append(c)
+    for i, cs in by_group.items():
+        g = groups[i]
+        if not g.samples:
+            if all(c.finish_reason == "paused" and not c.token_ids for c in cs):
+                continue
+            g.samples = [SampleState(c.key, [], [], []) for c in cs]
+        for c in cs:
+            s = g.samples[c.sample_index]
+            s.versions.extend([version] * (len(c.token_ids) - len(s.token_ids)))
+            s.token_ids, s.logprobs = list(c.token_ids), list(c.logprobs)
+            s.finish_reason = None if c.finish_reason == "paused" else c.finish_reason
