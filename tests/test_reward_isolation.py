@@ -207,3 +207,24 @@ def test_worker_module_imports_no_torch():
     code = "import sys, titanrl.components.workers; print('torch' in sys.modules)"
     proc = run_cmd([sys.executable, "-c", code], {**os.environ})
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
+
+
+def test_streamed_batch_scores_like_one_call():
+    """Items submitted in pieces (begin / submit / poll / finish, as the generator finishes samples) -> the same results, in submission order, as one call; a hung one times out at finish's deadline, counted from finish"""
+    runner = RewardRunner(reward_fns.hangs, num_workers=2, timeout_s=2.0, failure_reward=-1.0)
+    try:
+        whole = runner(_items("a", "hang", "b", "c"))
+        runner.begin()
+        runner.submit(_items("a", "hang"))
+        time.sleep(0.5)
+        runner.poll()
+        runner.submit(_items("b", "c"))
+        start = time.monotonic()
+        streamed = runner.finish()
+        waited = time.monotonic() - start
+        assert [(r.reward, r.failed) for r in streamed] == [(r.reward, r.failed) for r in whole]
+        assert [r.failed for r in streamed] == [None, "timeout", None, None]
+        assert 1.5 < waited < 10.0  # the deadline runs from finish(), not from the first submit
+        assert runner(_items("d")) and all(w is not None for w in runner._slots)  # replaced, usable
+    finally:
+        runner.close()

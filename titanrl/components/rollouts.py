@@ -57,6 +57,19 @@ class Rollouts:
         return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in fields))
 
 
+@dataclass
+class _StreamedResults:
+    """Verifier results being computed in the reward workers, submitted in `order`."""
+
+    rewards: RewardRunner
+    order: list[tuple[int, int]]
+
+    def wait(self, completions: list[Completion]) -> list[RewardResult]:
+        """The results, in the order of `completions`."""
+        by_key = dict(zip(self.order, self.rewards.finish()))
+        return [by_key[(c.prompt_index, c.sample_index)] for c in completions]
+
+
 class RolloutCollector:
     def __init__(self, trainer: Trainer, generator: Generator, rewards: RewardRunner, envs: EnvPool | None,
                  reward_model: Transformer | None, baseline_rollout: bool) -> None:
@@ -84,14 +97,29 @@ class RolloutCollector:
     def load_state_dict(self, state: dict) -> None:
         pass
 
-    def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+    def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
                  ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
-        """Completions of `samples` (and, with an environment, their episodes' rewards)."""
+        """Completions of `samples` and, with an environment, their episodes' rewards; or with
+        `stream`, their verifier results, scored in the reward workers as samples finish."""
         if self.envs is not None:  # environment steps run inside generation, overlapped with decoding
             return self.generate_episodes(samples, params, prompt_ids)
         prompts = [self.trainer.encode_prompt(s.prompt, s.metadata) for s in samples]
-        completions, gen_stats = self.generator.generate(prompts, params, prompt_ids)
-        return prompts, completions, None, gen_stats
+        if not stream:
+            completions, gen_stats = self.generator.generate(prompts, params, prompt_ids)
+            return prompts, completions, None, gen_stats
+        order: list[tuple[int, int]] = []
+
+        def on_finish(finished: list[Completion]) -> None:
+            order.extend((c.prompt_index, c.sample_index) for c in finished)
+            self.rewards.submit([self._reward_item(samples[c.prompt_index], c) for c in finished])
+
+        self.rewards.begin()
+        completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, on_finish=on_finish)
+        return prompts, completions, _StreamedResults(self.rewards, order), gen_stats
+
+    @staticmethod
+    def _reward_item(sample: Sample, c: Completion) -> RewardItem:
+        return RewardItem(sample.prompt, c.text, sample.answer, sample.metadata)
 
     def generate_episodes(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
                           ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
@@ -111,15 +139,14 @@ class RolloutCollector:
         return prompts, completions, results, gen_stats
 
     def score(self, samples: list[Sample], prompts: list[list[int]], completions: list[Completion],
-              results: list[RewardResult] | None) -> tuple[list[RewardResult], torch.Tensor, float]:
-        """(verifier results, total rewards [N], reward-model score sum)."""
+              results: list[RewardResult] | _StreamedResults | None) -> tuple[list[RewardResult], torch.Tensor, float]:
+        """(verifier results, total rewards [N], reward-model score sum); `results`: the
+        episodes' (multi-turn), or the verifier's being streamed, or None to score now."""
         cfg = self.config
         if results is None:
-            results = self.rewards([
-                RewardItem(samples[c.prompt_index].prompt, c.text, samples[c.prompt_index].answer,
-                           samples[c.prompt_index].metadata)
-                for c in completions
-            ])
+            results = self.rewards([self._reward_item(samples[c.prompt_index], c) for c in completions])
+        elif isinstance(results, _StreamedResults):
+            results = results.wait(completions)
         rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
         rm_sum = 0.0
         if self.reward_model is not None:
@@ -161,7 +188,8 @@ class RolloutCollector:
                 time.sleep(3600)
             if fault_active("slow_generate", step):  # a straggler: the others wait for this rank
                 time.sleep(2.0)
-            prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids)
+            stream = cfg.reward.streaming and self.envs is None
+            prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids, stream)
             stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
             stats.env_turns += gen_stats.resumed_turns + len(completions)
             if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics

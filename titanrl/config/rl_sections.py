@@ -231,6 +231,11 @@ class Reward:
     model_weight: float = 1.0
     """Weight of the reward model's score in the total reward."""
 
+    streaming: bool = True
+    """Score each sample as soon as it finishes, in the workers, while the other samples decode
+    (single-turn rollouts); the step then waits only for what is left (timeout_s counts from
+    there). Off: the batch is scored once generation has ended. Same rewards either way."""
+
     def validate(self) -> None:
         if not self.timeout_s > 0:
             raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")

@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -198,7 +199,7 @@ class Generator:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None,
         turns: TurnHandler | None = None, *, resume: list[ResumedSample] = (),
-        pause_when: PauseWhen | None = None,
+        pause_when: PauseWhen | None = None, on_finish: Callable[[list[Completion]], None] | None = None,
     ) -> tuple[list[Completion], GenerationStats]:
         """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample).
 
@@ -211,8 +212,8 @@ class Generator:
         them are returned).
         """
         self._validate(prompts, params)
-        if (resume or pause_when is not None) and turns is not None:
-            raise ValueError("partial rollouts (pause / resume) do not support multi-turn environments")
+        if (resume or pause_when is not None or on_finish is not None) and turns is not None:
+            raise ValueError("pause / resume and on_finish do not support multi-turn environments")
         for r in resume:
             if not r.token_ids or len(r.token_ids) != len(r.logprobs):
                 raise ValueError(f"resumed sample {(r.prompt_index, r.sample_index)} needs its tokens and their logprobs")
@@ -226,6 +227,7 @@ class Generator:
             self.pool, self.allocator, self.config, prompts, prompt_ids, params,
             max_seq_len=self.args.max_seq_len, vocab_size=self.args.vocab_size, turns=turns, resume=resume,
         )
+        reported = 0
         while sched.has_work:
             sched.stats.steps += 1
             sched.stats.scheduler_passes += 1
@@ -242,6 +244,10 @@ class Generator:
             if pause_when is not None and sched.has_work and pause_when(
                     [(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats):
                 sched.pause_all()
+            if on_finish is not None:  # single-turn: `finished` only grows
+                on_finish([s.to_completion(self.tokenizer) for s in sched.finished[reported:]
+                           if s.finish_reason != "paused"])
+                reported = len(sched.finished)
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         return [seq.to_completion(self.tokenizer) for seq in results], sched.stats

@@ -67,6 +67,18 @@ class RewardResult:
     """A failure's particulars: the exception and its traceback tail, or how the worker died."""
 
 
+@dataclass
+class _Batch:
+    """The batch being scored: items in submission order, their results, the queue of items not
+    yet given to a worker, and each worker slot's deaths in a row."""
+
+    deaths: list[int]
+    items: list[RewardItem] = field(default_factory=list)
+    results: list[RewardResult | None] = field(default_factory=list)
+    queue: deque = field(default_factory=deque)
+    done: int = 0
+
+
 class RewardRunner:
     def __init__(
         self, fn: Task | Callable[..., Any], num_workers: int, timeout_s: float, failure_reward: float,
@@ -88,60 +100,96 @@ class RewardRunner:
         self._slots: list[RewardWorker | None] = [None] * num_workers
         self._sel: selectors.BaseSelector | None = None
         self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
+        self._batch: _Batch | None = None
         self._start_missing()  # they warm up while the trainer builds its model
 
     def __call__(self, items: list[RewardItem]) -> list[RewardResult]:
         if not items:
             return []
         try:
-            return self._score(items)
+            self.begin()
+            self.submit(items)
+            return self.finish()
         finally:
             if self._loaded:
                 self._start_missing()
 
-    def _score(self, items: list[RewardItem]) -> list[RewardResult]:
+    # ---- a batch, streamed: begin, submit as samples finish, finish ----
+
+    def begin(self) -> None:
+        """Start a batch whose items come in several `submit` calls (e.g. as the generator
+        finishes samples, so that scoring overlaps decoding); `finish` returns its results."""
         self._warm_up()
-        results: list[RewardResult | None] = [None] * len(items)
-        queue, deaths, done = deque(range(len(items))), [0] * self.num_workers, 0
+        self._batch = _Batch(deaths=[0] * self.num_workers)
+
+    def submit(self, items: list[RewardItem]) -> None:
+        """Queue `items` (results in submission order) and hand work to idle workers; never waits."""
+        b = self._batch
+        assert b is not None, "submit() outside begin() / finish()"
+        for item in items:
+            b.queue.append(len(b.items))
+            b.items.append(item)
+            b.results.append(None)
+        self._advance(0.0)
+
+    def poll(self) -> None:
+        """Read what the workers sent and hand them queued work; never waits."""
+        if self._batch is not None:
+            self._advance(0.0)
+
+    def finish(self) -> list[RewardResult]:
+        """Results of every submitted item, waiting up to reward.timeout_s from now."""
+        b = self._batch
+        assert b is not None, "finish() without begin()"
         deadline = time.monotonic() + self.timeout_s  # counted from here: every worker is warm
-        while done < len(items):
-            for w in self._slots:
-                if w is not None and w.ready and w.sample is None and queue:
-                    self._dispatch(w, queue.popleft(), items)
-            if queue and all(w is None for w in self._slots):  # every slot rests: nothing would run them
-                for i in queue:
-                    results[i] = self._failure("crash", "not run: the reward workers kept dying this batch")
-                queue.clear()
-                break
+        while b.done < len(b.items):
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or not self._advance(left):
                 break
-            for event, w, payload in self._events(left):
-                slot = self._slots.index(w)
-                if event == "ready":
-                    w.ready = True
-                elif event == "result" and payload[0] == w.sample:
-                    index, kind, reward, correct, detail = payload
-                    w.read_output()  # the rest of what the call wrote
-                    results[index] = self._result(w, kind, reward, correct, detail)
-                    w.sample, deaths[slot], done = None, 0, done + 1
-                elif event == "dead":
-                    if w.sample is not None:
-                        results[w.sample] = self._result(w, "crash", 0.0, False, payload)
-                        done += 1
-                    deaths[slot] += 1
-                    self._slots[slot] = self._start() if deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
         # The deadline: unfinished samples time out; only the workers busy with them are killed.
         for slot, w in enumerate(self._slots):
             if w is not None and w.sample is not None:
                 w.read_output()
-                results[w.sample] = self._result(w, "timeout", 0.0, False,
-                                                 f"still running after the batch's {self.timeout_s:g} s")
+                b.results[w.sample] = self._result(w, "timeout", 0.0, False,
+                                                   f"still running after the batch's {self.timeout_s:g} s")
                 w.kill()
                 self._slots[slot] = None
-        for i in queue:
-            results[i] = self._failure("timeout", f"not started within the batch's {self.timeout_s:g} s")
-        return results  # type: ignore[return-value]
+        for i in b.queue:
+            b.results[i] = self._failure("timeout", f"not started within the batch's {self.timeout_s:g} s")
+        self._batch = None
+        if self._loaded:  # replacements warm up while the trainer trains
+            self._start_missing()
+        return b.results  # type: ignore[return-value]
+
+    def _advance(self, timeout: float) -> bool:
+        """Dispatch queued items to idle workers, then handle what happens within `timeout` s.
+        False when nothing could ever run the queued items (they fail as 'crash')."""
+        b = self._batch
+        for w in self._slots:
+            if w is not None and w.ready and w.sample is None and b.queue:
+                self._dispatch(w, b.queue.popleft(), b.items)
+        if b.queue and all(w is None for w in self._slots):  # every slot rests: nothing would run them
+            for i in b.queue:
+                b.results[i] = self._failure("crash", "not run: the reward workers kept dying this batch")
+                b.done += 1
+            b.queue.clear()
+            return False
+        for event, w, payload in self._events(timeout):
+            slot = self._slots.index(w)
+            if event == "ready":
+                w.ready = True
+            elif event == "result" and payload[0] == w.sample:
+                index, kind, reward, correct, detail = payload
+                w.read_output()  # the rest of what the call wrote
+                b.results[index] = self._result(w, kind, reward, correct, detail)
+                w.sample, b.deaths[slot], b.done = None, 0, b.done + 1
+            elif event == "dead":
+                if w.sample is not None:
+                    b.results[w.sample] = self._result(w, "crash", 0.0, False, payload)
+                    b.done += 1
+                b.deaths[slot] += 1
+                self._slots[slot] = self._start() if b.deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
+        return True
 
     def _warm_up(self) -> None:
         """Start the workers the last batch lost; wait until every worker has loaded the function."""

@@ -112,3 +112,45 @@ def test_a_group_paused_before_its_prefill_comes_back_empty():
     assert stats.paused == 4
     gen.allocator.check_invariants()
     assert all(rc == 0 for rc in gen.allocator.ref_count)
+
+
+def test_on_finish_reports_each_sample_once_while_others_decode():
+    model = _model(0)
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4),
+                    torch.device("cpu"))
+    gen.load_weights(model)
+    prompts = _prompts([5, 9, 14])
+    # Stop ids give samples of different lengths.
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, n=4, seed=2, stop_token_ids=list(range(0, 100, 9)))
+    reports = []
+    out, _ = gen.generate(prompts, params, on_finish=lambda cs: reports.append(cs))
+    reported = [c for r in reports for c in r]
+    assert sorted((c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in reported) == \
+        [(c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in out]
+    first = next(i for i, r in enumerate(reports) if r)
+    assert sum(len(r) for r in reports[: first + 1]) < len(out)  # the first finished before the last
+    assert len({len(c.token_ids) for c in out}) > 3
+
+
+def test_streaming_rewards_train_like_batch_scoring(tmp_path):
+    """reward.streaming on (scored as samples finish) vs off (scored after generation) -> every step's rewards and updates identical"""
+    import json
+    import os
+
+    from conftest import REPO_ROOT, run_cmd, train_cmd
+
+    def run(folder, streaming):
+        args = [f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
+                "--sft_warmup.steps=3", "--sft_warmup.batch_size=8", "--training.batch_size=4",
+                "--algorithm.group_size=4", "--generator.max_new_tokens=10", "--data.num_eval_samples=8",
+                "--metrics.eval_freq=0", "--training.steps=3", f"--job.dump_folder={folder}",
+                f"--reward.streaming={str(streaming).lower()}"]
+        proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
+        return [r for r in rows if r.get("phase") == "rl" and "reward_mean" in r]
+
+    keys = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "response_len_max"]
+    on, off = run(tmp_path / "on", True), run(tmp_path / "off", False)
+    assert len(on) == 3 and any(r["reward_std"] > 0 for r in on)  # rewards differ between samples
+    assert [{k: r[k] for k in keys} for r in on] == [{k: r[k] for k in keys} for r in off]
