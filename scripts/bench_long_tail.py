@@ -11,7 +11,12 @@ reasoning RL. The JSON records the response-length percentiles measured in each 
 Both modes run the same job (same seed, same warm-up, `--steps` RL steps) under torchrun with
 `--nproc` gloo ranks; samples/s = samples trained over the RL steps / their wall time (the sum
 of the phase timers, first step excluded: it carries one-time costs). Partial rollouts train
-whichever groups complete (at least the batch), so both modes are compared per trained sample.
+whichever groups complete (at least the batch), so both modes are compared per trained sample,
+and per trained response token (partial rollouts train the short groups first while the long
+ones are in flight, so over a short run their trained samples are shorter than the workload's).
+Also reported: decode steps per trained sample (the busiest rank's), the cost of generation
+where a decode step costs about the same at any batch size (an accelerator at these sizes); on
+this CPU a step's cost grows with its batch, so samples/s understates what the tail costs there.
 """
 
 import argparse
@@ -69,17 +74,26 @@ def run(mode: str, data: str, folder: str, args) -> list[dict]:
 def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     timed = steps[1:]
     seconds = sum(sum(r[p] for p in PHASES) for r in timed)
-    samples = sum(r.get("trained_groups", batch_size) * group_size for r in timed)
+    per_step = [r.get("trained_groups", batch_size) * group_size for r in timed]
+    samples = sum(per_step)
+    tokens = sum(n * r["response_len"] for n, r in zip(per_step, timed))
     return {
         "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+        # Partial rollouts train short groups first and carry long ones: over a short run its
+        # trained samples are shorter than the workload's, so tokens/s is the fairer rate.
+        "response_tokens": tokens, "response_tokens_per_s": tokens / seconds,
+        "response_len_trained_mean": tokens / samples,
         "step_s_mean": seconds / len(timed),
         "generate_s_mean": sum(r["time_generate"] for r in timed) / len(timed),
         "train_s_mean": sum(r["time_train"] for r in timed) / len(timed),
+        # Decode steps (the busiest rank's) per trained sample: what a latency-bound accelerator pays.
+        "decode_steps_per_sample": sum(r["decode_steps"] for r in timed) / samples,
         "response_len_p50": [r["response_len_p50"] for r in steps],
         "response_len_p90": [r["response_len_p90"] for r in steps],
         "response_len_max": [r["response_len_max"] for r in steps],
         "reward_mean": [r["reward_mean"] for r in steps],
-        **({"stale_token_frac": [r["stale_token_frac"] for r in steps],
+        **({"in_flight_groups_at_end": steps[-1]["in_flight_groups"],
+            "stale_token_frac": [r["stale_token_frac"] for r in steps],
             "version_lag_max": [r["version_lag_max"] for r in steps]} if "stale_token_frac" in steps[0] else {}),
     }
 
@@ -114,7 +128,11 @@ def main() -> None:
                                  args.group_size)
         print(mode, json.dumps({k: v for k, v in report[mode].items() if not isinstance(v, list)}), flush=True)
     report["partial_vs_sync_samples_per_s"] = report["partial"]["samples_per_s"] / report["sync"]["samples_per_s"]
-    print(json.dumps({"partial_vs_sync_samples_per_s": report["partial_vs_sync_samples_per_s"]}))
+    report["partial_vs_sync_response_tokens_per_s"] = (report["partial"]["response_tokens_per_s"]
+                                                       / report["sync"]["response_tokens_per_s"])
+    report["partial_vs_sync_decode_steps_per_sample"] = (report["sync"]["decode_steps_per_sample"]
+                                                         / report["partial"]["decode_steps_per_sample"])
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("partial_vs")}))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -154,3 +154,25 @@ def test_streaming_rewards_train_like_batch_scoring(tmp_path):
     on, off = run(tmp_path / "on", True), run(tmp_path / "off", False)
     assert len(on) == 3 and any(r["reward_std"] > 0 for r in on)  # rewards differ between samples
     assert [{k: r[k] for k in keys} for r in on] == [{k: r[k] for k in keys} for r in off]
+
+
+def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
+    """rollout.max_staleness = 1 with a small per-step token budget -> groups in flight too long are restarted (counted) and no trained sample has a token more than 1 version old"""
+    import json
+    import os
+
+    from conftest import REPO_ROOT, run_cmd, train_cmd
+
+    args = [f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
+            "--sft_warmup.steps=3", "--sft_warmup.batch_size=8", "--training.batch_size=4",
+            "--algorithm.group_size=4", "--generator.max_new_tokens=12", "--data.num_eval_samples=8",
+            "--metrics.eval_freq=0", "--training.steps=5", f"--job.dump_folder={tmp_path}",
+            "--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--rollout.max_step_tokens=40",
+            "--rollout.max_staleness=1"]
+    proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    steps = [r for r in rows if r.get("phase") == "rl" and "reward_mean" in r]
+    assert len(steps) == 5
+    assert max(r["version_lag_max"] for r in steps) == 1  # reached, never exceeded
+    assert sum(r["restarted_groups"] for r in steps) > 0

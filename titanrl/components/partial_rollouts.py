@@ -72,10 +72,11 @@ class PartialRolloutCollector(RolloutCollector):
     def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         cfg = self.config
         quota = cfg.training.batch_size // self.trainer.dims.dp_size  # this rank's share
+        version = step - 1
+        restarted = self._restart_stale(version)
         groups = list(self.in_flight)
         while len(groups) < cfg.rollout.oversample * quota:
             groups.extend(self._new_groups(next(batches)))
-        version = step - 1
         params = SamplingParams(
             max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
             top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
@@ -87,6 +88,7 @@ class PartialRolloutCollector(RolloutCollector):
                 pause_when=self._pause_when(groups, quota),
             )
         stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
+        self.decode_steps += gen_stats.decode_steps
         _update(groups, completions, version)
         done = [g for g in groups if g.complete]
         self.in_flight = [g for g in groups if not g.complete]
@@ -96,8 +98,18 @@ class PartialRolloutCollector(RolloutCollector):
                                                     None)
         stats.rm_score_sum += rm_sum
         trained.results, trained.rewards = results, rewards_N.tolist()
-        self.last = self._staleness(done, version, gen_stats)
+        self.last = {**self._staleness(done, version, gen_stats), "restarted_groups": float(restarted)}
         return trained, trained
+
+    def _restart_stale(self, version: int) -> int:
+        """Restart (from the prompt, tokens discarded) the groups in flight whose oldest token is
+        more than rollout.max_staleness versions behind `version`; returns how many."""
+        bound = self.config.rollout.max_staleness
+        stale = [g for g in self.in_flight
+                 if bound and any(s.versions and version - s.versions[0] > bound for s in g.samples)]
+        for g in stale:
+            g.samples = []
+        return len(stale)
 
     def _new_groups(self, samples: list[Sample]) -> list[Group]:
         """Groups of a loader batch; their ids count this rank's share of the global stream (the
@@ -140,14 +152,15 @@ class PartialRolloutCollector(RolloutCollector):
     def metrics(self) -> dict[str, float]:
         """Staleness of the trained samples and the tail, over data-parallel ranks (collective)."""
         s = self.last
-        stale, tokens, lag_sum, samples, in_flight, paused = self.trainer.dp_sum(
-            [s["stale_tokens"], s["tokens"], s["lag_sum"], s["samples"], s["in_flight_groups"], s["paused_samples"]])
+        stale, tokens, lag_sum, samples, in_flight, paused, restarted = self.trainer.dp_sum(
+            [s["stale_tokens"], s["tokens"], s["lag_sum"], s["samples"], s["in_flight_groups"], s["paused_samples"],
+             s["restarted_groups"]])
         (lag_max,) = self.trainer.dp_max([s["lag_max"]])
         return {
             **super().metrics(),
             "stale_token_frac": stale / max(tokens, 1.0), "version_lag_mean": lag_sum / max(samples, 1.0),
             "version_lag_max": lag_max, "in_flight_groups": in_flight, "paused_samples": paused,
-            "trained_groups": samples / self.config.algorithm.group_size,
+            "trained_groups": samples / self.config.algorithm.group_size, "restarted_groups": restarted,
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -78,6 +78,8 @@ class RolloutCollector:
         self.baseline_rollout = baseline_rollout
         self.lengths: list[int] = []
         """Response lengths of the last step's rollouts."""
+        self.decode_steps = 0
+        """Decode steps of the last step's generation (all sampling rounds)."""
 
     def metrics(self) -> dict[str, float]:
         """The tail of this step's responses over data-parallel ranks (collective): what sets a
@@ -88,7 +90,9 @@ class RolloutCollector:
             dist.all_gather_object(gathered, self.lengths, group=self.trainer.dp_group)
         lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
-        return {"response_len_p50": q50, "response_len_p90": q90, "response_len_max": lengths_N.max().item()}
+        (decode_steps,) = self.trainer.dp_max([float(self.decode_steps)])
+        return {"response_len_p50": q50, "response_len_p90": q90, "response_len_max": lengths_N.max().item(),
+                "decode_steps": decode_steps}
 
     def state_dict(self) -> dict:
         """Rollout state to checkpoint (partial rollouts' groups in flight); none here."""
@@ -191,6 +195,7 @@ class RolloutCollector:
             stream = cfg.reward.streaming and self.envs is None
             prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids, stream)
             stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
+            self.decode_steps += gen_stats.decode_steps
             stats.env_turns += gen_stats.resumed_turns + len(completions)
             if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
                 greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
@@ -206,6 +211,7 @@ class RolloutCollector:
 
     def collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         """(rollouts to train on, every rollout generated this step, for metrics)."""
+        self.decode_steps = 0
         train, generated = self._collect(batches, step, timer, stats)
         self.lengths = [len(c.token_ids) for c in generated.completions]
         return train, generated

@@ -353,8 +353,15 @@ class Rollout:
     """Partial rollouts: decode tokens a rank may generate in one step before it pauses with
     fewer complete groups than its share (once at least one group is complete); 0: no cap."""
 
+    max_staleness: int = 0
+    """Partial rollouts: a group in flight whose oldest token is more than this many weight
+    versions behind the current weights is restarted from its prompt (its tokens discarded,
+    counted in 'restarted_groups'); 0: no bound."""
+
     def validate(self) -> None:
         if self.max_step_tokens < 0:
             raise ValueError(f"[rollout] max_step_tokens must be >= 0, got {self.max_step_tokens}")
+        if self.max_staleness < 0:
+            raise ValueError(f"[rollout] max_staleness must be >= 0 (0 = no bound), got {self.max_staleness}")
         if not self.oversample >= 1.0:
             raise ValueError(f"[rollout] oversample must be >= 1, got {self.oversample}")
