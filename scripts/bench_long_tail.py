@@ -8,8 +8,8 @@ short SFT warm-up teaches the debug model both, then GRPO samples at temperature
 responses are a few tokens and about `--long_frac` of the groups run to the length cap, as in
 reasoning RL. The JSON records the response-length percentiles measured in each run.
 
-Both modes run the same job (same seed, same warm-up, `--steps` RL steps) under torchrun with
-`--nproc` gloo ranks; samples/s = samples trained over the RL steps / their wall time (the sum
+The three modes run the same job (same seed, same warm-up, `--steps` RL steps) under torchrun
+with `--nproc` gloo ranks (one-step: half of them generate, half train); samples/s = samples trained over the RL steps / their wall time (the sum
 of the phase timers, first step excluded: it carries one-time costs). Partial rollouts train
 whichever groups complete (at least the batch), so both modes are compared per trained sample,
 and per trained response token (partial rollouts train the short groups first while the long
@@ -32,7 +32,9 @@ from datetime import datetime, timezone
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PHASES = ("time_sync", "time_generate", "time_reward", "time_logprob", "time_train")
+# The trainer ranks' phases (one-step: generation and rewards run on the rollout ranks, and the
+# trainer's wait for them is time_wait_rollouts).
+PHASES = ("time_sync", "time_generate", "time_reward", "time_logprob", "time_train", "time_wait_rollouts")
 
 
 def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed: int = 0) -> None:
@@ -59,6 +61,10 @@ def run(mode: str, data: str, folder: str, args) -> list[dict]:
     ]
     if mode == "partial":
         cmd += ["--rollout.partial=true", f"--rollout.oversample={args.oversample}"]
+    if mode == "one_step":  # the same ranks, split: half generate, half train
+        cmd = [c for c in cmd if not c.startswith("--parallelism.dp_shard")]
+        cmd += ["--rollout.mode=one_step", f"--rollout.rollout_ranks={args.nproc // 2}",
+                f"--parallelism.dp_shard={args.nproc // 2}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -73,7 +79,7 @@ def run(mode: str, data: str, folder: str, args) -> list[dict]:
 
 def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     timed = steps[1:]
-    seconds = sum(sum(r[p] for p in PHASES) for r in timed)
+    seconds = sum(sum(r.get(p, 0.0) for p in PHASES) for r in timed)
     per_step = [r.get("trained_groups", batch_size) * group_size for r in timed]
     samples = sum(per_step)
     tokens = sum(n * r["response_len"] for n, r in zip(per_step, timed))
@@ -84,7 +90,7 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
         "response_tokens": tokens, "response_tokens_per_s": tokens / seconds,
         "response_len_trained_mean": tokens / samples,
         "step_s_mean": seconds / len(timed),
-        "generate_s_mean": sum(r["time_generate"] for r in timed) / len(timed),
+        "generate_s_mean": sum(r.get("time_generate", r.get("rollout_generate_s", 0.0)) for r in timed) / len(timed),
         "train_s_mean": sum(r["time_train"] for r in timed) / len(timed),
         # Decode steps (the busiest rank's) per trained sample: what a latency-bound accelerator pays.
         "decode_steps_per_sample": sum(r["decode_steps"] for r in timed) / samples,
@@ -123,13 +129,14 @@ def main() -> None:
                     f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps, "
                     "temperature 1",
     }
-    for mode in ("sync", "partial"):
+    for mode in ("sync", "partial", "one_step"):
         report[mode] = summarise(run(mode, data, os.path.join(work, mode), args), args.batch_size,
                                  args.group_size)
         print(mode, json.dumps({k: v for k, v in report[mode].items() if not isinstance(v, list)}), flush=True)
     report["partial_vs_sync_samples_per_s"] = report["partial"]["samples_per_s"] / report["sync"]["samples_per_s"]
     report["partial_vs_sync_response_tokens_per_s"] = (report["partial"]["response_tokens_per_s"]
                                                        / report["sync"]["response_tokens_per_s"])
+    report["one_step_vs_sync_samples_per_s"] = report["one_step"]["samples_per_s"] / report["sync"]["samples_per_s"]
     report["partial_vs_sync_decode_steps_per_sample"] = (report["sync"]["decode_steps_per_sample"]
                                                          / report["partial"]["decode_steps_per_sample"])
     print(json.dumps({k: v for k, v in report.items() if k.startswith("partial_vs")}))

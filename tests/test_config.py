@@ -86,6 +86,10 @@ def test_typo_section_and_cli_key():
         (["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--data.task=calculator",
           "--env.name=calculator"], r"partial = true does not support multi-turn"),
         (["--rollout.oversample=0.5"], r"oversample must be >= 1"),
+        (["--rollout.mode=one_step"], r"set algorithm.off_policy_correction = 'tis' \(or 'mis'\), or rollout.staleness = 0"),
+        (["--rollout.mode=one_step", "--rollout.staleness=2"], r"staleness must be 0 or 1"),
+        (["--rollout.mode=one_step", "--rollout.staleness=0", "--parallelism.tp=2"],
+         r"'one_step' does not support parallelism.tp > 1 yet"),
     ],
 )
 def test_invalid_values_are_clear_errors(args, pattern):

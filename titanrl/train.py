@@ -7,6 +7,7 @@ the `Trainer` (`titanrl/trainer.py`) builds everything and runs the loop.
 """
 
 from titanrl.components import launch
+from titanrl.components.async_rollouts import RolloutWorker, split_world
 from titanrl.trainer import Trainer
 
 
@@ -15,6 +16,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     last evaluation. A user error raises ValueError naming the cause and the fix."""
     config = launch.parse_args(argv)
     if config is None:  # --help
+        return {}
+    if config.rollout.mode == "one_step" and split_world(config).rollout:  # this rank only generates
+        RolloutWorker(config).run()
         return {}
     trainer = Trainer(config)
     result = trainer.train()

@@ -248,3 +248,14 @@ class RolloutCollector:
         stats.dropped_groups += len(dropped)
         stats.short_groups += short
         return Rollouts.concat(kept[:quota] + dropped[:short]), Rollouts.concat(generated)
+
+
+def rollout_collector_class(config) -> type[RolloutCollector]:
+    """The collector of `config.rollout`: colocated (synchronous or partial) or one-step."""
+    if config.rollout.mode == "one_step":
+        from titanrl.components.async_rollouts import RemoteRolloutCollector
+        return RemoteRolloutCollector
+    if config.rollout.partial:
+        from titanrl.components.partial_rollouts import PartialRolloutCollector
+        return PartialRolloutCollector
+    return RolloutCollector

@@ -65,6 +65,8 @@ class JobConfig:
             raise ValueError("[reward] function is not used with an [env]: the environment's steps give the rewards")
         if self.rollout.partial:
             self._validate_partial_rollouts()
+        if self.rollout.mode == "one_step":
+            self._validate_one_step()
         if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"[training] micro_batch_tokens ({self.training.micro_batch_tokens}) is below one sequence "
@@ -81,3 +83,16 @@ class JobConfig:
             raise ValueError("[rollout] partial = true does not support multi-turn environments ([env] name)")
         if self.algorithm.dynamic_sampling:
             raise ValueError("[rollout] partial = true and algorithm.dynamic_sampling cannot be combined")
+
+    def _validate_one_step(self) -> None:
+        if self.rollout.staleness and self.algorithm.off_policy_correction == "none":
+            raise ValueError(
+                "[rollout] mode = 'one_step' trains on samples of the previous weights: set "
+                "algorithm.off_policy_correction = 'tis' (or 'mis'), or rollout.staleness = 0"
+            )
+        unsupported = {"env.name": self.env.name, "algorithm.dynamic_sampling": self.algorithm.dynamic_sampling,
+                       "reward.model_path": self.reward.model_path, "parallelism.tp > 1": self.parallelism.tp > 1,
+                       "job.recipe != 'rl'": self.job.recipe != "rl"}
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"[rollout] mode = 'one_step' does not support {name} yet; use mode = 'colocated'")

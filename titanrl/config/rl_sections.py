@@ -334,6 +334,21 @@ class DPO:
 
 @dataclass
 class Rollout:
+    mode: Literal["colocated", "one_step"] = "colocated"
+    """'colocated': every rank generates, then trains (the default; the bitwise-parity path).
+    'one_step': the torchrun world is split into `rollout_ranks` ranks that only generate and
+    score, and as many trainer ranks (rollout rank i feeds trainer rank i); rollout ranks generate
+    batch k+1 while trainer ranks train on batch k, and get the new weights from their trainer
+    rank after each step (a copy over a process group, no files)."""
+
+    rollout_ranks: int = 1
+    """one_step: ranks that generate; the world must hold twice as many (the rest train)."""
+
+    staleness: int = 1
+    """one_step: weight versions a batch may lag behind the trainer when trained on: 1 overlaps
+    generation with training; 0 makes rollout ranks wait for the latest weights (the same
+    samples and updates as a synchronous run, without overlap)."""
+
     partial: bool = False
     """Partial rollouts (colocated): a step decodes more groups than it trains (`oversample`) and
     ends generation as soon as this rank's share of training.batch_size groups is complete
@@ -361,6 +376,12 @@ class Rollout:
     def validate(self) -> None:
         if self.max_step_tokens < 0:
             raise ValueError(f"[rollout] max_step_tokens must be >= 0, got {self.max_step_tokens}")
+        if self.rollout_ranks < 1:
+            raise ValueError(f"[rollout] rollout_ranks must be >= 1, got {self.rollout_ranks}")
+        if self.staleness not in (0, 1):
+            raise ValueError(f"[rollout] staleness must be 0 or 1 (one-step off-policy), got {self.staleness}")
+        if self.mode == "one_step" and self.partial:
+            raise ValueError("[rollout] partial = true is for mode = 'colocated', not 'one_step'")
         if self.max_staleness < 0:
             raise ValueError(f"[rollout] max_staleness must be >= 0 (0 = no bound), got {self.max_staleness}")
         if not self.oversample >= 1.0:

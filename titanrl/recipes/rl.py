@@ -27,9 +27,8 @@ from titanrl.algorithms.ppo import value_loss
 from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
 from titanrl.components.optimizer import build_optimizer
-from titanrl.components.partial_rollouts import PartialRolloutCollector
 from titanrl.components.plugins import load_object
-from titanrl.components.rollouts import RolloutCollector, Rollouts
+from titanrl.components.rollouts import Rollouts, rollout_collector_class
 from titanrl.components.stats import StepStats, finite_max, maximum
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
@@ -152,9 +151,8 @@ class RLRecipe(Recipe):
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
-        collector = PartialRolloutCollector if cfg.rollout.partial else RolloutCollector
-        self.rollouts = collector(trainer, self.generator, self.rewards, self.envs, reward_model,
-                                  self.algorithm.needs_baseline_rollout)
+        self.rollouts = rollout_collector_class(cfg)(trainer, self.generator, self.rewards, self.envs, reward_model,
+                                                     self.algorithm.needs_baseline_rollout)
         stream = (DatasetStream(self.train_samples, cfg.job.seed) if self.train_samples
                   else TaskStream(self.task, cfg.job.seed))
         self.loader = build_prompt_loader(stream, cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)

@@ -1,0 +1,250 @@
+"""One-step off-policy RL on disaggregated ranks (`rollout.mode = "one_step"`).
+
+The torchrun world is split in two halves: ranks 0..R-1 generate and score (`RolloutWorker`),
+ranks R..2R-1 train (the ordinary `Trainer`, whose process group holds only them, so that its
+collectives, FSDP2 and checkpoints are those of an R-rank job). Rollout rank i feeds trainer
+rank i, which takes data shard i: the prompts, seeds and samples of a synchronous R-rank run.
+A separate gloo group over the whole world carries, between the ranks of a pair, the rollouts
+(pickled) and the weights (the trainer's generator copy: whole tensors, sent in place).
+
+Batch k is generated with weights version max(0, k - 1 - staleness) (version v: after v updates):
+  staleness 0: trainer step k sends version k-1, then waits for batch k; the rollout rank waits
+               for the weights, generates, sends. No overlap; the same run as synchronous.
+  staleness 1: trainer step k receives batch k (generated during step k-1), sends version k-1,
+               trains; meanwhile the rollout rank generates batch k+1 with it. One step of overlap.
+Both sides send and receive in the same order, so blocking transfers cannot deadlock. A resumed
+run starts both sides at the checkpoint's weights (its first two batches share them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from titanrl.components.rollouts import RolloutCollector, Rollouts
+from titanrl.components.timer import PhaseTimer
+from titanrl.components.watchdog import Watchdog
+from titanrl.config import JobConfig
+from titanrl.distributed import device_type, set_determinism
+
+if TYPE_CHECKING:
+    from titanrl.recipes.rl import RLStats
+
+
+@dataclass
+class Roles:
+    """This process's side of a one-step job and the group both sides talk over."""
+
+    rollout: bool
+    index: int
+    """Pair index: rollout rank i and trainer rank R + i (trainer-local rank i)."""
+    num_pairs: int
+    group: dist.ProcessGroup
+    """Gloo over the whole torchrun world (global ranks)."""
+
+    @property
+    def partner(self) -> int:
+        return self.index + self.num_pairs if self.rollout else self.index
+
+
+_roles: Roles | None = None
+
+
+def roles() -> Roles:
+    assert _roles is not None, "one_step roles are set up by split_world() before the Trainer is built"
+    return _roles
+
+
+def split_world(config: JobConfig, timeout_s: float = 1800.0) -> Roles:
+    """Join the whole world's gloo group, then make the trainer half an R-rank job: its
+    `init_distributed` (inside the Trainer) sees RANK / WORLD_SIZE of the trainer ranks only."""
+    global _roles
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    R = config.rollout.rollout_ranks
+    if world != 2 * R:
+        raise ValueError(
+            f"[rollout] mode = 'one_step' with rollout_ranks = {R} needs {2 * R} ranks ({R} generate, {R} train), "
+            f"got {world}; launch torchrun --nproc_per_node={2 * R} or change rollout.rollout_ranks"
+        )
+    store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world,
+                                  timedelta(seconds=timeout_s))
+    _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)
+    if not _roles.rollout:
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(R)
+        os.environ["LOCAL_RANK"] = str(int(os.environ.get("LOCAL_RANK", rank)) - R)
+    return _roles
+
+
+# ---- transfers between the ranks of a pair ----
+
+def send_object(obj: Any, r: Roles) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    r.group.send([torch.tensor([data.numel()], dtype=torch.int64)], r.partner, 0).wait()
+    r.group.send([data], r.partner, 1).wait()
+
+
+def recv_object(r: Roles) -> Any:
+    size = torch.empty(1, dtype=torch.int64)
+    r.group.recv([size], r.partner, 0).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    r.group.recv([data], r.partner, 1).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+@torch.no_grad()
+def send_weights(model: torch.nn.Module, version: int, r: Roles) -> None:
+    send_object(version, r)
+    for p in model.parameters():
+        r.group.send([p.detach().contiguous().cpu()], r.partner, 2).wait()
+
+
+@torch.no_grad()
+def recv_weights(model: torch.nn.Module, r: Roles) -> int:
+    version = recv_object(r)
+    for p in model.parameters():
+        buf = torch.empty(p.shape, dtype=p.dtype)
+        r.group.recv([buf], r.partner, 2).wait()
+        p.copy_(buf)
+    return version
+
+
+def receives_weights(step: int, start: int, staleness: int) -> bool:
+    """Whether the weights cross before batch `step` (first batch of this run: `start`)."""
+    return staleness == 0 or step == start or step >= start + 2
+
+
+# ---- trainer side ----
+
+class RemoteRolloutCollector(RolloutCollector):
+    """The trainer ranks' `RolloutCollector`: batches come from the paired rollout rank."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start: int | None = None
+        self.last: dict[str, float] = {}
+
+    def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+        r, cfg = roles(), self.config
+        if self.start is None:  # the first step of this run (fresh or resumed)
+            self.start = step
+            send_object({"start": step}, r)
+        weights = self.generator.model  # synced to the policy at this step's start: version step - 1
+        one_step = cfg.rollout.staleness == 1
+        if not one_step or step == self.start:  # this batch is generated with these weights
+            send_weights(weights, step - 1, r)
+        began = time.perf_counter()
+        with timer("wait_rollouts"):
+            out = recv_object(r)
+        if one_step and self.start < step < cfg.training.steps:  # for the batch after this one
+            send_weights(weights, step - 1, r)
+        for f in dataclasses.fields(out["stats"]):
+            setattr(stats, f.name, getattr(out["stats"], f.name))
+        self.lengths, self.decode_steps = out["lengths"], out["decode_steps"]
+        self.last = {"lag": float(step - 1 - out["version"]), "wait_s": time.perf_counter() - began,
+                     "rollout_generate_s": out["seconds"].get("generate", 0.0),
+                     "rollout_reward_s": out["seconds"].get("reward", 0.0), "rollout_idle_s": out["idle_s"]}
+        return out["train"], out["generated"]
+
+    def metrics(self) -> dict[str, float]:
+        s = self.last
+        lag_max, gen_s, idle_s = self.trainer.dp_max([s["lag"], s["rollout_generate_s"], s["rollout_idle_s"]])
+        (wait_s,) = self.trainer.dp_max([s["wait_s"]])
+        return {**super().metrics(), "version_lag_max": lag_max, "rollout_generate_s": gen_s,
+                "rollout_idle_s": idle_s, "trainer_wait_s": wait_s}
+
+
+# ---- rollout side ----
+
+@dataclass
+class _Shard:
+    dp_rank: int
+    dp_size: int
+
+
+@dataclass
+class RolloutHost:
+    """What `RolloutCollector` needs of a Trainer, on a rollout rank (no model to train)."""
+
+    config: JobConfig
+    dims: _Shard
+    tokenizer: Any
+    encode_prompt: Any
+    device: torch.device
+
+
+class RolloutWorker:
+    """A rollout rank: its own generator, reward workers and data shard; generates and scores
+    batches for its trainer rank and takes the new weights as they come."""
+
+    def __init__(self, config: JobConfig) -> None:
+        from titanrl.components.launch import model_args
+        from titanrl.data.encode import PromptEncoder, fit_prompts
+        from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader
+        from titanrl.generator import Generator
+        from titanrl.models.hf import read_generation_eos_ids
+        from titanrl.models.tokenizer import build_tokenizer
+        from titanrl.recipes.rl import prompt_data
+        from titanrl.rewards.runner import RewardRunner
+
+        r, cfg = roles(), config
+        self.config, self.roles = config, r
+        set_determinism(cfg.job.seed, cfg.job.deterministic)
+        tokenizer = build_tokenizer(cfg.model.tokenizer)
+        args = model_args(cfg, tokenizer.vocab_size)
+        encode = PromptEncoder.from_config(cfg.data, cfg.model.tokenizer, tokenizer)
+        device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+        task, train, held_out = prompt_data(cfg)
+        train, _ = fit_prompts(cfg, args.max_seq_len, encode, train, held_out)
+        self.generator = Generator(args, cfg.generator, device, tokenizer=tokenizer,
+                                   dtype=getattr(torch, cfg.training.mixed_precision_param),
+                                   extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
+        reward_fn = task
+        if cfg.reward.function:
+            from titanrl.components.plugins import load_object
+            reward_fn = load_object(cfg.reward.function, "reward.function")
+        rw = cfg.reward
+        self.rewards = RewardRunner(reward_fn, rw.num_workers, rw.timeout_s, rw.failure_reward, rw.memory_limit_mb)
+        from titanrl.algorithms import get_algorithm
+        baseline = get_algorithm(cfg.algorithm.name)(cfg.algorithm).needs_baseline_rollout
+        host = RolloutHost(cfg, _Shard(r.index, r.num_pairs), tokenizer, encode, device)
+        self.collector = RolloutCollector(host, self.generator, self.rewards, None, None, baseline)
+        stream = DatasetStream(train, cfg.job.seed) if train else TaskStream(task, cfg.job.seed)
+        self.loader = build_prompt_loader(stream, cfg.training.batch_size, r.index, r.num_pairs)
+        self.watchdog = Watchdog(cfg.job.phase_timeout_s, -1)
+
+    def run(self) -> None:
+        from titanrl.recipes.rl import RLStats
+
+        r, cfg = self.roles, self.config
+        start = recv_object(r)["start"]
+        batches = iter(self.loader)
+        for _ in range(start - 1):  # a resumed run: the batches trained before its checkpoint
+            next(batches)
+        version, idle = 0, 0.0
+        try:
+            for step in range(start, cfg.training.steps + 1):
+                if receives_weights(step, start, cfg.rollout.staleness):
+                    began = time.perf_counter()
+                    version = recv_weights(self.generator.model, r)
+                    idle = time.perf_counter() - began
+                    if self.generator.allocator is not None:  # cached prefixes hold old weights' K/V
+                        self.generator.allocator.reset_prefix_cache()
+                stats, timer = RLStats(), PhaseTimer(self.watchdog, self.generator.device)
+                train, generated = self.collector.collect(batches, step, timer, stats)
+                send_object({"train": train, "generated": generated, "stats": stats, "version": version,
+                             "lengths": self.collector.lengths, "decode_steps": self.collector.decode_steps,
+                             "seconds": dict(timer.seconds), "idle_s": idle}, r)
+                idle = 0.0
+        finally:
+            self.rewards.close()
