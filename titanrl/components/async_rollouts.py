@@ -64,7 +64,13 @@ def roles() -> Roles:
     return _roles
 
 
-def split_world(config: JobConfig, timeout_s: float = 1800.0) -> Roles:
+# A rollout rank waits for its trainer through model building, SFT warm-up, evaluations and
+# checkpoints: the pair's transfers must not time out on those (the trainer's watchdog catches
+# real hangs, and torchrun ends the job when either side dies).
+_PAIR_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
     """Join the whole world's gloo group, then make the trainer half an R-rank job: its
     `init_distributed` (inside the Trainer) sees RANK / WORLD_SIZE of the trainer ranks only."""
     global _roles
@@ -80,9 +86,8 @@ def split_world(config: JobConfig, timeout_s: float = 1800.0) -> Roles:
     group = dist.ProcessGroupGloo(dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world,
                                   timedelta(seconds=timeout_s))
     _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)
-    if not _roles.rollout:
+    if not _roles.rollout:  # LOCAL_RANK stays: it picks this process's own GPU
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(R)
-        os.environ["LOCAL_RANK"] = str(int(os.environ.get("LOCAL_RANK", rank)) - R)
     return _roles
 
 
@@ -110,13 +115,20 @@ def send_weights(model: torch.nn.Module, version: int, r: Roles) -> None:
 
 
 @torch.no_grad()
-def recv_weights(model: torch.nn.Module, r: Roles) -> int:
+def recv_weights(model: torch.nn.Module, r: Roles) -> int | None:
+    """The weights' version, or None: the trainer stopped (STOP instead of weights)."""
     version = recv_object(r)
+    if version is STOP:
+        return None
     for p in model.parameters():
         buf = torch.empty(p.shape, dtype=p.dtype)
         r.group.recv([buf], r.partner, 2).wait()
         p.copy_(buf)
     return version
+
+
+STOP = None
+"""Sent where the rollout rank expects the start message or weights: the trainer is done."""
 
 
 def receives_weights(step: int, start: int, staleness: int) -> bool:
@@ -132,20 +144,27 @@ class RemoteRolloutCollector(RolloutCollector):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.start: int | None = None
+        self.step = 0
+        """Last step whose batch was received."""
         self.last: dict[str, float] = {}
 
     def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         r, cfg = roles(), self.config
+        next(batches)  # the rollout rank draws this batch; the checkpointed loader stays in step
+        self.generator.sleep()  # only its weights are used here (sent to the rollout rank): no KV pool
         if self.start is None:  # the first step of this run (fresh or resumed)
             self.start = step
             send_object({"start": step}, r)
-        weights = self.generator.model  # synced to the policy at this step's start: version step - 1
+        # The generator was synced to the policy at this step's start: weights version step - 1
+        # (versions count completed training steps).
+        weights = self.generator.model
         one_step = cfg.rollout.staleness == 1
         if not one_step or step == self.start:  # this batch is generated with these weights
             send_weights(weights, step - 1, r)
         began = time.perf_counter()
         with timer("wait_rollouts"):
             out = recv_object(r)
+        self.step = step
         if one_step and self.start < step < cfg.training.steps:  # for the batch after this one
             send_weights(weights, step - 1, r)
         for f in dataclasses.fields(out["stats"]):
@@ -155,6 +174,19 @@ class RemoteRolloutCollector(RolloutCollector):
                      "rollout_generate_s": out["seconds"].get("generate", 0.0),
                      "rollout_reward_s": out["seconds"].get("reward", 0.0), "rollout_idle_s": out["idle_s"]}
         return out["train"], out["generated"]
+
+    def close(self) -> None:
+        """Release the rollout rank: after the last step it ends by itself; before (a stop on a
+        signal, or a resumed run with nothing left to train) it is told to stop, once the batch
+        it is sending (staleness 1) has been received."""
+        r, steps = roles(), self.config.training.steps
+        if self.start is not None and self.step >= steps:
+            return
+        if self.start is not None and self.config.rollout.staleness == 1:
+            recv_object(r)  # batch step + 1, generated while step trained
+            if self.step + 1 >= steps:  # it was the last: the rollout rank is done
+                return
+        send_object(STOP, r)
 
     def metrics(self) -> dict[str, float]:
         s = self.last
@@ -197,13 +229,21 @@ class RolloutWorker:
         from titanrl.recipes.rl import prompt_data
         from titanrl.rewards.runner import RewardRunner
 
+        from titanrl.components.launch import StopSignals, die_with_launcher
+
         r, cfg = roles(), config
         self.config, self.roles = config, r
+        die_with_launcher()
+        # SIGTERM / SIGUSR1 go to every rank: the trainer ranks stop at a step boundary with a
+        # checkpoint and then stop this rank (`RemoteRolloutCollector.close`); it must not die first.
+        self.stop_signals = StopSignals()
         set_determinism(cfg.job.seed, cfg.job.deterministic)
         tokenizer = build_tokenizer(cfg.model.tokenizer)
         args = model_args(cfg, tokenizer.vocab_size)
         encode = PromptEncoder.from_config(cfg.data, cfg.model.tokenizer, tokenizer)
         device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         task, train, held_out = prompt_data(cfg)
         train, _ = fit_prompts(cfg, args.max_seq_len, encode, train, held_out)
         self.generator = Generator(args, cfg.generator, device, tokenizer=tokenizer,
@@ -227,24 +267,31 @@ class RolloutWorker:
         from titanrl.recipes.rl import RLStats
 
         r, cfg = self.roles, self.config
-        start = recv_object(r)["start"]
+        message = recv_object(r)
+        if message is STOP:
+            return self.rewards.close()
+        start = message["start"]
         batches = iter(self.loader)
         for _ in range(start - 1):  # a resumed run: the batches trained before its checkpoint
             next(batches)
         version, idle = 0, 0.0
         try:
             for step in range(start, cfg.training.steps + 1):
+                began = time.perf_counter()
                 if receives_weights(step, start, cfg.rollout.staleness):
-                    began = time.perf_counter()
                     version = recv_weights(self.generator.model, r)
-                    idle = time.perf_counter() - began
+                    if version is None:  # the trainer stopped early
+                        break
                     if self.generator.allocator is not None:  # cached prefixes hold old weights' K/V
                         self.generator.allocator.reset_prefix_cache()
+                idle += time.perf_counter() - began
                 stats, timer = RLStats(), PhaseTimer(self.watchdog, self.generator.device)
                 train, generated = self.collector.collect(batches, step, timer, stats)
+                began = time.perf_counter()
                 send_object({"train": train, "generated": generated, "stats": stats, "version": version,
                              "lengths": self.collector.lengths, "decode_steps": self.collector.decode_steps,
                              "seconds": dict(timer.seconds), "idle_s": idle}, r)
-                idle = 0.0
+                # Waiting for the trainer to take the batch is idle too: reported with the next one.
+                idle = time.perf_counter() - began
         finally:
             self.rewards.close()

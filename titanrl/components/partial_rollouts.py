@@ -165,17 +165,22 @@ class PartialRolloutCollector(RolloutCollector):
 
     def state_dict(self) -> dict[str, Any]:
         dims = self.trainer.dims
-        return {"dp_size": dims.dp_size, "in_flight": self.in_flight, "drawn": self.drawn}
+        return {"layout": _layout(dims), "in_flight": self.in_flight, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
-        if state["dp_size"] != self.trainer.dims.dp_size:  # another rank's share: not ours to continue
+        # Another layout: the groups are another data shard's, or TP peers would disagree.
+        if state["layout"] != _layout(self.trainer.dims):
             if self.trainer.rank == 0:
-                print(f"partial rollouts: {len(state['in_flight'])} groups in flight were saved with "
-                      f"{state['dp_size']} data-parallel ranks, not {self.trainer.dims.dp_size}: dropped", flush=True)
+                print(f"partial rollouts: the groups in flight were saved with another parallel layout "
+                      f"({state['layout']}, now {_layout(self.trainer.dims)}): dropped", flush=True)
             return
         self.in_flight, self.drawn = state["in_flight"], state["drawn"]
+
+
+def _layout(dims) -> dict[str, int]:
+    return {"dp_rank": dims.dp_rank, "dp_size": dims.dp_size, "tp": dims.tp}
 
 
 def _resumed(groups: list[Group]) -> list[ResumedSample]:

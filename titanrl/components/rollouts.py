@@ -101,6 +101,9 @@ class RolloutCollector:
     def load_state_dict(self, state: dict) -> None:
         pass
 
+    def close(self) -> None:
+        """End of the run (one-step: releases the rollout rank)."""
+
     def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
                  ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
         """Completions of `samples` and, with an environment, their episodes' rewards; or with

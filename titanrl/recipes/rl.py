@@ -393,6 +393,7 @@ class RLRecipe(Recipe):
         return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total, "eval_reward_failures": failures}
 
     def close(self) -> None:
+        self.rollouts.close()
         self.rewards.close()
         if self.envs is not None:
             self.envs.close()

@@ -118,8 +118,14 @@ class RewardRunner:
 
     def begin(self) -> None:
         """Start a batch whose items come in several `submit` calls (e.g. as the generator
-        finishes samples, so that scoring overlaps decoding); `finish` returns its results."""
-        self._warm_up()
+        finishes samples, so that scoring overlaps decoding); `finish` returns its results. The
+        first batch waits for the workers to load the function (a module that cannot load is a
+        clear error at once); later ones start the workers lost meanwhile and go on while they
+        load (they take work once ready)."""
+        if self._loaded:
+            self._replace_lost()
+        else:
+            self._warm_up()
         self._batch = _Batch(deaths=[0] * self.num_workers)
 
     def submit(self, items: list[RewardItem]) -> None:
@@ -191,13 +197,18 @@ class RewardRunner:
                 self._slots[slot] = self._start() if b.deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
         return True
 
-    def _warm_up(self) -> None:
-        """Start the workers the last batch lost; wait until every worker has loaded the function."""
+    def _replace_lost(self) -> None:
+        """Start the workers the last batch lost (a worker still busy with a sample of a batch an
+        exception cut short is killed first)."""
         for slot, w in enumerate(self._slots):
-            if w is not None and w.sample is not None:  # still busy from a batch an exception cut short
+            if w is not None and w.sample is not None:
                 w.kill()
                 self._slots[slot] = None
         self._start_missing()
+
+    def _warm_up(self) -> None:
+        """Start the workers the last batch lost; wait until every worker has loaded the function."""
+        self._replace_lost()
         give_up = time.monotonic() + _START_TIMEOUT_S
         while any(w is not None and not w.ready for w in self._slots):
             left = give_up - time.monotonic()
