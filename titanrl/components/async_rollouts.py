@@ -30,11 +30,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from titanrl.components.rollouts import RolloutCollector, Rollouts
+from titanrl.algorithms import get_algorithm
+from titanrl.components.launch import StopSignals, die_with_launcher, local_device, model_args
+from titanrl.components.rollouts import RolloutCollector, Rollouts, build_generator, build_reward_runner
 from titanrl.components.timer import PhaseTimer
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
-from titanrl.distributed import device_type, set_determinism
+from titanrl.data.encode import PromptEncoder, fit_prompts
+from titanrl.data.prompts import build_prompt_loader, prompt_stream
+from titanrl.distributed import set_determinism
+from titanrl.models.tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     from titanrl.recipes.rl import RLStats
@@ -171,8 +176,7 @@ class RemoteRolloutCollector(RolloutCollector):
             setattr(stats, f.name, getattr(out["stats"], f.name))
         self.lengths, self.decode_steps = out["lengths"], out["decode_steps"]
         self.last = {"lag": float(step - 1 - out["version"]), "wait_s": time.perf_counter() - began,
-                     "rollout_generate_s": out["seconds"].get("generate", 0.0),
-                     "rollout_reward_s": out["seconds"].get("reward", 0.0), "rollout_idle_s": out["idle_s"]}
+                     "rollout_generate_s": out["seconds"].get("generate", 0.0), "rollout_idle_s": out["idle_s"]}
         return out["train"], out["generated"]
 
     def close(self) -> None:
@@ -190,8 +194,8 @@ class RemoteRolloutCollector(RolloutCollector):
 
     def metrics(self) -> dict[str, float]:
         s = self.last
-        lag_max, gen_s, idle_s = self.trainer.dp_max([s["lag"], s["rollout_generate_s"], s["rollout_idle_s"]])
-        (wait_s,) = self.trainer.dp_max([s["wait_s"]])
+        lag_max, gen_s, idle_s, wait_s = self.trainer.dp_max(
+            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]])
         return {**super().metrics(), "version_lag_max": lag_max, "rollout_generate_s": gen_s,
                 "rollout_idle_s": idle_s, "trainer_wait_s": wait_s}
 
@@ -220,16 +224,7 @@ class RolloutWorker:
     batches for its trainer rank and takes the new weights as they come."""
 
     def __init__(self, config: JobConfig) -> None:
-        from titanrl.components.launch import model_args
-        from titanrl.data.encode import PromptEncoder, fit_prompts
-        from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader
-        from titanrl.generator import Generator
-        from titanrl.models.hf import read_generation_eos_ids
-        from titanrl.models.tokenizer import build_tokenizer
-        from titanrl.recipes.rl import prompt_data
-        from titanrl.rewards.runner import RewardRunner
-
-        from titanrl.components.launch import StopSignals, die_with_launcher
+        from titanrl.recipes.rl import prompt_data  # the recipes import this module's collector
 
         r, cfg = roles(), config
         self.config, self.roles = config, r
@@ -241,26 +236,18 @@ class RolloutWorker:
         tokenizer = build_tokenizer(cfg.model.tokenizer)
         args = model_args(cfg, tokenizer.vocab_size)
         encode = PromptEncoder.from_config(cfg.data, cfg.model.tokenizer, tokenizer)
-        device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+        device = local_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
         task, train, held_out = prompt_data(cfg)
         train, _ = fit_prompts(cfg, args.max_seq_len, encode, train, held_out)
-        self.generator = Generator(args, cfg.generator, device, tokenizer=tokenizer,
-                                   dtype=getattr(torch, cfg.training.mixed_precision_param),
-                                   extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
-        reward_fn = task
-        if cfg.reward.function:
-            from titanrl.components.plugins import load_object
-            reward_fn = load_object(cfg.reward.function, "reward.function")
-        rw = cfg.reward
-        self.rewards = RewardRunner(reward_fn, rw.num_workers, rw.timeout_s, rw.failure_reward, rw.memory_limit_mb)
-        from titanrl.algorithms import get_algorithm
+        self.generator = build_generator(cfg, args, device, tokenizer)
+        self.rewards = build_reward_runner(cfg, task)
         baseline = get_algorithm(cfg.algorithm.name)(cfg.algorithm).needs_baseline_rollout
         host = RolloutHost(cfg, _Shard(r.index, r.num_pairs), tokenizer, encode, device)
         self.collector = RolloutCollector(host, self.generator, self.rewards, None, None, baseline)
-        stream = DatasetStream(train, cfg.job.seed) if train else TaskStream(task, cfg.job.seed)
-        self.loader = build_prompt_loader(stream, cfg.training.batch_size, r.index, r.num_pairs)
+        self.loader = build_prompt_loader(prompt_stream(train, task, cfg.job.seed), cfg.training.batch_size, r.index,
+                                          r.num_pairs)
         self.watchdog = Watchdog(cfg.job.phase_timeout_s, -1)
 
     def run(self) -> None:

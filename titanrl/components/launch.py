@@ -149,8 +149,12 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
         print(to_toml(config))
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size)
-    device = torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
-    return rank, dims, device
+    return rank, dims, local_device()
+
+
+def local_device() -> torch.device:
+    """This process's device: its torchrun LOCAL_RANK's GPU, else the CPU."""
+    return torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
 
 
 def model_args(config: JobConfig, vocab_size: int) -> TransformerModelArgs:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from titanrl.components.rollouts import RolloutCollector, Rollouts
 from titanrl.components.timer import PhaseTimer
 from titanrl.envs.tasks import Sample
-from titanrl.generator import Completion, GenerationStats, ResumedSample, SamplingParams
+from titanrl.generator import Completion, GenerationStats, ResumedSample
 
 if TYPE_CHECKING:
     from titanrl.recipes.rl import RLStats
@@ -38,7 +38,7 @@ class SampleState:
     logprobs: list[float]
     """Behaviour logprob of each token: under the weights that sampled it."""
     versions: list[int]
-    """Weight version (optimizer updates applied) that sampled each token."""
+    """Weight version that sampled each token (training steps completed before it)."""
     finish_reason: str | None = None
     """None while paused."""
 
@@ -77,11 +77,7 @@ class PartialRolloutCollector(RolloutCollector):
         groups = list(self.in_flight)
         while len(groups) < cfg.rollout.oversample * quota:
             groups.extend(self._new_groups(next(batches)))
-        params = SamplingParams(
-            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
-            seed=hash((cfg.job.seed, step, 0)) & 0x7FFF_FFFF,
-        )
+        params = self.sampling_params(step, 0)
         with timer("generate"):
             completions, gen_stats = self.generator.generate(
                 [g.prompt for g in groups], params, [g.prompt_id for g in groups], resume=_resumed(groups),

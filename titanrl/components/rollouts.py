@@ -19,19 +19,43 @@ import torch.distributed as dist
 
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
 from titanrl.components.checkpoint import fault_active
+from titanrl.components.plugins import load_object
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.batch import build_sequence_batch, trim_padding
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.rollout import MultiTurnRollout
-from titanrl.envs.tasks import Sample
+from titanrl.envs.tasks import Sample, Task
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
+from titanrl.models.args import TransformerModelArgs
+from titanrl.models.hf import read_generation_eos_ids
 from titanrl.models.model import Transformer
 from titanrl.models.scalar_head import sequence_scores
 from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from titanrl.config import JobConfig
+    from titanrl.models.tokenizer import Tokenizer
     from titanrl.recipes.rl import RLStats
     from titanrl.trainer import Trainer
+
+
+def build_generator(config: JobConfig, model_args: TransformerModelArgs, device: torch.device, tokenizer: Tokenizer,
+                    tp_mesh: DeviceMesh | None = None) -> Generator:
+    """The job's generator (its [generator] section, the training precision, the checkpoint's eos ids)."""
+    return Generator(model_args, config.generator, device, tp_mesh=tp_mesh, tokenizer=tokenizer,
+                     dtype=getattr(torch, config.training.mixed_precision_param),
+                     extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint))
+
+
+def build_reward_runner(config: JobConfig, task: Task) -> RewardRunner:
+    """Reward workers running reward.function, else the task's verifier."""
+    r = config.reward
+    reward_fn = load_object(r.function, "reward.function") if r.function else task
+    if r.function and not callable(reward_fn):
+        raise ValueError(f"reward.function '{r.function}' is not callable")
+    return RewardRunner(reward_fn, r.num_workers, r.timeout_s, r.failure_reward, r.memory_limit_mb)
 
 
 @dataclass
@@ -103,6 +127,15 @@ class RolloutCollector:
 
     def close(self) -> None:
         """End of the run (one-step: releases the rollout rank)."""
+
+    def sampling_params(self, step: int, round_idx: int) -> SamplingParams:
+        """G samples per prompt with the [generator] section's settings, seeded by (job, step, round)."""
+        cfg = self.config
+        return SamplingParams(
+            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
+            seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
+        )
 
     def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
                  ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
@@ -183,11 +216,7 @@ class RolloutCollector:
         """Generate G samples per prompt with the current weights (and a baseline rollout when
         the algorithm needs one), then score them."""
         cfg, dims = self.config, self.trainer.dims
-        params = SamplingParams(
-            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
-            seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
-        )
+        params = self.sampling_params(step, round_idx)
         # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
         prompt_ids = [i * dims.dp_size + dims.dp_rank for i in range(len(samples))]
         with timer("generate"):

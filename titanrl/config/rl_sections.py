@@ -357,7 +357,7 @@ class Rollout:
     the new weights, beside that step's new prompts. Only complete groups are trained on; each
     token's behaviour logprob is the one of the weights that sampled it, and the off-policy
     correction (algorithm.off_policy_correction 'tis' or 'mis') weighs it. Paused samples are
-    saved in checkpoints (resume on the same number of data-parallel ranks continues them)."""
+    saved in checkpoints (a resume with the same data-parallel and TP layout continues them)."""
 
     oversample: float = 2.0
     """Partial rollouts: groups decoding together, as a multiple of this rank's share of

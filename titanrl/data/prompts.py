@@ -49,6 +49,11 @@ class DatasetStream:
             epoch += 1
 
 
+def prompt_stream(samples: list[Sample] | None, task: Task, seed: int) -> TaskStream | DatasetStream:
+    """The training prompts: a data set's samples, reshuffled each epoch, else the task's endless stream."""
+    return DatasetStream(samples, seed) if samples else TaskStream(task, seed)
+
+
 def build_prompt_loader(stream, global_batch: int, dp_rank: int, dp_size: int) -> tn.Loader:
     if global_batch % dp_size:
         raise ValueError(

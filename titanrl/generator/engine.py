@@ -305,7 +305,6 @@ class Generator:
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
-        sched.stats.decode_slots += out.steps * len(batch)
         for seq, tokens, logprobs, stopped in zip(batch, out.tokens, out.logprobs, out.stopped):
             seq.token_ids.extend(tokens)
             seq.logprobs.extend(logprobs)
@@ -327,7 +326,6 @@ class Generator:
             logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
         sched.stats.decode_tokens += len(batch)
         sched.stats.decode_steps += 1
-        sched.stats.decode_slots += len(batch)
         for seq in batch:
             seq.num_computed = len(seq.token_ids)
         self._sample(sched, batch, logits_NV)

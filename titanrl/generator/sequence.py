@@ -73,11 +73,9 @@ class GenerationStats:
     steps: int = 0
     """Forward steps (prefill or one decode token per running sample)."""
     decode_steps: int = 0
-    """Decode forward steps (each one token for every sample of its batch)."""
-    decode_slots: int = 0
-    """Rows those steps ran (a pass's rows stay until it ends: finished ones ride as padding).
-    On an accelerator a decode step costs about the same at any batch size: decode_steps, not
-    decode_tokens, is what the long tail costs there."""
+    """Decode forward steps (each one token for every sample of its batch). On an accelerator a
+    decode step costs about the same at any batch size: decode_steps, not decode_tokens, is
+    what the long tail costs there."""
     scheduler_passes: int = 0
     """Host scheduling passes; a pass runs up to generator.decode_steps_per_schedule decode steps."""
     seconds: float = 0.0

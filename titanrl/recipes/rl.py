@@ -27,23 +27,21 @@ from titanrl.algorithms.ppo import value_loss
 from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
 from titanrl.components.optimizer import build_optimizer
-from titanrl.components.plugins import load_object
-from titanrl.components.rollouts import Rollouts, rollout_collector_class
+from titanrl.components.rollouts import Rollouts, build_generator, build_reward_runner, rollout_collector_class
 from titanrl.components.stats import StepStats, finite_max, maximum
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
 from titanrl.data.packing import packed_micro_batches, use_packing
-from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
+from titanrl.data.prompts import build_prompt_loader, held_out_split, prompt_stream, samples_from_config
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
-from titanrl.generator import Generator, SamplingParams
-from titanrl.models.hf import read_generation_eos_ids
+from titanrl.generator import SamplingParams
 from titanrl.models.packing import forward_logprobs, forward_values
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
-from titanrl.rewards.runner import RewardItem, RewardOutputLog, RewardRunner, RewardStats
+from titanrl.rewards.runner import RewardItem, RewardOutputLog, RewardStats
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
@@ -126,9 +124,7 @@ class RLRecipe(Recipe):
         self.policy = trainer.model
         # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
-        self.generator = Generator(trainer.model_args, cfg.generator, trainer.device, tp_mesh=tp_mesh,
-                                   tokenizer=trainer.tokenizer, dtype=getattr(torch, cfg.training.mixed_precision_param),
-                                   extra_eos_ids=read_generation_eos_ids(cfg.model.hf_checkpoint))
+        self.generator = build_generator(cfg, trainer.model_args, trainer.device, trainer.tokenizer, tp_mesh)
         self.generator.share_weights(self.policy)  # one rank, full-precision: one set of weights
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
@@ -139,11 +135,8 @@ class RLRecipe(Recipe):
         if self.algorithm.needs_critic:
             self.critic = build_critic(self.policy, trainer.dims, cfg, trainer.device)
             self.critic_optimizer = build_optimizer(self.critic, dataclasses.replace(cfg.optimizer, lr=cfg.critic.lr))
-        reward_fn = load_object(cfg.reward.function, "reward.function") if cfg.reward.function else self.task
-        if cfg.reward.function and not callable(reward_fn):
-            raise ValueError(f"reward.function '{cfg.reward.function}' is not callable")
         r = cfg.reward
-        self.rewards = RewardRunner(reward_fn, r.num_workers, r.timeout_s, r.failure_reward, r.memory_limit_mb)
+        self.rewards = build_reward_runner(cfg, self.task)
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs = None
         if cfg.env.name:
@@ -153,9 +146,8 @@ class RLRecipe(Recipe):
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
         self.rollouts = rollout_collector_class(cfg)(trainer, self.generator, self.rewards, self.envs, reward_model,
                                                      self.algorithm.needs_baseline_rollout)
-        stream = (DatasetStream(self.train_samples, cfg.job.seed) if self.train_samples
-                  else TaskStream(self.task, cfg.job.seed))
-        self.loader = build_prompt_loader(stream, cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)
+        self.loader = build_prompt_loader(prompt_stream(self.train_samples, self.task, cfg.job.seed),
+                                          cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)
 
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
         models = {"reference": self.reference, "critic": self.critic}

@@ -21,7 +21,7 @@ from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.encode import fit_demonstrations
-from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, held_out_split, samples_from_config
+from titanrl.data.prompts import DatasetStream, build_prompt_loader, held_out_split, prompt_stream, samples_from_config
 from titanrl.envs.tasks import Sample, Task, build_task
 from titanrl.models.model import Transformer
 from titanrl.recipes.base import Recipe
@@ -88,8 +88,7 @@ def warmup(trainer: Trainer, task: Task, train_samples: list[Sample] | None) -> 
     optimizer = build_optimizer(trainer.model, OptimizerConfig(
         lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay))
     seed = config.job.seed + cfg.seed_offset
-    stream = DatasetStream(train_samples, seed) if train_samples else TaskStream(task, seed)
-    batches = iter(build_prompt_loader(stream, cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size))
+    batches = iter(build_prompt_loader(prompt_stream(train_samples, task, seed), cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size))
     for step in range(1, cfg.steps + 1):
         out = sft_step(trainer, trainer.model, optimizer, next(batches), step - cfg.steps)
         if step % 25 == 0 or step == cfg.steps:
