@@ -9,6 +9,7 @@ concerns.
 
 from dataclasses import dataclass, field
 
+from titanrl.config.adapt_sections import Distillation, Float8, LoRA
 from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, Rollout, SFTWarmup
 from titanrl.config.sections import (
     ActivationCheckpoint,
@@ -52,6 +53,9 @@ class JobConfig:
     env: Env = field(default_factory=Env)
     sft_warmup: SFTWarmup = field(default_factory=SFTWarmup)
     dpo: DPO = field(default_factory=DPO)
+    lora: LoRA = field(default_factory=LoRA)
+    float8: Float8 = field(default_factory=Float8)
+    distillation: Distillation = field(default_factory=Distillation)
 
     def validate(self) -> None:
         """Run every section's own checks, then the ones that span sections."""

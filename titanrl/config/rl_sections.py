@@ -55,6 +55,12 @@ class Generator:
     transposed; at batch 256 on CPU 2.1x faster than 'sdpa' at head_dim 64, 2.4x at head_dim 16),
     else 'sdpa'."""
 
+    quantize: Literal["none", "int8", "fp8"] = "none"
+    """Quantise the generator's linear weights with torchao at every weight sync ('int8':
+    weight-only int8, CPU and GPU; 'fp8': float8 weights and activations, GPU); the trainer
+    keeps full precision, so sampler and trainer logprobs differ: log the mismatch and correct it
+    with algorithm.off_policy_correction."""
+
     decode_steps_per_schedule: int = 32
     """Decode steps run on device between two scheduler passes (KV blocks reserved ahead, one
     small host read per step, tokens read once per pass); 1 schedules every step."""
@@ -149,6 +155,13 @@ class Algorithm:
 
     is_cap: float = 2.0
     """Cap C of the off-policy importance ratio (tis, mis)."""
+
+    sapo_tau_pos: float = 1.0
+    """SAPO: temperature of the soft gate on tokens with a positive advantage."""
+
+    sapo_tau_neg: float = 1.05
+    """SAPO: temperature of the soft gate on tokens with a negative advantage (the paper's
+    choice is a little above sapo_tau_pos, so negative updates decay faster off-policy)."""
 
     def validate(self) -> None:
         for name in ("ppo_epochs", "num_minibatches", "max_sampling_rounds"):

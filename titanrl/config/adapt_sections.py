@@ -1,0 +1,99 @@
+"""Sections that change how the policy is trained or taught rather than what: LoRA adapters,
+float8 linear layers, and on-policy distillation from a teacher. A docstring under every field;
+each section checks its own fields in `validate()`."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+"""Linear layers of a block that can carry an adapter (HF: q/k/v/o_proj, gate/down/up_proj)."""
+
+
+@dataclass
+class LoRA:
+    enable: bool = False
+    """Train low-rank adapters (Hu et al., arXiv:2106.09685) on the target projections with the
+    base weights frozen: only adapters are in the optimizer and the checkpoint, and the reference
+    policy is the base model with adapters off (no second copy of the weights)."""
+
+    rank: int = 8
+    """Adapter rank r: each target W [out, in] gains B [out, r] @ A [r, in]."""
+
+    alpha: float = 16.0
+    """Adapter scale numerator: the update is (alpha / rank) * B @ A (PEFT's lora_alpha)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input during training (PEFT's lora_dropout)."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
+    """Block projections that get adapters, by titanrl name (wq, wk, wv, wo, w1, w2, w3) or by
+    Hugging Face name (q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj)."""
+
+    generator: Literal["runtime", "merged"] = "runtime"
+    """How the generator serves base + adapter: 'runtime' applies the adapters in its forward and
+    a sync copies only them; 'merged' folds (alpha / rank) * B @ A into a copy of the base weights
+    at every sync (plain matmuls while decoding, a second copy of the target weights)."""
+
+    export_peft: bool = True
+    """With checkpoint.export_hf, also write a PEFT adapter folder (`adapter_config.json` +
+    `adapter_model.safetensors`) beside the merged HF checkpoint."""
+
+    def validate(self) -> None:
+        if not self.enable:
+            return
+        if self.rank < 1:
+            raise ValueError(f"[lora] rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"[lora] alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"[lora] dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("[lora] target_modules is empty; name at least one projection, e.g. ['wq', 'wv']")
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Train the block linears in float8 with dynamic tensorwise scaling through torchao
+    (`convert_to_float8_training`, as TorchTitan's [float8]); the generator stays in the
+    trainer's precision."""
+
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """torchao float8 scaling recipe: one scale per tensor, or one per row (more accurate)."""
+
+    enable_fsdp_float8_all_gather: bool = False
+    """FSDP2 all-gathers the float8-cast weights instead of the high-precision ones (tensorwise)."""
+
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers left in high precision (fully qualified name contains one of these)."""
+
+    def validate(self) -> None:
+        if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
+            raise ValueError("[float8] enable_fsdp_float8_all_gather needs recipe = 'tensorwise'")
+
+
+@dataclass
+class Distillation:
+    teacher_hf_checkpoint: str = ""
+    """Hugging Face folder of the teacher (same tokenizer and vocabulary as the student); empty
+    turns on-policy distillation off."""
+
+    coef: float = 1.0
+    """Weight of the distillation advantage -(log pi_student - log pi_teacher) per token."""
+
+    task_reward_coef: float = 0.0
+    """Weight of the algorithm's task-reward advantages mixed in (0: pure distillation)."""
+
+    divergence: Literal["reverse_kl", "jsd"] = "reverse_kl"
+    """'reverse_kl': per-token advantage -(log pi_s - log pi_t) on the student's samples (Agarwal
+    et al. GKD, Thinking Machines' on-policy distillation); 'jsd': GKD's generalised
+    Jensen-Shannon divergence with weight jsd_beta, over the full vocabulary."""
+
+    jsd_beta: float = 0.5
+    """Interpolation weight of the generalised JSD (0 -> forward KL, 1 -> reverse KL)."""
+
+    def validate(self) -> None:
+        if self.coef < 0 or self.task_reward_coef < 0:
+            raise ValueError("[distillation] coef and task_reward_coef must be >= 0")
+        if not 0.0 < self.jsd_beta < 1.0:
+            raise ValueError(f"[distillation] jsd_beta must be in (0, 1), got {self.jsd_beta}")
