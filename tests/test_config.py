@@ -140,6 +140,8 @@ def _value_strategy(tp):
         return st.floats(min_value=1e-6, max_value=0.9, allow_nan=False)
     if tp is str:
         return st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=12)
+    if typing.get_origin(tp) is list:  # names (lora.target_modules, float8.filter_fqns)
+        return st.lists(st.text("abcdefgw0123_", min_size=1, max_size=6), min_size=1, max_size=3)
     raise AssertionError(tp)
 
 

@@ -71,7 +71,8 @@ def convert_value(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     if get_origin(tp) is list:
         (elem_tp,) = get_args(tp)
         if from_cli and isinstance(value, str):
-            items = [v.strip() for v in value.strip("[]").split(",") if v.strip()]
+            # `--k=a,b` or Python's repr of a list (`--k=['a', 'b']`, what a round trip writes).
+            items = [v.strip().strip("'\"") for v in value.strip("[]").split(",") if v.strip()]
         elif isinstance(value, list):
             items = value
         else:
