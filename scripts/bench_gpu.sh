@@ -6,12 +6,79 @@
 # ("vllm": "not installed" otherwise); one JSON. Budget: under 8 minutes (the RL step and vLLM
 # get what is left of --budget-s, each under its own cap). CI runs `--dry-run` (tiny model, CPU).
 #
+# Then, on a GPU only, the float8 section (under 150 s): a compiled bf16 training step of the
+# Qwen2.5-1.5B shape built by titanrl's `build_model`, without and with `--float8.enable=true`
+# (torchao float8 block linears, tensorwise), printing tokens/s of each and the speedup as one
+# JSON line. `--float8-only` runs just that section (about 2 minutes with start-up).
+#
 #   bash scripts/bench_gpu.sh [--dry-run] [--out benchmarks/bench_gpu.json] [--compile] [--vllm-eager]
+#   bash scripts/bench_gpu.sh --float8-only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --dry-run "* ]] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
   echo "bench_gpu.sh: no CUDA device visible; use --dry-run on a CPU machine" >&2
   exit 2
 fi
+
+# Float8 training speed: bf16 vs float8 block linears on the same compiled training step. Never
+# on CPU: CPU float8 matmuls are correct (tests/test_float8.py) but not faster.
+float8_section() {
+  timeout 150 python - <<'PY'
+import json, time
+
+import torch
+
+from titanrl.components.model_builder import build_model
+from titanrl.config.job_config import JobConfig
+from titanrl.distributed import ParallelDims, init_distributed
+from titanrl.models.flavors import get_model_args
+
+FLAVOR, BATCH, SEQ, STEPS = "qwen2.5-1.5b", 4, 2048, 6
+device = torch.device("cuda")
+init_distributed(single_process_group=True)  # FSDP2's bf16 policy needs a (one-rank) mesh
+args = get_model_args(FLAVOR)
+
+
+def tokens_per_s(float8: bool) -> float:
+    config = JobConfig()
+    config.training.mixed_precision_param = "bfloat16"
+    config.compile.enable = True
+    config.float8.enable = float8
+    with torch.device(device):  # the fresh full state dict is initialised on the GPU: seconds, not minutes
+        model = build_model(args, ParallelDims(1, 1, 1, 1), config, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), device=device)
+    times = []
+    for i in range(STEPS + 2):  # 2 warm-up steps (compilation)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logprobs_BT, _ = model.logprobs(tokens[:, :-1], tokens[:, 1:], chunk_tokens=2048)
+        (-logprobs_BT.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del model, opt
+    torch.cuda.empty_cache()
+    return BATCH * SEQ / sorted(times[2:])[len(times[2:]) // 2]
+
+
+bf16 = tokens_per_s(False)
+fp8 = tokens_per_s(True)
+print(json.dumps({"float8_bench": {"model": FLAVOR, "batch": BATCH, "seq": SEQ, "bf16_tokens_per_s": round(bf16),
+                                   "float8_tokens_per_s": round(fp8), "speedup": round(fp8 / bf16, 3)}}), flush=True)
+PY
+}
+
+if [[ " $* " == *" --float8-only "* ]]; then
+  [[ " $* " == *" --dry-run "* ]] && { echo "bench_gpu.sh: --float8-only needs a GPU (no dry run)" >&2; exit 2; }
+  float8_section
+  exit $?
+fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
-exec timeout 480 python scripts/bench_gpu.py --budget-s 450 "$@"
+rc=0
+timeout 480 python scripts/bench_gpu.py --budget-s 450 "$@" || rc=$?
+if [[ " $* " != *" --dry-run "* ]]; then
+  float8_section || echo "bench_gpu.sh: float8 section failed (exit $?)" >&2
+fi
+exit $rc

@@ -1,5 +1,5 @@
-"""Advantages and losses of RLOO, ReMax, REINFORCE++, PPO (GAE, value loss), GSPO, DAPO, TIS/MIS and
-DPO, each against a float64 reference written independently here (plain Python loops)."""
+"""Advantages and losses of RLOO, ReMax, REINFORCE++, PPO (GAE, value loss), GSPO, CISPO, SAPO, DAPO,
+TIS/MIS and DPO, each against a float64 reference written independently here (plain Python loops)."""
 
 import math
 
@@ -8,6 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from titanrl.algorithms import ALGORITHMS
+from titanrl.algorithms.cispo import cispo_loss
 from titanrl.algorithms.common import clipped_pg_loss, importance_weights, masked_whiten, token_rewards
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
 from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
@@ -16,6 +18,9 @@ from titanrl.algorithms.ppo import gae, value_loss
 from titanrl.algorithms.reinforce_pp import discounted_returns, reinforce_pp_advantages
 from titanrl.algorithms.remax import remax_advantages
 from titanrl.algorithms.rloo import rloo_advantages
+from titanrl.algorithms.sapo import sapo_loss
+from titanrl.config import load_config
+from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
 
 
 # ---- RLOO ----
@@ -258,3 +263,205 @@ def test_dpo_loss_matches_float64_reference():
             assert out.chosen_reward_B[i].item() == pytest.approx(beta * (pc[i] - rc[i]).item(), rel=1e-5)
     bt = bradley_terry_loss(torch.tensor([2.0, 0.0]), torch.tensor([0.0, 2.0]))
     assert bt.tolist() == pytest.approx([math.log(1 + math.exp(-2)), math.log(1 + math.exp(2))])
+
+
+# ---- CISPO and SAPO: float64 references (plain loops over tokens, autograd through each term) ----
+
+AGGS = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+def _aggregate_f64(terms, mask, agg):
+    """terms[b][t] is token t's loss (a 0-d tensor); only masked-in tokens count."""
+    n_tokens = sum(m for row in mask for m in row)
+    total = 0.0
+    for b, row in enumerate(mask):
+        kept = [terms[b][t] for t, m in enumerate(row) if m]
+        if agg == "token-mean":
+            total = total + sum(kept) / n_tokens
+        elif agg == "seq-mean-token-mean":
+            total = total + (sum(kept) / len(kept) if kept else 0.0) / len(mask)
+        else:
+            total = total + sum(kept) / len(mask)
+    return total
+
+
+def _k3_f64(lp, ref):
+    return torch.exp(ref - lp) - 1.0 + (lp - ref)
+
+
+def _random_case(seed, per_token_adv):
+    """Logprobs with ratios far enough from 1 to leave any clip range, a reference, IS weights."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(4, 5, generator=g, dtype=torch.float64) * 2
+    old = lp + 0.5 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    ref = lp + 0.3 * torch.randn(4, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 5, generator=g, dtype=torch.float64) if per_token_adv else \
+        torch.tensor([1.5, -0.7, 0.0, 2.0], dtype=torch.float64)
+    is_w = 0.5 + 1.5 * torch.rand(4, 5, generator=g, dtype=torch.float64)
+    return lp, old, ref, adv, is_w
+
+
+def _check_value_and_grad(out, ref_loss, lp, lp_ref):
+    """Loss and d loss / d logprobs agree with the reference to float64 rounding."""
+    assert out.loss.item() == pytest.approx(ref_loss.item(), rel=1e-10, abs=1e-12)
+    out.loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(lp.grad, lp_ref.grad, atol=1e-12, rtol=1e-9)
+
+
+def _cispo_ref(lp_ref, old, adv, ref, is_w, mask, agg, lo, hi, beta):
+    terms = [[None] * lp_ref.shape[1] for _ in range(lp_ref.shape[0])]
+    for b in range(lp_ref.shape[0]):
+        for t in range(lp_ref.shape[1]):
+            a = adv[b, t].item() if adv.dim() == 2 else adv[b].item()
+            ratio = math.exp(lp_ref[b, t].item() - old[b, t].item())  # a float: no gradient flows
+            weight = min(max(ratio, 1 - lo), 1 + hi)
+            terms[b][t] = -weight * a * lp_ref[b, t] * is_w[b, t].item() + beta * _k3_f64(lp_ref[b, t], ref[b, t])
+    return _aggregate_f64(terms, mask.tolist(), agg)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_cispo_loss_and_gradient_match_float64_reference(agg, per_token_adv):
+    lp0, old, ref, adv, is_w = _random_case(11, per_token_adv)
+    lo, hi, beta = 0.2, 0.28, 0.1
+    lp, lp_ref = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    out = cispo_loss(lp, old, adv, MASK.double(), clip_low=lo, clip_high=hi, loss_agg=agg,
+                     num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=ref, kl_coef=beta,
+                     kl_estimator="k3", is_weights_BT=is_w)
+    _check_value_and_grad(out, _cispo_ref(lp_ref, old, adv, ref, is_w, MASK, agg, lo, hi, beta), lp, lp_ref)
+    ratio = torch.exp(lp0 - old)
+    assert out.clipped_tokens.item() == (((ratio < 1 - lo) | (ratio > 1 + hi)).double() * MASK).sum().item() > 0
+    assert out.ratio_max.item() == pytest.approx((ratio * MASK).max().item())
+
+
+def test_cispo_keeps_the_gradient_of_a_token_past_the_clip_and_caps_its_weight():
+    # One token with ratio 2 > 1 + eps_high and A = 1, one on-policy token with A = -1.
+    lp = torch.log(torch.tensor([[0.5, 0.3]], dtype=torch.float64)).requires_grad_()
+    old = torch.log(torch.tensor([[0.25, 0.3]], dtype=torch.float64))
+    adv, mask = torch.tensor([[1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    kw = dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", num_global_tokens=2, num_global_seqs=1)
+    out = cispo_loss(lp, old, adv, mask, **kw)
+    out.loss.backward()
+    # d/d logp of -sg(w) A logp / 2: the weight is capped at 1 + 0.28, not 2, and not zeroed.
+    assert lp.grad.tolist() == [pytest.approx([-1.28 / 2, 1.0 / 2])]
+    assert out.clipped_tokens.item() == 1
+    # PPO's clipped surrogate drops the same token's gradient entirely.
+    lp_ppo = lp.detach().clone().requires_grad_()
+    clipped_pg_loss(lp_ppo, old, adv, mask, **kw).loss.backward()
+    assert lp_ppo.grad[0, 0].item() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-3, 3), min_size=6, max_size=6),
+       st.lists(st.floats(-2, 2, allow_subnormal=False), min_size=6, max_size=6),
+       st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+def test_cispo_every_token_gets_its_clipped_weight_times_advantage(log_ratios, advs, lo, hi):
+    """Property: d loss / d logp_t = -clip(r_t) A_t / N for every token, so no token with A_t != 0
+    ever loses its gradient (the clipped weight is >= max(1 - eps_low, 0) and positive)."""
+    log_r = torch.tensor([log_ratios], dtype=torch.float64)
+    lp = torch.full((1, 6), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([advs], dtype=torch.float64)
+    out = cispo_loss(lp, lp.detach() - log_r, adv, torch.ones(1, 6, dtype=torch.float64), clip_low=lo, clip_high=hi,
+                     loss_agg="token-mean", num_global_tokens=6, num_global_seqs=1)
+    out.loss.backward()
+    for t in range(6):
+        weight = min(max(math.exp(log_ratios[t]), 1 - lo), 1 + hi)
+        assert lp.grad[0, t].item() == pytest.approx(-weight * advs[t] / 6, rel=1e-9, abs=1e-15)
+        assert weight > 0 and (advs[t] == 0 or lp.grad[0, t].item() != 0)
+
+
+def _sapo_ref(lp_ref, old, adv, ref, is_w, mask, agg, tau_pos, tau_neg, beta):
+    terms = [[None] * lp_ref.shape[1] for _ in range(lp_ref.shape[0])]
+    for b in range(lp_ref.shape[0]):
+        for t in range(lp_ref.shape[1]):
+            a = adv[b, t].item() if adv.dim() == 2 else adv[b].item()
+            tau = tau_pos if a > 0 else tau_neg
+            ratio = torch.exp(lp_ref[b, t] - old[b, t])
+            gate = 4.0 / tau / (1.0 + torch.exp(-tau * (ratio - 1.0)))
+            terms[b][t] = -gate * a * is_w[b, t].item() + beta * _k3_f64(lp_ref[b, t], ref[b, t])
+    return _aggregate_f64(terms, mask.tolist(), agg)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_sapo_loss_and_gradient_match_float64_reference(agg, per_token_adv):
+    lp0, old, ref, adv, is_w = _random_case(12, per_token_adv)
+    tau_pos, tau_neg, beta = 0.7, 3.1, 0.1  # far apart, so that a swap of the two would show
+    lp, lp_ref = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    out = sapo_loss(lp, old, adv, MASK.double(), tau_pos=tau_pos, tau_neg=tau_neg, loss_agg=agg,
+                    num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=ref, kl_coef=beta,
+                    kl_estimator="k3", is_weights_BT=is_w)
+    _check_value_and_grad(out, _sapo_ref(lp_ref, old, adv, ref, is_w, MASK, agg, tau_pos, tau_neg, beta), lp, lp_ref)
+    assert out.ratio_max.item() == pytest.approx((torch.exp(lp0 - old) * MASK).max().item())
+
+
+def _sapo_token_grad(log_ratio, adv, tau_pos, tau_neg):
+    """d loss / d logp of one token with ratio exp(log_ratio) and advantage adv."""
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    out = sapo_loss(lp, lp.detach() - log_ratio, torch.tensor([adv], dtype=torch.float64),
+                    torch.ones(1, 1, dtype=torch.float64), tau_pos=tau_pos, tau_neg=tau_neg, loss_agg="token-mean",
+                    num_global_tokens=1, num_global_seqs=1)
+    out.loss.backward()
+    return lp.grad.item(), out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(0.05, 20.0), st.floats(0.05, 20.0), st.floats(-3.0, 3.0).filter(lambda a: abs(a) > 1e-3))
+def test_sapo_on_policy_gradient_is_the_policy_gradient(tau_pos, tau_neg, adv):
+    """At r = 1 the gate's slope is 1 whatever tau: the gradient is -A grad log pi, the unclipped
+    policy gradient (which the clipped surrogate also has at r = 1)."""
+    grad, _ = _sapo_token_grad(0.0, adv, tau_pos, tau_neg)
+    assert grad == pytest.approx(-adv, rel=1e-12)
+    lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
+    clipped_pg_loss(lp, lp.detach(), torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
+                    clip_low=0.2, clip_high=0.2, loss_agg="token-mean", num_global_tokens=1,
+                    num_global_seqs=1).loss.backward()
+    assert grad == pytest.approx(lp.grad.item(), rel=1e-12)
+
+
+def test_sapo_gate_decays_away_from_ratio_one():
+    # d loss / d logp = -4 s (1 - s) r A with s = sigmoid(tau (r - 1)): smooth, largest near r = 1.
+    for adv in (1.0, -1.0):
+        grads = {r: abs(_sapo_token_grad(math.log(r), adv, 1.0, 1.05)[0]) for r in (1e-3, 0.5, 1.0, 4.0, 10.0, 30.0)}
+        assert grads[1.0] == pytest.approx(1.0)
+        assert grads[10.0] < 0.01 and grads[30.0] < 1e-9 and grads[1e-3] < 0.01
+        assert grads[30.0] < grads[10.0] < grads[4.0]
+        assert all(g > 0 for g in grads.values())  # attenuated, never cut off
+    # A ratio of 4 has been damped past half of its importance-weighted gradient (w = 4 s (1 - s)).
+    _, out = _sapo_token_grad(math.log(4.0), 1.0, 1.0, 1.05)
+    assert out.clipped_tokens.item() == 1
+    _, out = _sapo_token_grad(math.log(1.5), 1.0, 1.0, 1.05)
+    assert out.clipped_tokens.item() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(-3.0, 1.5).filter(lambda x: abs(x) > 1e-2), st.floats(0.1, 3.0), st.floats(1.01, 3.0))
+def test_sapo_negative_advantages_decay_faster_with_a_larger_tau_neg(log_ratio, tau_pos, factor):
+    """tau_neg > tau_pos: off-policy (r != 1) a negative-advantage token's gradient is smaller than
+    a positive one's of the same |A|; on-policy they are equal; the loss uses tau by sign of A."""
+    tau_neg = tau_pos * factor
+    grad_pos, out_pos = _sapo_token_grad(log_ratio, 1.0, tau_pos, tau_neg)
+    grad_neg, out_neg = _sapo_token_grad(log_ratio, -1.0, tau_pos, tau_neg)
+    assert grad_pos < 0 < grad_neg and abs(grad_neg) < abs(grad_pos)
+    r = math.exp(log_ratio)
+    assert out_pos.loss.item() == pytest.approx(-4 / tau_pos / (1 + math.exp(-tau_pos * (r - 1))), rel=1e-12)
+    assert out_neg.loss.item() == pytest.approx(4 / tau_neg / (1 + math.exp(-tau_neg * (r - 1))), rel=1e-12)
+    assert _sapo_token_grad(0.0, -1.0, tau_pos, tau_neg)[0] == pytest.approx(-_sapo_token_grad(0.0, 1.0, tau_pos,
+                                                                                               tau_neg)[0])
+
+
+def test_cispo_and_sapo_are_registered_and_read_their_config():
+    lp0, old, ref, adv, is_w = _random_case(13, False)
+    cfg = AlgorithmConfig(clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum",
+                          sapo_tau_pos=0.5, sapo_tau_neg=2.0)
+    kw = dict(num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=None, is_weights_BT=None)
+    got = ALGORITHMS["cispo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
+    want = _cispo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 1.0, 0.1, 0.0)
+    assert got == pytest.approx(want.item(), rel=1e-10)
+    got = ALGORITHMS["sapo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
+    want = _sapo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 0.5, 2.0, 0.0)
+    assert got == pytest.approx(want.item(), rel=1e-10)
+    for name in ("sapo_tau_pos", "sapo_tau_neg"):
+        with pytest.raises(ValueError, match=f"'sapo' needs {name} > 0"):
+            load_config(["--algorithm.name=sapo", f"--algorithm.{name}=0"])

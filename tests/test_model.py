@@ -37,13 +37,14 @@ def test_flavor_param_counts(flavor):
     assert abs(n / 1e6 - PUBLISHED_PARAMS_M[flavor]) < 1.0
 
 
-def test_debug_flavor_is_small_and_fits_byte_tokenizer():
+@pytest.mark.parametrize("flavor, low, high", [("debug", 1e6, 10e6), ("debug-large", 8e6, 15e6)])
+def test_debug_flavors_are_small_and_fit_byte_tokenizer(flavor, low, high):
     from titanrl.models.tokenizer import ByteTokenizer
 
-    args = flavors["debug"]
+    args = flavors[flavor]
     with torch.device("meta"):
         n = sum(p.numel() for p in Transformer(args).parameters())
-    assert 1e6 < n < 10e6
+    assert low < n < high
     assert args.vocab_size >= ByteTokenizer().vocab_size
 
 

@@ -29,6 +29,8 @@ RECIPES = {
     "dapo": ["sampling_rounds", "dropped_groups", "sampling_short_groups"],
     "gspo": [],
     "dr_grpo": [],
+    "cispo": [],
+    "sapo": [],
 }
 # The PPO recipe trains the critic alone for 5 steps; here for 1 (step 1 has no policy update).
 # RLOO also runs with truncated importance sampling, to exercise the off-policy correction.

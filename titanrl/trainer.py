@@ -23,6 +23,7 @@ from torch import nn
 
 from titanrl.components import launch
 from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
+from titanrl.components.float8 import precompute_float8_scales
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.components.profiling import MemorySnapshot, maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -32,7 +33,7 @@ from titanrl.config import JobConfig
 from titanrl.data.batch import micro_batch_plan, num_micro_batches
 from titanrl.data.encode import PromptEncoder
 from titanrl.distributed import all_reduce_values, clip_grad_norm_
-from titanrl.models.hf import export_hf
+from titanrl.models.hf import export_hf, export_lora
 from titanrl.models.tokenizer import build_tokenizer
 from titanrl.recipes import get_recipe
 
@@ -159,6 +160,8 @@ class Trainer:
     def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
         if self.config.checkpoint.export_hf:
             export_hf(self.model, os.path.join(self.config.job.dump_folder, "hf"))
+            if self.config.lora.enable and self.config.lora.export_peft:
+                export_lora(self.model, self.config)
         if self.rank == 0:
             # .get: a run resumed from an older checkpoint may not have had every eval metric at step 0
             summary = ", ".join(f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
@@ -186,6 +189,8 @@ class Trainer:
             optimizer.zero_grad()
             return float("nan")
         optimizer.step()
+        # float8 all-gather: one all-reduce for every weight's scale instead of one per weight.
+        precompute_float8_scales(model, self.config.float8)
         return grad_norm.item()
 
     def dp_sum(self, values: list[float]) -> list[float]:

@@ -10,19 +10,21 @@ import difflib
 from typing import TYPE_CHECKING
 
 from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+from titanrl.algorithms.cispo import CISPO
 from titanrl.algorithms.grpo import GRPO
 from titanrl.algorithms.gspo import GSPO
 from titanrl.algorithms.ppo import PPO
 from titanrl.algorithms.reinforce_pp import ReinforcePP
 from titanrl.algorithms.remax import ReMax
 from titanrl.algorithms.rloo import RLOO
+from titanrl.algorithms.sapo import SAPO
 from titanrl.components.plugins import load_object
 
 if TYPE_CHECKING:
     from titanrl.config.job_config import JobConfig
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
-    cls.name: cls for cls in (GRPO, RLOO, ReMax, ReinforcePP, GSPO, PPO)
+    cls.name: cls for cls in (GRPO, RLOO, ReMax, ReinforcePP, GSPO, CISPO, SAPO, PPO)
 }
 
 

@@ -69,6 +69,10 @@ class Algorithm:
     needs_baseline_rollout: ClassVar[bool] = False
     """The recipe also generates one greedy completion per prompt and passes its reward in."""
 
+    token_advantages: ClassVar[bool] = True
+    """`loss` takes per-token advantages [B, T] as well as per-sequence ones [B] (what on-policy
+    distillation's per-token advantages need)."""
+
     group_baseline: ClassVar[bool] = True
     """Advantages are relative to the sample's own group, so a group of equal rewards carries no
     signal (what makes DAPO's dynamic sampling meaningful)."""

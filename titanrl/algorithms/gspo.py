@@ -53,6 +53,7 @@ class GSPO(Algorithm):
     """Group-relative advantages with one clipped ratio per sequence (`gspo_loss`)."""
 
     name = "gspo"
+    token_advantages = False  # one ratio, so one advantage, per sequence
 
     @classmethod
     def validate(cls, config, critic_algorithms: list[str]) -> None:

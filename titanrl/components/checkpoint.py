@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanrl.models.lora import has_lora, is_lora_key
+
 _STEP_DIR = re.compile(r"step-(\d+)")
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
 _NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
@@ -232,7 +234,7 @@ class CheckpointManager:
         state = _state(models, optimizers)
         dcp.load(state, checkpoint_id=path)
         for name, model in models.items():
-            set_model_state_dict(model, state[name])
+            set_model_state_dict(model, state[name], options=_model_options(model))
         for name, optimizer in optimizers.items():
             set_optimizer_state_dict(models[name], optimizer, state[_optimizer_key(name)])
         # Host state is the same on every rank of a job: all ranks walk the same global data
@@ -291,8 +293,23 @@ def _optimizer_key(model_name: str) -> str:
     return "optimizer" if model_name == "model" else f"optimizer_{model_name}"
 
 
+def _model_options(model: nn.Module) -> StateDictOptions:
+    """A LoRA model checkpoints its adapters only: the frozen base is rebuilt from its source
+    (model.hf_checkpoint or the seeded init) on resume."""
+    lora = has_lora(model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
+def _model_state(model: nn.Module) -> dict[str, Any]:
+    sd = get_model_state_dict(model, options=_model_options(model))
+    if has_lora(model):
+        # ignore_frozen_params keeps a tied output head (not among named_parameters): drop it too.
+        sd = {k: v for k, v in sd.items() if is_lora_key(k)}
+    return sd
+
+
 def _state(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
-    state: dict[str, Any] = {name: get_model_state_dict(model) for name, model in models.items()}
+    state: dict[str, Any] = {name: _model_state(model) for name, model in models.items()}
     for name, optimizer in optimizers.items():
         state[_optimizer_key(name)] = get_optimizer_state_dict(models[name], optimizer)
     return state

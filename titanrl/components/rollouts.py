@@ -46,7 +46,8 @@ def build_generator(config: JobConfig, model_args: TransformerModelArgs, device:
     """The job's generator (its [generator] section, the training precision, the checkpoint's eos ids)."""
     return Generator(model_args, config.generator, device, tp_mesh=tp_mesh, tokenizer=tokenizer,
                      dtype=getattr(torch, config.training.mixed_precision_param),
-                     extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint))
+                     extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint),
+                     lora=config.lora if config.lora.enable and config.lora.generator == "runtime" else None)
 
 
 def build_reward_runner(config: JobConfig, task: Task) -> RewardRunner:

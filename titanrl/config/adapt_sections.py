@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-"""Linear layers of a block that can carry an adapter (HF: q/k/v/o_proj, gate/down/up_proj)."""
+"""Linear layers of a block that can carry an adapter, and their Hugging Face names (same order)."""
+LORA_HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")
 
 
 @dataclass
@@ -29,10 +30,11 @@ class LoRA:
     """Block projections that get adapters, by titanrl name (wq, wk, wv, wo, w1, w2, w3) or by
     Hugging Face name (q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj)."""
 
-    generator: Literal["runtime", "merged"] = "runtime"
-    """How the generator serves base + adapter: 'runtime' applies the adapters in its forward and
-    a sync copies only them; 'merged' folds (alpha / rank) * B @ A into a copy of the base weights
-    at every sync (plain matmuls while decoding, a second copy of the target weights)."""
+    generator: Literal["merged", "runtime"] = "merged"
+    """How the generator serves base + adapter: 'merged' folds (alpha / rank) * B @ A into its own
+    copy of the weights at every sync (plain matmuls while decoding: 1.1-2.2x the decode tokens/s
+    of 'runtime' on CPU, benchmarks/bench_lora.json); 'runtime' applies the adapters in its
+    forward (on one rank it shares the trainer's storage: no second copy of the weights)."""
 
     export_peft: bool = True
     """With checkpoint.export_hf, also write a PEFT adapter folder (`adapter_config.json` +
@@ -49,6 +51,10 @@ class LoRA:
             raise ValueError(f"[lora] dropout must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
             raise ValueError("[lora] target_modules is empty; name at least one projection, e.g. ['wq', 'wv']")
+        for name in self.target_modules:
+            if name not in LORA_TARGETS + LORA_HF_TARGETS:
+                raise ValueError(f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
+                                 f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})")
 
 
 @dataclass
@@ -62,10 +68,19 @@ class Float8:
     """torchao float8 scaling recipe: one scale per tensor, or one per row (more accurate)."""
 
     enable_fsdp_float8_all_gather: bool = False
-    """FSDP2 all-gathers the float8-cast weights instead of the high-precision ones (tensorwise)."""
+    """FSDP2 all-gathers the float8-cast weights instead of the high-precision ones (tensorwise);
+    ignored on a single data-parallel rank, where nothing is all-gathered. Every block is then
+    resharded after its forward (whatever parallelism.fsdp_reshard_after_forward says): an
+    unsharded float8 weight cannot be checkpointed or copied."""
 
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers left in high precision (fully qualified name contains one of these)."""
+    """Linear layers left in high precision (fully qualified name contains one of these). Only the
+    block projections are ever converted (embeddings and the output head never are), and a
+    projection whose dims are not multiples of 16 stays in high precision too."""
+
+    emulate: bool = False
+    """Emulate the float8 matmuls (float8-cast operands, float32 matmul) instead of
+    `torch._scaled_mm`: for GPUs without float8 support (before SM89); same casts, no speedup."""
 
     def validate(self) -> None:
         if self.enable_fsdp_float8_all_gather and self.recipe != "tensorwise":
@@ -79,7 +94,8 @@ class Distillation:
     turns on-policy distillation off."""
 
     coef: float = 1.0
-    """Weight of the distillation advantage -(log pi_student - log pi_teacher) per token."""
+    """Weight of the distillation advantage -(log pi_student - log pi_teacher) per token
+    ('reverse_kl'), or of the JSD loss term ('jsd'): A_t = task_reward_coef * A_task + coef * A_distill."""
 
     task_reward_coef: float = 0.0
     """Weight of the algorithm's task-reward advantages mixed in (0: pure distillation)."""
@@ -87,7 +103,10 @@ class Distillation:
     divergence: Literal["reverse_kl", "jsd"] = "reverse_kl"
     """'reverse_kl': per-token advantage -(log pi_s - log pi_t) on the student's samples (Agarwal
     et al. GKD, Thinking Machines' on-policy distillation); 'jsd': GKD's generalised
-    Jensen-Shannon divergence with weight jsd_beta, over the full vocabulary."""
+    Jensen-Shannon divergence with weight jsd_beta, over the full vocabulary at every completion
+    position, as a loss term (coef x its token mean; the advantages keep only the task term), in
+    chunks of training.logprob_chunk_tokens; one rank without FSDP for now
+    (`titanrl/components/distillation.py`)."""
 
     jsd_beta: float = 0.5
     """Interpolation weight of the generalised JSD (0 -> forward KL, 1 -> reverse KL)."""
@@ -95,5 +114,8 @@ class Distillation:
     def validate(self) -> None:
         if self.coef < 0 or self.task_reward_coef < 0:
             raise ValueError("[distillation] coef and task_reward_coef must be >= 0")
+        if self.teacher_hf_checkpoint and self.coef == 0 and self.task_reward_coef == 0:
+            raise ValueError("[distillation] coef and task_reward_coef are both 0: nothing would be learned; "
+                             "set coef > 0")
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"[distillation] jsd_beta must be in (0, 1), got {self.jsd_beta}")

@@ -56,10 +56,9 @@ class Generator:
     else 'sdpa'."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
-    """Quantise the generator's linear weights with torchao at every weight sync ('int8':
-    weight-only int8, CPU and GPU; 'fp8': float8 weights and activations, GPU); the trainer
-    keeps full precision, so sampler and trainer logprobs differ: log the mismatch and correct it
-    with algorithm.off_policy_correction."""
+    """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;
+    'fp8': float8, CUDA capability >= 8.9; not with tp > 1); embedding, LM head and trainer keep full precision:
+    gen_logprob_diff / mismatch_kl show the sampler/trainer gap, algorithm.off_policy_correction corrects it."""
 
     decode_steps_per_schedule: int = 32
     """Decode steps run on device between two scheduler passes (KV blocks reserved ahead, one
@@ -70,13 +69,13 @@ class Generator:
             raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")
         if self.compile and self.batch_invariant:
             raise ValueError("[generator] compile and batch_invariant cannot be combined; pick one")
+        if self.quantize != "none" and self.batch_invariant:
+            raise ValueError(f"[generator] quantize='{self.quantize}' and batch_invariant cannot be combined; pick one")
         for name in ("block_size", "max_num_seqs", "max_new_tokens", "max_num_batched_tokens", "decode_steps_per_schedule"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(
-                f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
-            )
+            raise ValueError(f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.temperature < 0:
             raise ValueError(f"[generator] temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -90,18 +89,18 @@ class Algorithm:
     name: str = "grpo"
     """Advantage estimator and policy loss, from the registry in `titanrl/algorithms/` (one file
     each): 'grpo' (group mean/std; also Dr.GRPO and DAPO, see their recipes), 'rloo'
-    (leave-one-out), 'remax' (baseline: reward of one extra greedy completion per prompt),
-    'reinforce_pp' (globally whitened token returns), 'gspo' (sequence-level ratio), 'ppo' (GAE
-    with a learned critic: needs [critic] enable = true); or your own as 'package.module:Class'."""
+    (leave-one-out), 'remax' (greedy-completion baseline), 'reinforce_pp' (whitened token returns),
+    'gspo' (sequence ratio), 'cispo' (clipped IS weight), 'sapo' (soft gate instead of a clip), 'ppo'
+    (GAE with a learned critic: needs [critic] enable = true); or your own as 'package.module:Class'."""
 
     group_size: int = 8
     """Samples generated per prompt; advantages are normalised within each group."""
 
     clip_eps_low: float = 0.2
-    """Lower PPO clip range: ratios below 1 - clip_eps_low are clipped."""
+    """Lower PPO clip range: ratios below 1 - clip_eps_low are clipped ('cispo': IS-weight floor, none if >= 1)."""
 
     clip_eps_high: float = 0.2
-    """Upper PPO clip range (clip-higher when larger than clip_eps_low)."""
+    """Upper PPO clip range (clip-higher when larger than clip_eps_low; 'cispo': the weight's cap)."""
 
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference model; 0 skips the reference model."""

@@ -13,9 +13,10 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -26,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed.parallel_dims import ParallelDims
+from titanrl.models.lora import LoRALinear, freeze_base, has_lora
 from titanrl.models.model import Transformer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,6 +36,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
+    if has_lora(model):
+        # After TP (its styles make new parameters, trainable by default), before FSDP2 groups them.
+        freeze_base(model)
     if job_config.activation_checkpoint.mode != "none":
         apply_ac(model, job_config.activation_checkpoint.mode, job_config.activation_checkpoint.selective_ac_option)
     if job_config.compile.enable:
@@ -92,7 +97,34 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
 
     block_plan = _block_tp_plan(args, residual, sequence_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        plan = {path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
+                for path, style in block_plan.items()}
+        parallelize_module(block, tp_mesh, plan)
+
+
+class LoRAParallel(ParallelStyle):
+    """A column- or row-wise style for a `LoRALinear`: the base weight as the style shards it,
+    the adapters so that their product has the base weight's placement. Column-wise (W Shard(0)):
+    A [r, in] replicated, B [out, r] Shard(0). Row-wise (W Shard(1)): A Shard(1), B replicated,
+    so x_shard A_shard^T is a partial sum that the style's output reduction adds up with x W^T."""
+
+    def __init__(self, base: ColwiseParallel | RowwiseParallel) -> None:
+        super().__init__()
+        self.base = base
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, LoRALinear), type(module)
+        lora_a, lora_b, dropout = module.lora_a, module.lora_b, module.lora_dropout
+        # The base styles treat the module's children as linears of their own: detach them.
+        del module.lora_a, module.lora_b, module.lora_dropout
+        parallelize_module(module, device_mesh, self.base)
+        colwise = isinstance(self.base, ColwiseParallel)
+        placements = (Replicate(), Shard(0)) if colwise else (Shard(1), Replicate())
+        for child, placement in zip((lora_a, lora_b), placements):
+            child.weight = nn.Parameter(distribute_tensor(child.weight, device_mesh, [placement]),
+                                        requires_grad=child.weight.requires_grad)
+        module.lora_a, module.lora_b, module.lora_dropout = lora_a, lora_b, dropout
+        return module
 
 
 def _block_tp_plan(args, residual, sequence_parallel: bool) -> dict:

@@ -16,8 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
 from titanrl.generator.decode import DecodeRows, decode_step, run_decode_pass
@@ -26,10 +26,11 @@ from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
-from titanrl.generator.weight_sync import copy_trainer_weights, share_trainer_weights
+from titanrl.generator.weight_sync import build_quantizer, copy_trainer_weights, share_trainer_weights, weight_storage
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.hf import load_hf_weights
+from titanrl.models.lora import add_lora
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
@@ -57,16 +58,19 @@ class Generator:
         tp_mesh: DeviceMesh | None = None,
         tokenizer: Tokenizer | None = None,
         dtype: torch.dtype = torch.float32,
+        lora: LoRAConfig | None = None,
     ) -> None:
         config.validate()
         self.args = model_args
         self.config = config
+        self.lora = lora
         self.device = device
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
+        self.quantizer = build_quantizer(config.quantize, device, dtype, self.tp)  # before the model
         self.model = self._build_model(tp_mesh)
         self.shares_weights = False
         self._decode_model = self.model
@@ -90,11 +94,16 @@ class Generator:
     def _build_model(self, tp_mesh: DeviceMesh | None) -> Transformer:
         with torch.device("meta"):
             model = Transformer(self.args)
+            if self.lora is not None:
+                add_lora(model, self.lora)  # same names and shards as the trainer's adapters
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
         model.to_empty(device=self.device)
         model.init_weights(buffer_device=self.device)
-        return model.to(self.dtype).eval().requires_grad_(False)
+        model = model.to(self.dtype).eval().requires_grad_(False)
+        if self.quantizer is not None:
+            self.quantizer.quantize_model_(model)  # quantised tensors allocated once; syncs rewrite them
+        return model
 
     # ---- memory: time-slicing with the trainer ----
 
@@ -132,8 +141,7 @@ class Generator:
         self.pool = None
         self.allocator = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
-            for p in self.model.parameters():
-                local = p.to_local() if isinstance(p, DTensor) else p
+            for local in weight_storage(self.model):
                 self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
                 local.data = torch.empty(0, dtype=local.dtype, device=self.device)
         if self.device.type == "cuda":
@@ -147,8 +155,8 @@ class Generator:
 
     def load_weights(self, trainer_model: nn.Module) -> None:
         """Copy the trainer's current weights into this generator's tensors, in place
-        (see `weight_sync.copy_trainer_weights`)."""
-        copy_trainer_weights(self.model, trainer_model)
+        (see `weight_sync.copy_trainer_weights`); quantised weights are re-quantised from them."""
+        copy_trainer_weights(self.model, trainer_model, self.quantizer)
         # Cached prefix blocks hold K/V computed with the old weights.
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
@@ -156,8 +164,9 @@ class Generator:
     def share_weights(self, trainer_model: nn.Module) -> bool:
         """Use the trainer's parameter storage as this generator's weights when their layouts
         match (one rank, no FSDP / TP, same dtype): no second copy, and `load_weights` has
-        nothing to copy. Returns whether they are shared (see `weight_sync.share_trainer_weights`)."""
-        self.shares_weights = share_trainer_weights(self.model, trainer_model)
+        nothing to copy. Returns whether they are shared (see `weight_sync.share_trainer_weights`);
+        never with `quantize`: the generator holds its own quantised weights."""
+        self.shares_weights = self.quantizer is None and share_trainer_weights(self.model, trainer_model)
         return self.shares_weights
 
     def load_hf(self, folder: str) -> None:

@@ -14,6 +14,11 @@ flavors: dict[str, TransformerModelArgs] = {
         family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768,
         vocab_size=264, qk_norm=True, tie_word_embeddings=True, max_seq_len=256,
     ),
+    # A teacher for the debug model (on-policy distillation recipe): ~3x its parameters.
+    "debug-large": TransformerModelArgs(
+        family="qwen3", dim=384, n_layers=6, n_heads=6, n_kv_heads=2, hidden_dim=1152,
+        vocab_size=264, qk_norm=True, tie_word_embeddings=True, max_seq_len=256,
+    ),
     "qwen2.5-0.5b": TransformerModelArgs(
         family="qwen2", dim=896, n_layers=24, n_heads=14, n_kv_heads=2, hidden_dim=4864,
         vocab_size=_QWEN_VOCAB, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True,

@@ -4,9 +4,13 @@ Supported `model_type`s: llama, qwen2, qwen3 (the `*ForCausalLM` layouts). Weigh
 one-to-one; q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import re
+
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -18,6 +22,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
+from titanrl.models.lora import is_lora_key, lora_modules, merge_lora_state_dict
+
+if TYPE_CHECKING:
+    from titanrl.config.job_config import JobConfig
 
 # family -> (HF model_type, HF architecture)
 _HF_FAMILIES = {
@@ -274,18 +282,21 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     Every rank reads the files (a shared filesystem is assumed) and keeps only its shard.
     """
     sd = from_hf_state_dict(load_safetensors_folder(folder), model.args)
-    expected = set(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
+    keys = set(get_model_state_dict(model, options=StateDictOptions(full_state_dict=False)))
+    expected = {k for k in keys if not is_lora_key(k)}  # LoRA adapters are not in a base checkpoint
     missing, unexpected = expected - set(sd), set(sd) - expected
     if missing or unexpected:
         raise ValueError(
             f"HF checkpoint '{folder}' does not match the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]} (is config.json from the same model?)"
         )
-    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=expected == keys))
 
 
-def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Gather the full model on rank 0 and write config.json + safetensors there.
+def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
+              merge_lora: bool = True) -> None:
+    """Gather the full model on rank 0 and write config.json + safetensors there; LoRA adapters
+    are merged into their base weights, or left out with `merge_lora=False` (the base model).
 
     Collective: every rank must call it.
     """
@@ -293,7 +304,49 @@ def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32,
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         return
+    sd = merge_lora_state_dict(sd, model) if merge_lora else {k: v for k, v in sd.items() if not is_lora_key(k)}
     hf_sd = {k: v.to(dtype) for k, v in to_hf_state_dict(sd, model.args).items()}
     save_safetensors_folder(hf_sd, folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf_config_from_args(model.args, dtype), f, indent=2)
+
+
+def export_peft_adapter(model: nn.Module, folder: str, rank: int, alpha: float, dropout: float,
+                        base_model: str = "") -> None:
+    """Write `model`'s LoRA adapters as a PEFT adapter folder (`adapter_config.json` +
+    `adapter_model.safetensors`, PEFT's key layout) that `peft.PeftModel.from_pretrained` loads
+    onto the HF export of the base model. Collective: every rank must call it."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rank_id = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank_id != 0:
+        return
+    adapters, targets = {}, set()
+    for name, _ in lora_modules(model):
+        hf_name = _map_name(f"{name}.weight", _TITAN_TO_HF)
+        assert hf_name is not None, name
+        targets.add(hf_name.split(".")[-2])
+        stem = "base_model.model." + hf_name.removesuffix(".weight")
+        adapters[f"{stem}.lora_A.weight"] = sd[f"{name}.lora_a.weight"]
+        adapters[f"{stem}.lora_B.weight"] = sd[f"{name}.lora_b.weight"]
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.detach().contiguous().clone() for k, v in adapters.items()},
+              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(targets),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+    }
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def export_lora(model: nn.Module, config: JobConfig) -> None:
+    """`<dump_folder>/peft_adapter` for `model.hf_checkpoint` as the base, or, for a model trained
+    from scratch, also its base weights in `<dump_folder>/hf_base`. Collective."""
+    base = config.model.hf_checkpoint
+    if not base:
+        base = os.path.join(config.job.dump_folder, "hf_base")
+        export_hf(model, base, merge_lora=False)
+    lora = config.lora
+    export_peft_adapter(model, os.path.join(config.job.dump_folder, "peft_adapter"), lora.rank, lora.alpha,
+                        lora.dropout, base_model=os.path.abspath(base))

@@ -79,11 +79,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
                 grad_logits_CV = probs_CV.mul_(-g_C[:, None])
                 yield grad_logits_CV.scatter_add_(1, t_C[:, None], g_C[:, None])
 
-        grad_h, grad_w = _linear_backward(ctx.needs_input_grad, h_ND, weight_VD, ctx.chunk, grad_logits())
+        grad_h, grad_w = linear_backward(ctx.needs_input_grad, h_ND, weight_VD, ctx.chunk, grad_logits())
         return grad_h, grad_w, None, None, None
 
 
-def _linear_backward(needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weight_VD: torch.Tensor, chunk: int,
+def linear_backward(needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weight_VD: torch.Tensor, chunk: int,
                      grad_logits_chunks) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(grad h, grad W) of logits = h W^T from each chunk's grad logits [C, V], in the order of
     `h_ND.split(chunk)` (a generator: one chunk's logits live at a time), for the inputs that
@@ -197,7 +197,7 @@ class _VocabParallelChunkedLogprobs(torch.autograd.Function):
                 owned_g_C = torch.where(owned_C, g_C, torch.zeros_like(g_C))
                 yield grad_logits_CV.scatter_add_(1, col_C[:, None], owned_g_C[:, None])
 
-        grad_h, grad_w = _linear_backward(ctx.needs_input_grad, h_ND, weight_VlD, ctx.chunk, grad_logits())
+        grad_h, grad_w = linear_backward(ctx.needs_input_grad, h_ND, weight_VlD, ctx.chunk, grad_logits())
         return grad_h, grad_w, None, None, None, None, None
 
 

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from titanrl.algorithms.dpo import dpo_loss
-from titanrl.components.model_builder import build_model, full_state_dict
+from titanrl.components.model_builder import build_reference
 from titanrl.models.model import Transformer
 from titanrl.recipes.preference import PreferencePair, PreferenceRecipe
 
@@ -35,11 +35,11 @@ class DPORecipe(PreferenceRecipe):
 
     def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
         super().__init__(trainer, data)
-        self.reference = build_model(trainer.model_args, trainer.dims, self.config, trainer.device,
-                                     full_state_dict=full_state_dict(trainer.model)).requires_grad_(False)
+        # A copy of the policy, or a LoRA policy's base (its adapters off).
+        self.reference = build_reference(trainer.model, trainer.dims, self.config, trainer.device)
 
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
-        return {"reference": self.reference}, {}
+        return ({"reference": self.reference} if isinstance(self.reference, nn.Module) else {}), {}
 
     def margins(self, batch: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
         """DPO's implicit reward margin and loss per pair."""

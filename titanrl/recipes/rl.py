@@ -24,8 +24,9 @@ from torch import nn
 from titanrl.algorithms import AdvantageInputs, get_algorithm
 from titanrl.algorithms.common import importance_weights, kl_estimate
 from titanrl.algorithms.ppo import value_loss
+from titanrl.components.distillation import DistillStats, build_distiller
 from titanrl.components.loss import global_token_count
-from titanrl.components.model_builder import build_critic, build_model, build_reward_model, copy_weights, full_state_dict
+from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.rollouts import Rollouts, build_generator, build_reward_runner, rollout_collector_class
 from titanrl.components.stats import StepStats, finite_max, maximum
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
-class RLStats(RewardStats, StepStats):
+class RLStats(DistillStats, RewardStats, StepStats):
     """One RL step's sums (and maxima) on this rank; `reduced` combines the ranks."""
 
     samples: float = 0.0
@@ -122,16 +123,16 @@ class RLRecipe(Recipe):
                                                             *data[1:])
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
-        # The generator first: a KV pool sized from free memory is sized as the policy alone leaves it.
+        self.distiller = build_distiller(cfg, self.algorithm, trainer)  # a frozen teacher, in no checkpoint
+        # The generator next: a KV pool sized from free memory is sized as the policy (and a teacher) leave it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
         self.generator = build_generator(cfg, trainer.model_args, trainer.device, trainer.tokenizer, tp_mesh)
         self.generator.share_weights(self.policy)  # one rank, full-precision: one set of weights
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.
         self.reference = self.critic = self.critic_optimizer = None
-        if self.algorithm.needs_reference:
-            self.reference = build_model(trainer.model_args, trainer.dims, cfg, trainer.device,
-                                         full_state_dict=full_state_dict(self.policy)).requires_grad_(False)
+        if self.algorithm.needs_reference:  # a copy, or a LoRA policy's base (its adapters off)
+            self.reference = build_reference(self.policy, trainer.dims, cfg, trainer.device)
         if self.algorithm.needs_critic:
             self.critic = build_critic(self.policy, trainer.dims, cfg, trainer.device)
             self.critic_optimizer = build_optimizer(self.critic, dataclasses.replace(cfg.optimizer, lr=cfg.critic.lr))
@@ -151,7 +152,7 @@ class RLRecipe(Recipe):
 
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
         models = {"reference": self.reference, "critic": self.critic}
-        return {k: m for k, m in models.items() if m is not None}, (
+        return {k: m for k, m in models.items() if isinstance(m, nn.Module)}, (
             {"critic": self.critic_optimizer} if self.critic is not None else {})
 
     def state_dict(self) -> dict:
@@ -168,7 +169,7 @@ class RLRecipe(Recipe):
             self.trainer.metrics.log(-self.config.sft_warmup.steps,
                                      {"phase": "sft", "eval_accuracy_before_sft": before})
             warmup(self.trainer, self.task, self.train_samples)
-        if self.reference is not None:
+        if isinstance(self.reference, nn.Module):
             copy_weights(self.reference, self.policy)
         if self.critic is not None and not self.config.critic.hf_checkpoint:
             copy_weights(self.critic, self.policy, skip=("output.weight",))
@@ -201,10 +202,14 @@ class RLRecipe(Recipe):
                 batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant, chunk, packing=pack)
             if self.critic is not None:
                 batch["values"] = forward_values(self.critic, batch, pack) * batch["loss_mask"]
+            if self.distiller is not None:
+                self.distiller.add_teacher_logprobs(batch)
 
         # 3. Advantages (and the critic's targets).
         advantages = self.algorithm.advantages(self.advantage_inputs(batch, train))
         batch["advantages"] = advantages.advantages
+        if self.distiller is not None:  # per token [B, T-1]: task_reward_coef * A + coef * A_distill
+            batch["advantages"] = self.distiller.advantages(advantages.advantages, batch, stats)
         if advantages.returns_BT is not None:
             batch["returns"] = advantages.returns_BT
 
@@ -289,7 +294,8 @@ class RLRecipe(Recipe):
                 ref_logprobs_BT=mb["ref_logprobs"] if self.reference is not None else None,
                 is_weights_BT=is_weights if algo.off_policy_correction != "none" else None,
             )
-            trainer.backward(out.loss, step)
+            distill_loss = self.distiller.loss(self.policy, mb, num_tokens, stats) if self.distiller is not None else 0.0
+            trainer.backward(out.loss + distill_loss, step)
             with torch.no_grad():
                 if self.reference is not None:
                     stats.kl += (kl_estimate(logprobs, mb["ref_logprobs"], algo.kl_estimator) * mask).sum().item()
@@ -356,6 +362,7 @@ class RLRecipe(Recipe):
             metrics["greedy_reward"] = s.baseline_reward_sum / s.baseline_samples
         if self.envs is not None:
             metrics.update(env_turns=s.env_turns / n, env_failures=s.env_failures)
+        metrics.update(s.distill_metrics() if self.distiller is not None else {})
         if self.critic is not None:
             metrics.update(value_loss=s.value_loss / max(s.value_tokens, 1.0),
                            value_clip_frac=s.value_clipped / max(s.value_tokens, 1.0),

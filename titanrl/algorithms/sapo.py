@@ -1,0 +1,88 @@
+"""SAPO: soft adaptive policy optimisation — a smooth gate on the ratio instead of a hard clip.
+
+Gao et al. (Qwen), "Soft adaptive policy optimization" (2025), arXiv:2511.20347. With
+group-relative advantages A_i (`grpo.group_advantages`) and r_t = pi(y_t) / pi_old(y_t),
+
+    f(r_t) = sigmoid(tau_t * (r_t - 1)) * 4 / tau_t,   tau_t = tau_pos if A_t > 0 else tau_neg,
+    L_t = -f(r_t) * A_t,
+
+aggregated by `algorithm.loss_agg` (the paper averages per sequence, 1/G sum_i 1/|y_i| sum_t:
+"seq-mean-token-mean"). The gradient is
+
+    grad L_t = -w_t * A_t * r_t * grad log pi(y_t),   w_t = 4 sigmoid(x) (1 - sigmoid(x)), x = tau_t (r_t - 1),
+
+so on-policy (r_t = 1, w_t = 1) it is the plain policy gradient, and as r_t leaves 1 the weight
+decays smoothly to 0, faster for larger tau: no token's gradient is cut off at a boundary as in
+PPO's clip. The paper sets tau_neg > tau_pos (1.05 vs 1.0) because negative updates raise the
+logits of many unsampled tokens and destabilise training sooner. The temperatures are
+`algorithm.sapo_tau_pos` / `sapo_tau_neg`; `clip_eps_low` / `clip_eps_high` are not used.
+"""
+
+import torch
+
+from titanrl.algorithms.common import LossAgg, LossOutput, _finish
+from titanrl.algorithms.grpo import GRPO
+
+
+def sapo_gate(ratio_BT: torch.Tensor, advantages_BT: torch.Tensor, tau_pos: float, tau_neg: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """f(r_t) = sigmoid(tau_t (r_t - 1)) * 4 / tau_t, with tau_t chosen by the sign of A_t, and
+    whether its gradient weight w_t = f'(r_t) = 4 sigmoid (1 - sigmoid) is below 1/2."""
+    # Tensors of the ratio's dtype: python scalars would make a float32 tau even for float64 ratios.
+    tau_BT = torch.where(advantages_BT > 0, ratio_BT.new_tensor(tau_pos), ratio_BT.new_tensor(tau_neg))
+    p_BT = torch.sigmoid(tau_BT * (ratio_BT - 1.0))
+    with torch.no_grad():
+        damped_BT = 4.0 * p_BT * (1.0 - p_BT) < 0.5
+    return p_BT * (4.0 / tau_BT), damped_BT
+
+
+def sapo_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    tau_pos: float,
+    tau_neg: float,
+    loss_agg: LossAgg,
+    num_global_tokens: float,
+    num_global_seqs: float,
+    ref_logprobs_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    is_weights_BT: torch.Tensor | None = None,
+) -> LossOutput:
+    """SAPO's loss; `advantages` per sequence [B] or per token [B, T], `is_weights_BT` the
+    off-policy (generator vs trainer) weights, KL to the reference added as in `clipped_pg_loss`.
+
+    Nothing is clipped; the "clipped" count is of tokens whose gate weight w_t is below 1/2
+    (the gate has at least halved their importance-weighted gradient)."""
+    advantages_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
+    gate_BT, damped_BT = sapo_gate(torch.exp(logprobs_BT - old_logprobs_BT), advantages_BT, tau_pos, tau_neg)
+    pg_BT = -gate_BT * advantages_BT
+    if is_weights_BT is not None:
+        pg_BT = pg_BT * is_weights_BT
+    return _finish(pg_BT, damped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
+                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+
+
+class SAPO(GRPO):
+    """GRPO's group-relative advantages with SAPO's soft-gated loss (`sapo_loss`)."""
+
+    name = "sapo"
+
+    @classmethod
+    def validate(cls, config, critic_algorithms: list[str]) -> None:
+        super().validate(config, critic_algorithms)
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            if not getattr(config.algorithm, name) > 0:  # the gate divides by tau
+                raise ValueError(f"[algorithm] 'sapo' needs {name} > 0, got {getattr(config.algorithm, name)}")
+
+    def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
+             ref_logprobs_BT, is_weights_BT) -> LossOutput:
+        c = self.config
+        return sapo_loss(
+            logprobs_BT, old_logprobs_BT, advantages, mask_BT, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg,
+            loss_agg=c.loss_agg, num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
+            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
+        )
