@@ -156,7 +156,7 @@ def test_offline_recipe_hang_is_reported_by_the_watchdog(tmp_path):
 
 
 def test_registry_names_and_errors():
-    assert set(ALGORITHMS) == {"grpo", "rloo", "remax", "reinforce_pp", "gspo", "ppo"}
+    assert set(ALGORITHMS) == {"grpo", "rloo", "remax", "reinforce_pp", "gspo", "cispo", "sapo", "ppo"}
     with pytest.raises(ValueError, match=r"unknown name 'grpoo'.*Did you mean 'grpo'"):
         load_config(["--algorithm.name=grpoo"])
     with pytest.raises(ValueError, match=r"'torch:Tensor' is not a subclass of .*Algorithm"):

@@ -20,7 +20,7 @@ several mini-batches or epochs (`num_minibatches`, `ppo_epochs`).
 
 import torch
 
-from titanrl.algorithms.common import LossAgg, LossOutput, _finish
+from titanrl.algorithms.common import LossAgg, LossOutput, _finish, per_token
 from titanrl.algorithms.grpo import GRPO
 
 
@@ -52,7 +52,7 @@ def cispo_loss(
     """CISPO's loss; `advantages` per sequence [B] or per token [B, T], `is_weights_BT` the
     off-policy (generator vs trainer) weights, KL to the reference added as in `clipped_pg_loss`.
     The clipped-token count is the number of tokens whose IS weight was capped."""
-    advantages_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
+    advantages_BT = per_token(advantages, logprobs_BT)
     weight_BT, clipped_BT = cispo_weights(logprobs_BT, old_logprobs_BT, clip_low, clip_high)
     pg_BT = -weight_BT * advantages_BT * logprobs_BT
     if is_weights_BT is not None:

@@ -28,6 +28,11 @@ def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estima
     raise ValueError(f"unknown KL estimator '{estimator}'; choose k1, k2 or k3")
 
 
+def per_token(advantages: torch.Tensor, like_BT: torch.Tensor) -> torch.Tensor:
+    """Advantages per sequence [B] broadcast over the tokens of `like_BT`; per token [B, T] as they are."""
+    return advantages[:, None].expand_as(like_BT) if advantages.dim() == 1 else advantages
+
+
 def clipped_surrogate(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -170,7 +175,7 @@ def clipped_pg_loss(
     `advantages` is per sequence [B] or per token [B, T]; w_t are off-policy importance weights
     (`importance_weights`, 1 when None); KL_t one of k1/k2/k3 to the reference policy.
     """
-    advantages_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
+    advantages_BT = per_token(advantages, logprobs_BT)
     pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high)
     if is_weights_BT is not None:
         pg_BT = pg_BT * is_weights_BT

@@ -20,7 +20,7 @@ logits of many unsampled tokens and destabilise training sooner. The temperature
 
 import torch
 
-from titanrl.algorithms.common import LossAgg, LossOutput, _finish
+from titanrl.algorithms.common import LossAgg, LossOutput, _finish, per_token
 from titanrl.algorithms.grpo import GRPO
 
 
@@ -57,7 +57,7 @@ def sapo_loss(
 
     Nothing is clipped; the "clipped" count is of tokens whose gate weight w_t is below 1/2
     (the gate has at least halved their importance-weighted gradient)."""
-    advantages_BT = advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
+    advantages_BT = per_token(advantages, logprobs_BT)
     gate_BT, damped_BT = sapo_gate(torch.exp(logprobs_BT - old_logprobs_BT), advantages_BT, tau_pos, tau_neg)
     pg_BT = -gate_BT * advantages_BT
     if is_weights_BT is not None:

@@ -45,6 +45,7 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
 
 from titanrl.algorithms.base import Algorithm
+from titanrl.algorithms.common import per_token
 from titanrl.components.model_builder import build_model
 from titanrl.data.packing import layout_of
 from titanrl.models.hf import read_hf_config
@@ -67,7 +68,7 @@ def mix_advantages(task_advantages: torch.Tensor, distill_BT: torch.Tensor, mask
                    task_reward_coef: float) -> torch.Tensor:
     """A_t = task_reward_coef * A^task_t + coef * A^distill_t [B, T]; A^task per sequence [B] is
     broadcast over the sequence's tokens."""
-    task_BT = task_advantages[:, None].expand_as(mask_BT) if task_advantages.dim() == 1 else task_advantages
+    task_BT = per_token(task_advantages, mask_BT)
     return (task_reward_coef * task_BT + coef * distill_BT) * mask_BT
 
 

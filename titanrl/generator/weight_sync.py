@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from titanrl.components.float8 import has_float8_all_gather
-from titanrl.models.lora import LoRALinear, has_lora, is_lora_key, lora_modules
+from titanrl.models.lora import LoRALinear, clean_fqn, has_lora, is_lora_key, lora_modules
 
 if TYPE_CHECKING:
     from titanrl.generator.quantize import WeightQuantizer
@@ -77,8 +77,7 @@ def _matched_parameters(generator_model: nn.Module, trainer_model: nn.Module
     merged = not has_lora(generator_model)
     pairs = []
     for name, src in trainer_model.named_parameters():
-        # Activation checkpointing and torch.compile wrap modules; the generator's are bare.
-        name = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        name = clean_fqn(name)  # activation checkpointing and compile wrap modules; the generator's are bare
         if merged and is_lora_key(name):
             continue
         dst = dst_params.pop(name, None)

@@ -106,7 +106,7 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     """(name, module) of every adapted projection, names without wrapper prefixes."""
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
-            yield _clean(name), module
+            yield clean_fqn(name), module
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -165,7 +165,9 @@ def merge_lora_state_dict(sd: dict[str, torch.Tensor], model: nn.Module) -> dict
     return merged
 
 
-def _clean(name: str) -> str:
+def clean_fqn(name: str) -> str:
+    """A module or parameter name without the wrappers' prefixes (activation checkpointing,
+    torch.compile): the name in a bare model and in state dicts."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
