@@ -79,9 +79,10 @@ def _alive(pid: int) -> bool:
     (["--data.task=jsonl", "--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["--reward.function=reward_fns:no_such_function"], "reward_fns:no_such_function"),
     (["--data.task=jsonl", "--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
+    (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
 ])
 def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message):
-    """Config typo, impossible degrees, missing data file, non-UTF-8 data or unimportable reward function, launched with `titanrl run` -> exit 2 and one line on stderr before any rank starts (plain torchrun added its 33-line ChildFailedError block and exit 1)"""
+    """Config typo, impossible degrees, missing data file, non-UTF-8 data, unimportable reward function or missing distillation teacher, launched with `titanrl run` -> exit 2 and one line on stderr before any rank starts (plain torchrun added its 33-line ChildFailedError block and exit 1)"""
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(b'{"prompt": "rev:ab=", "answer": "ba"}\n{"prompt": "caf\xe9", "answer": "x"}\n')
     args = [a.format(latin1=latin1) for a in args]

@@ -76,6 +76,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.config import load_config
     from titanrl.distributed import ParallelDims
     from titanrl.envs.pool import resolve_env
+    from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer
     from titanrl.recipes import get_recipe
 
@@ -85,6 +86,8 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks)
     get_recipe(config.job.recipe).load_data(config)
     launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
+    if config.distillation.teacher_hf_checkpoint:
+        read_hf_config(config.distillation.teacher_hf_checkpoint)  # the teacher's folder exists and parses
     path = config.checkpoint.load_path.rstrip("/")
     if path and not os.path.exists(os.path.join(path, ".metadata")):
         raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
