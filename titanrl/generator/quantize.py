@@ -33,8 +33,10 @@ from torchao.quantization import (
 )
 from torchao.utils import TorchAOBaseTensor
 
+from titanrl.config.adapt_sections import LORA_TARGETS
+
 FP8_MIN_CAPABILITY = (8, 9)
-BLOCK_PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+BLOCK_PROJECTIONS = LORA_TARGETS  # the seven linears of a block, one list for LoRA and quantisation
 
 
 def check_quantize_supported(mode: str, device: torch.device, tp_degree: int) -> None:
