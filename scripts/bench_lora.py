@@ -6,6 +6,10 @@
   1 / 64 / 256: decode tokens/s = batch * (T - 1) / (time for T tokens - time for 1), the two
   alternating within every repetition; plus each one's weight-sync time from a trainer model
   held apart (no shared storage: what every multi-rank run pays).
+- `sync`: weight-sync time on 2 FSDP2 gloo ranks (torchrun, one thread each) for the flavor
+  `--sync_flavor` with rank-16 adapters: a runtime generator's first load (the whole base
+  all-gathered) vs its later loads (only the adapters: the base is frozen), vs a merged
+  generator's load (every load merges and so all-gathers the base).
 - `memory`: AdamW state bytes after one step, full fine-tuning vs LoRA ranks 4 / 16 / 64 on the
   bench model (measured), and trainable parameters for a real flavor (meta device, counted).
 - `curves`: eval_accuracy of a LoRA run and a full-parameter run of GRPO from the same base,
@@ -19,6 +23,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -110,6 +116,44 @@ def bench_generator(batch_sizes: list[int], prompt_len: int, new_tokens: int, re
     return rows
 
 
+def sync_worker(flavor: str, reps: int, out: str) -> None:
+    """One rank of the `sync` section (under torchrun)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = get_model_args(flavor)
+    dims = ParallelDims(1, world, 1, world)
+    trainer = build_model(args, dims, JobConfig(), torch.device("cpu"), lora=_lora_config(16))
+    row = {"flavor": flavor, "ranks": world}
+    for mode in ("runtime", "merged"):
+        gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=8), torch.device("cpu"),
+                        lora=_lora_config(16, mode) if mode == "runtime" else None)
+        times = []
+        for _ in range(reps + 1):
+            dist.barrier()
+            times.append(_time(lambda: gen.load_weights(trainer)))
+        row[f"{mode}_first_load_s"] = times[0]
+        row[f"{mode}_load_s"] = statistics.median(times[1:])
+        del gen
+    row["runtime_later_vs_merged"] = row["merged_load_s"] / row["runtime_load_s"]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def bench_sync(flavor: str, reps: int) -> dict:
+    out = f"/tmp/bench_lora_sync_{os.getpid()}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--sync_worker", "--sync_flavor", flavor, "--reps", str(reps), "--out", out]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(out) as f:
+        row = json.load(f)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def _adam_state_bytes(model: Transformer) -> int:
     optimizer = build_optimizer(model, JobConfig().optimizer)
     model(torch.randint(0, 256, (2, 16))).float().pow(2).mean().backward()
@@ -161,8 +205,12 @@ def main() -> None:
     parser.add_argument("--flavor", default="qwen2.5-7b")
     parser.add_argument("--lora_run", default="/tmp/runs/lora_rl2")
     parser.add_argument("--full_run", default="/tmp/runs/full_rl2")
-    parser.add_argument("--sections", default="generator,memory,curves")
+    parser.add_argument("--sync_flavor", default="qwen2.5-0.5b")
+    parser.add_argument("--sync_worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sections", default="generator,sync,memory,curves")
     args = parser.parse_args()
+    if args.sync_worker:
+        return sync_worker(args.sync_flavor, args.reps, args.out)
     sections = args.sections.split(",")
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -177,6 +225,8 @@ def main() -> None:
                                "new_tokens": args.new_tokens,
                                "rows": bench_generator([int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
                                                        args.new_tokens, args.reps)}
+    if "sync" in sections:
+        report["sync"] = bench_sync(args.sync_flavor, args.reps)
     if "memory" in sections:
         report["memory"] = bench_memory([int(r) for r in args.ranks.split(",")], args.flavor)
     if "curves" in sections:

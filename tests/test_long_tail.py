@@ -50,6 +50,19 @@ def _pause_after(passes: int):
     return pause_when
 
 
+@pytest.mark.parametrize("tokens, logprobs, message", [
+    ([], [], "needs its tokens and their logprobs"),
+    ([3, 4], [-1.0], "needs its tokens and their logprobs"),
+    (list(range(90)), [-1.0] * 90, "already fills the model context"),
+])
+def test_a_malformed_resumed_sample_is_a_clear_error(tokens, logprobs, message):
+    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"))
+    gen.load_weights(_model(0))
+    with pytest.raises(ValueError, match=message):
+        gen.generate(_prompts([6]), SamplingParams(max_new_tokens=4, n=2),
+                     resume=[ResumedSample(0, 1, 7, tokens, logprobs)])
+
+
 def test_pause_and_resume_with_the_same_weights_is_the_uninterrupted_run():
     """Sampled at temperature 1: the resumed samples continue their random streams, so the
     tokens are those of one uninterrupted call (logprobs to float noise of a new batch)."""

@@ -28,6 +28,7 @@ from titanrl.models.lora import (
     LoRALinear,
     adapters_disabled,
     add_lora,
+    freeze_base,
     init_lora,
     merge_lora_state_dict,
     resolve_targets,
@@ -360,6 +361,39 @@ def test_critic_of_a_lora_policy_starts_from_its_merged_weights():
         critic.layers["0"].attention.wq.weight.zero_()
     copy_weights(critic, policy, skip=("output.weight",))  # what a fresh run's `prepare` does
     torch.testing.assert_close(critic.layers["0"].attention.wq.weight, merged["layers.0.attention.wq.weight"])
+
+
+@pytest.mark.parametrize("mode", ["runtime", "merged"])
+def test_generator_loads_the_frozen_base_once_with_runtime_adapters(mode):
+    """Runtime adapters: after the first load only the trainable parameters are copied (the base
+    is frozen; on FSDP2 ranks it is not all-gathered again). A frozen weight changed behind the
+    trainer's back shows it: runtime keeps the first copy, merged re-merges every load."""
+    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.generator import Generator
+
+    targets = ["wq", "wo", "w1", "w2"]
+    trainer = _lora_model(targets=targets)
+    freeze_base(trainer)
+    lora = LoRAConfig(enable=True, rank=4, alpha=8.0, target_modules=targets, generator=mode)
+    gen = Generator(ARGS, GeneratorConfig(num_blocks=64, block_size=8), torch.device("cpu"),
+                    lora=lora if mode == "runtime" else None)  # no share_weights: the generator has its own copy
+    gen.load_weights(trainer)
+    first_norm = gen.model.norm.weight.clone()
+    with torch.no_grad():
+        trainer.norm.weight.add_(1.0)  # frozen: a job never changes it
+        for module in trainer.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_a.weight.add_(0.1)
+    gen.load_weights(trainer)
+    torch.testing.assert_close(gen.model.norm.weight, first_norm if mode == "runtime" else trainer.norm.weight,
+                               atol=0, rtol=0)
+    if mode == "runtime":
+        a_gen = gen.model.layers["0"].attention.wq.lora_a.weight
+        torch.testing.assert_close(a_gen, trainer.layers["0"].attention.wq.lora_a.weight, atol=0, rtol=0)
+    else:
+        merged = merge_lora_state_dict(trainer.state_dict(), trainer)
+        torch.testing.assert_close(gen.model.layers["0"].attention.wq.weight, merged["layers.0.attention.wq.weight"],
+                                   atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("mode", ["runtime", "merged"])

@@ -26,7 +26,8 @@ from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
-from titanrl.generator.weight_sync import build_quantizer, copy_trainer_weights, share_trainer_weights, weight_storage
+from titanrl.generator.weight_sync import (build_quantizer, can_sync_trainable_only, copy_trainer_weights,
+                                          share_trainer_weights, weight_storage)
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.hf import load_hf_weights
@@ -89,6 +90,7 @@ class Generator:
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
 
     def _build_model(self, tp_mesh: DeviceMesh | None) -> Transformer:
@@ -154,9 +156,10 @@ class Generator:
     # ---- weights ----
 
     def load_weights(self, trainer_model: nn.Module) -> None:
-        """Copy the trainer's current weights into this generator's tensors, in place
-        (see `weight_sync.copy_trainer_weights`); quantised weights are re-quantised from them."""
-        copy_trainer_weights(self.model, trainer_model, self.quantizer)
+        """Copy the trainer's weights into this generator's, in place (`weight_sync`): quantised ones
+        are re-quantised; with runtime LoRA, loads after the first copy only the adapters."""
+        copy_trainer_weights(self.model, trainer_model, self.quantizer, trainable_only=self._base_loaded)
+        self._base_loaded = can_sync_trainable_only(self.model)
         # Cached prefix blocks hold K/V computed with the old weights.
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
@@ -172,6 +175,7 @@ class Generator:
     def load_hf(self, folder: str) -> None:
         """Load weights from an HF safetensors folder (standalone use, without a trainer)."""
         load_hf_weights(self.model, folder)
+        self._base_loaded = False
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
 
@@ -224,10 +228,7 @@ class Generator:
         if (resume or pause_when is not None or on_finish is not None) and turns is not None:
             raise ValueError("pause / resume and on_finish do not support multi-turn environments")
         for r in resume:
-            if not r.token_ids or len(r.token_ids) != len(r.logprobs):
-                raise ValueError(f"resumed sample {(r.prompt_index, r.sample_index)} needs its tokens and their logprobs")
-            if len(prompts[r.prompt_index]) + len(r.token_ids) >= self.args.max_seq_len:
-                raise ValueError(f"resumed sample {(r.prompt_index, r.sample_index)} already fills the model context")
+            r.validate(len(prompts[r.prompt_index]), self.args.max_seq_len)
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")

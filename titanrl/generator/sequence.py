@@ -40,6 +40,12 @@ class ResumedSample:
     """Completion tokens so far (at least one)."""
     logprobs: list[float]
 
+    def validate(self, prompt_len: int, max_seq_len: int) -> None:
+        if not self.token_ids or len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"resumed sample {(self.prompt_index, self.sample_index)} needs its tokens and their logprobs")
+        if prompt_len + len(self.token_ids) >= max_seq_len:
+            raise ValueError(f"resumed sample {(self.prompt_index, self.sample_index)} already fills the model context")
+
 
 PauseWhen = Callable[[list[tuple[int, int]], "GenerationStats"], bool]
 """Asked after every scheduler pass with the (prompt, sample) keys finished so far in this call

@@ -29,25 +29,36 @@ def build_quantizer(mode: str, device: torch.device, dtype: torch.dtype, tp_degr
 
 @torch.no_grad()
 def copy_trainer_weights(generator_model: nn.Module, trainer_model: nn.Module,
-                         quantizer: WeightQuantizer | None = None) -> None:
+                         quantizer: WeightQuantizer | None = None, trainable_only: bool = False) -> None:
     """Copy the trainer's current weights into `generator_model`'s tensors, in place; with a
     `quantizer`, the generator's quantised weights are re-quantised from the trainer's values.
 
     FSDP2 units are unsharded once each (one all-gather per unit, not per parameter), which
     leaves TP shards in place: a TP shard lands on the generator's matching TP shard.
-    Transiently the ranks hold the unsharded trainer weights.
+    Transiently the ranks hold the unsharded trainer weights. `trainable_only` copies only the
+    parameters that require grad, each gathered on its own (no unit is unsharded): once the
+    frozen ones have been copied, they cannot have changed (`can_sync_trainable_only`).
     """
     fsdp_units = [m for m in trainer_model.modules() if isinstance(m, FSDPModule)]
-    if has_float8_all_gather(trainer_model):
-        # FSDP2 would unshard float8-cast weights: gather each high-precision shard instead.
+    if has_float8_all_gather(trainer_model) or trainable_only:
+        # float8: FSDP2 would unshard float8-cast weights; trainable_only: unsharding would
+        # all-gather the frozen weights too. Gather each shard that is copied instead.
         fsdp_units = []
     for unit in fsdp_units:
         unit.unshard()
     try:
-        _copy_parameters(generator_model, trainer_model, quantizer)
+        _copy_parameters(generator_model, trainer_model, quantizer, trainable_only)
     finally:
         for unit in fsdp_units:
             unit.reshard()
+
+
+def can_sync_trainable_only(generator_model: nn.Module) -> bool:
+    """Whether, after one full copy, syncs may copy only the trainer's trainable parameters: the
+    generator holds each trainer parameter as it is (LoRA adapters at runtime, not merged into
+    their base), so a frozen parameter's copy stays valid. A quantised base still is: it was
+    quantised from the frozen weight. Merged LoRA folds the changing adapters into the base."""
+    return has_lora(generator_model)
 
 
 @torch.no_grad()
@@ -97,10 +108,14 @@ def _merged_lora_weight(w_local: torch.Tensor, module: LoRALinear) -> torch.Tens
     return torch.addmm(w_local, b, a, alpha=module.scaling)
 
 
-def _copy_parameters(generator_model: nn.Module, trainer_model: nn.Module, quantizer: WeightQuantizer | None) -> None:
+def _copy_parameters(generator_model: nn.Module, trainer_model: nn.Module, quantizer: WeightQuantizer | None,
+                     trainable_only: bool) -> None:
     # Base weights of adapted layers, when the generator serves the merged model.
     to_merge = {} if has_lora(generator_model) else {f"{n}.weight": m for n, m in lora_modules(trainer_model)}
+    assert not (trainable_only and to_merge), "merged LoRA weights change with the adapters: copy them all"
     for name, dst, src in _matched_parameters(generator_model, trainer_model):
+        if trainable_only and not src.requires_grad:
+            continue
         src_local = _gather_data_parallel(src.detach())
         if name in to_merge:
             src_local = _merged_lora_weight(src_local, to_merge[name])
