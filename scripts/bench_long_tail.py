@@ -8,15 +8,20 @@ short SFT warm-up teaches the debug model both, then GRPO samples at temperature
 responses are a few tokens and about `--long_frac` of the groups run to the length cap, as in
 reasoning RL. The JSON records the response-length percentiles measured in each run.
 
-The three modes run the same job (same seed, same warm-up, `--steps` RL steps) under torchrun
-with `--nproc` gloo ranks (one-step: half of them generate, half train); samples/s = samples trained over the RL steps / their wall time (the sum
-of the phase timers, first step excluded: it carries one-time costs). Partial rollouts train
-whichever groups complete (at least the batch), so both modes are compared per trained sample,
-and per trained response token (partial rollouts train the short groups first while the long
-ones are in flight, so over a short run their trained samples are shorter than the workload's).
-Also reported: decode steps per trained sample (the busiest rank's), the cost of generation
-where a decode step costs about the same at any batch size (an accelerator at these sizes); on
-this CPU a step's cost grows with its batch, so samples/s understates what the tail costs there.
+The warm-up runs once (the RL job with `--training.steps=0`, exported as a Hugging Face folder);
+every mode then starts from that folder, so all of them begin from the same policy. The three
+modes run the same job (same seed, `--steps` RL steps) under torchrun with `--nproc` gloo ranks
+(one-step: half of them generate, half train), `--repeats` times each, alternating modes so
+that a slow spell of the machine hits all of them; rates are the median over repeats.
+samples/s = samples trained over the RL steps / their wall time (the sum of the phase timers,
+first step excluded: it carries one-time costs); `steady_*` counts only the second half of the
+steps (partial rollouts start by training the short groups while the long ones are in flight,
+so their first steps are faster than their steady state). Partial rollouts train whichever
+groups complete (at least the batch), so the modes are compared per trained sample and per
+trained response token. Also reported: decode steps per trained sample (the busiest rank's),
+the cost of generation where a decode step costs about the same at any batch size (an
+accelerator at these sizes); on this CPU a step's cost grows with its batch, so samples/s
+understates what the tail costs there.
 """
 
 import argparse
@@ -24,6 +29,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,26 +55,42 @@ def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed
                     + "\n")
 
 
-def run(mode: str, data: str, folder: str, args) -> list[dict]:
-    cmd = [
+def job(data: str, folder: str, args, steps: int) -> list[str]:
+    return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
         "-m", "titanrl.train", f"--job.config_file={os.path.join(REPO, 'train_configs', 'grpo_reverse_debug.toml')}",
         "--data.task=jsonl", f"--data.path={data}", "--data.num_eval_samples=16", "--metrics.eval_freq=0",
-        f"--parallelism.dp_shard={args.nproc}", f"--training.steps={args.steps}",
+        f"--parallelism.dp_shard={args.nproc}", f"--training.steps={steps}",
         f"--training.batch_size={args.batch_size}", f"--algorithm.group_size={args.group_size}",
-        f"--generator.max_new_tokens={args.max_new_tokens}", f"--sft_warmup.steps={args.sft_steps}",
-        "--algorithm.off_policy_correction=tis", f"--job.dump_folder={folder}", "--reward.num_workers=1",
+        f"--generator.max_new_tokens={args.max_new_tokens}", "--algorithm.off_policy_correction=tis",
+        f"--job.dump_folder={folder}", "--reward.num_workers=1",
     ]
+
+
+def launch(cmd: list[str], what: str, nproc: int) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def warm_up(data: str, folder: str, args) -> str:
+    """The SFT warm-up once, exported as a Hugging Face folder every mode starts from."""
+    launch(job(data, folder, args, steps=0) + [f"--sft_warmup.steps={args.sft_steps}", "--checkpoint.export_hf=true"],
+           "warm-up", args.nproc)
+    return os.path.join(folder, "hf")
+
+
+def run(mode: str, data: str, hf: str, folder: str, args) -> list[dict]:
+    cmd = job(data, folder, args, args.steps) + [f"--model.hf_checkpoint={hf}", "--sft_warmup.steps=0",
+                                                 "--checkpoint.enable=false"]
     if mode == "partial":
         cmd += ["--rollout.partial=true", f"--rollout.oversample={args.oversample}"]
     if mode == "one_step":  # the same ranks, split: half generate, half train
         cmd = [c for c in cmd if not c.startswith("--parallelism.dp_shard")]
         cmd += ["--rollout.mode=one_step", f"--rollout.rollout_ranks={args.nproc // 2}",
                 f"--parallelism.dp_shard={args.nproc // 2}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    launch(cmd, mode, args.nproc)
     steps = {}
     for line in open(os.path.join(folder, "metrics.jsonl")):
         r = json.loads(line)
@@ -77,23 +99,27 @@ def run(mode: str, data: str, folder: str, args) -> list[dict]:
     return [steps[s] for s in sorted(steps)]
 
 
-def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
-    timed = steps[1:]
+def rates(timed: list[dict], batch_size: int, group_size: int) -> dict:
     seconds = sum(sum(r.get(p, 0.0) for p in PHASES) for r in timed)
     per_step = [r.get("trained_groups", batch_size) * group_size for r in timed]
     samples = sum(per_step)
     tokens = sum(n * r["response_len"] for n, r in zip(per_step, timed))
+    return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
+            "response_tokens": tokens, "response_tokens_per_s": tokens / seconds,
+            "response_len_trained_mean": tokens / samples, "step_s_mean": seconds / len(timed)}
+
+
+def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
+    timed = steps[1:]
+    whole = rates(timed, batch_size, group_size)
+    steady = rates(steps[len(steps) // 2:], batch_size, group_size)
     return {
-        "samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-        # Partial rollouts train short groups first and carry long ones: over a short run its
-        # trained samples are shorter than the workload's, so tokens/s is the fairer rate.
-        "response_tokens": tokens, "response_tokens_per_s": tokens / seconds,
-        "response_len_trained_mean": tokens / samples,
-        "step_s_mean": seconds / len(timed),
+        **whole,
+        **{f"steady_{k}": v for k, v in steady.items()},
         "generate_s_mean": sum(r.get("time_generate", r.get("rollout_generate_s", 0.0)) for r in timed) / len(timed),
         "train_s_mean": sum(r["time_train"] for r in timed) / len(timed),
         # Decode steps (the busiest rank's) per trained sample: what a latency-bound accelerator pays.
-        "decode_steps_per_sample": sum(r["decode_steps"] for r in timed) / samples,
+        "decode_steps_per_sample": sum(r["decode_steps"] for r in timed) / whole["samples"],
         "response_len_p50": [r["response_len_p50"] for r in steps],
         "response_len_p90": [r["response_len_p90"] for r in steps],
         "response_len_max": [r["response_len_max"] for r in steps],
@@ -104,15 +130,19 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     }
 
 
+RATES = ("samples_per_s", "response_tokens_per_s", "steady_samples_per_s", "steady_response_tokens_per_s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_long_tail.json")
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--group_size", type=int, default=8)
-    parser.add_argument("--max_new_tokens", type=int, default=160)
-    parser.add_argument("--long_frac", type=float, default=0.15)
+    parser.add_argument("--max_new_tokens", type=int, default=224)
+    parser.add_argument("--long_frac", type=float, default=0.06)
     parser.add_argument("--sft_steps", type=int, default=40)
     parser.add_argument("--oversample", type=float, default=2.0)
     args = parser.parse_args()
@@ -126,20 +156,26 @@ def main() -> None:
         "command": "python scripts/bench_long_tail.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
                                                                     if k != "out"),
         "workload": f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
-                    f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps, "
-                    "temperature 1",
+                    f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps "
+                    "(run once, every mode starts from it), temperature 1",
     }
-    for mode in ("sync", "partial", "one_step"):
-        report[mode] = summarise(run(mode, data, os.path.join(work, mode), args), args.batch_size,
-                                 args.group_size)
-        print(mode, json.dumps({k: v for k, v in report[mode].items() if not isinstance(v, list)}), flush=True)
-    report["partial_vs_sync_samples_per_s"] = report["partial"]["samples_per_s"] / report["sync"]["samples_per_s"]
-    report["partial_vs_sync_response_tokens_per_s"] = (report["partial"]["response_tokens_per_s"]
-                                                       / report["sync"]["response_tokens_per_s"])
-    report["one_step_vs_sync_samples_per_s"] = report["one_step"]["samples_per_s"] / report["sync"]["samples_per_s"]
-    report["partial_vs_sync_decode_steps_per_sample"] = (report["sync"]["decode_steps_per_sample"]
-                                                         / report["partial"]["decode_steps_per_sample"])
-    print(json.dumps({k: v for k, v in report.items() if k.startswith("partial_vs")}))
+    hf = warm_up(data, os.path.join(work, "warm_up"), args)
+    modes = ("sync", "partial", "one_step")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for i in range(args.repeats):
+        for mode in modes:
+            runs[mode].append(summarise(run(mode, data, hf, os.path.join(work, f"{mode}_{i}"), args),
+                                        args.batch_size, args.group_size))
+            print(mode, i, json.dumps({k: runs[mode][-1][k] for k in RATES}), flush=True)
+    for mode in modes:
+        report[mode] = {**{k: statistics.median(r[k] for r in runs[mode]) for k in RATES},
+                        "repeats": runs[mode]}
+    for mode in ("partial", "one_step"):
+        for k in RATES:
+            report[f"{mode}_vs_sync_{k}"] = report[mode][k] / report["sync"][k]
+    report["partial_vs_sync_decode_steps_per_sample"] = statistics.median(
+        s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"]))
+    print(json.dumps({k: v for k, v in report.items() if "_vs_" in k}, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 
