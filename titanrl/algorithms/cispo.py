@@ -55,10 +55,8 @@ def cispo_loss(
     advantages_BT = per_token(advantages, logprobs_BT)
     weight_BT, clipped_BT = cispo_weights(logprobs_BT, old_logprobs_BT, clip_low, clip_high)
     pg_BT = -weight_BT * advantages_BT * logprobs_BT
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * is_weights_BT
     return _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
 
 
 class CISPO(GRPO):

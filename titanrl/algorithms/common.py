@@ -177,15 +177,16 @@ def clipped_pg_loss(
     """
     advantages_BT = per_token(advantages, logprobs_BT)
     pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high)
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * is_weights_BT
     return _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
 
 
 def _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-            num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator) -> LossOutput:
-    """Add the KL term, aggregate, and collect the statistics every policy loss reports."""
+            num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT) -> LossOutput:
+    """Weigh the policy term by the off-policy importance weights (when given), add the KL term,
+    aggregate, and collect the statistics every policy loss reports."""
+    if is_weights_BT is not None:
+        pg_BT = pg_BT * is_weights_BT
     loss_BT = pg_BT
     kl_BT = torch.zeros_like(pg_BT)
     if kl_coef > 0:

@@ -41,12 +41,10 @@ def gspo_loss(
     unclipped = -adv_BT * ratio_BT
     clipped = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
     pg_BT = torch.maximum(unclipped, clipped)
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * is_weights_BT
     # The ratio reported is the sequence ratio: pass a log ratio that reproduces it.
     old_for_stats_BT = logprobs_BT.detach() - log_ratio_BT.detach()
     return _finish(pg_BT, clipped > unclipped, logprobs_BT, old_for_stats_BT, mask_BT, "seq-mean-token-mean",
-                   num_global_tokens, num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+                   num_global_tokens, num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
 
 
 class GSPO(Algorithm):

@@ -60,10 +60,8 @@ def sapo_loss(
     advantages_BT = per_token(advantages, logprobs_BT)
     gate_BT, damped_BT = sapo_gate(torch.exp(logprobs_BT - old_logprobs_BT), advantages_BT, tau_pos, tau_neg)
     pg_BT = -gate_BT * advantages_BT
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * is_weights_BT
     return _finish(pg_BT, damped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator)
+                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
 
 
 class SAPO(GRPO):
