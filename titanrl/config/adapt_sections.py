@@ -10,6 +10,16 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 LORA_HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")
 
 
+def lora_target(name: str) -> str:
+    """The titanrl name (wq, ..., w3) of a LoRA target given by either name."""
+    if name in LORA_HF_TARGETS:
+        return LORA_TARGETS[LORA_HF_TARGETS.index(name)]
+    if name not in LORA_TARGETS:
+        raise ValueError(f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
+                         f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})")
+    return name
+
+
 @dataclass
 class LoRA:
     enable: bool = False
@@ -52,9 +62,7 @@ class LoRA:
         if not self.target_modules:
             raise ValueError("[lora] target_modules is empty; name at least one projection, e.g. ['wq', 'wv']")
         for name in self.target_modules:
-            if name not in LORA_TARGETS + LORA_HF_TARGETS:
-                raise ValueError(f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
-                                 f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})")
+            lora_target(name)
 
 
 @dataclass

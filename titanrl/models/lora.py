@@ -26,28 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titanrl.config.adapt_sections import LORA_HF_TARGETS, LORA_TARGETS
+from titanrl.config.adapt_sections import LORA_TARGETS, lora_target
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 
 # titanrl projection -> module inside a block
 _TARGETS = {name: f"{'attention' if name in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}.{name}"
             for name in LORA_TARGETS}
-_FROM_HF = dict(zip(LORA_HF_TARGETS, LORA_TARGETS))
 
 
 def resolve_targets(names: list[str]) -> list[str]:
     """titanrl names (wq, ..., w3) of `names`, which may use Hugging Face names (q_proj, ...)."""
-    resolved = []
-    for name in names:
-        name = _FROM_HF.get(name, name)
-        if name not in _TARGETS:
-            raise ValueError(
-                f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
-                f"(or their Hugging Face names {', '.join(_FROM_HF)})"
-            )
-        if name not in resolved:
-            resolved.append(name)
-    return resolved
+    return list(dict.fromkeys(lora_target(name) for name in names))
 
 
 class LoRALinear(nn.Linear):
