@@ -10,6 +10,10 @@ number of tokens for the same prompts (EOS disabled), alternating runs, several 
 - `groups`: prompt sharing (n=G) vs G independent copies with the prefix cache on / off.
 
     python scripts/bench_generate.py --out benchmarks/bench_generate.json
+    python scripts/bench_generate.py --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json
+
+`--dtype` sets both sides' weights and activations (the exported weights are float32 and are
+cast on load); bfloat16 is what RL runs use on GPUs, and this CPU has avx512_bf16 instructions.
 
 Needs `transformers` (the dev extra).
 """
@@ -59,12 +63,13 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True, compile: bool = False):
+def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True, compile: bool = False,
+                   dtype: torch.dtype = torch.float32):
     """`run(new_tokens) -> GenerationStats`, greedy, every run with a cold prefix cache (measures
     sharing within a call); warmed up (and the decode step compiled for this batch) here."""
     config = GeneratorConfig(block_size=16, num_blocks=8192, max_num_seqs=1024, enable_prefix_caching=prefix_caching,
                              compile=compile)
-    gen = Generator(read_hf_config(folder), config, torch.device("cpu"))
+    gen = Generator(read_hf_config(folder), config, torch.device("cpu"), dtype=dtype)
     gen.load_hf(folder)
 
     def run(new_tokens: int):
@@ -78,10 +83,10 @@ def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True
     return run
 
 
-def hf_runner(folder: str, prompts):
+def hf_runner(folder: str, prompts, dtype: torch.dtype = torch.float32):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     input_ids = torch.tensor(prompts)  # equal lengths: no padding needed
 
     def run(new_tokens: int):
@@ -108,7 +113,7 @@ def _export(name: str) -> tuple[str, dict]:
     return folder, info
 
 
-def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int) -> dict:
+def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: torch.dtype = torch.float32) -> dict:
     """Milliseconds per decode step of the negligible model on one thread (prefill taken out)."""
     folder, info = _export("negligible")
     threads = torch.get_num_threads()
@@ -116,8 +121,9 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int) -> dict:
     rows = []
     for b in batch_sizes:
         prompts = _prompts(b, 16)
-        runners = {"titanrl": titanrl_runner(folder, prompts), "titanrl_compiled": titanrl_runner(folder, prompts, compile=True),
-                   "hf": hf_runner(folder, prompts)}
+        runners = {"titanrl": titanrl_runner(folder, prompts, dtype=dtype),
+                   "titanrl_compiled": titanrl_runner(folder, prompts, compile=True, dtype=dtype),
+                   "hf": hf_runner(folder, prompts, dtype)}
         per_step = {k: [] for k in runners}
         for _ in range(reps):
             for key, run in runners.items():
@@ -132,15 +138,15 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int) -> dict:
 
 
 def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_len: int, new_tokens: int,
-                  reps: int) -> list[dict]:
+                  reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
     """GRPO-shaped batches: batch / G prompts with G samples each (HF decodes each prompt G times)."""
     rows = []
     for batch in batch_sizes:
         G = group_size if batch % group_size == 0 else 1
         prompts = _prompts(batch // G, prompt_len)
-        runners = {"titanrl": titanrl_runner(folder, prompts, n=G),
-                   "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True),
-                   "hf": hf_runner(folder, [p for p in prompts for _ in range(G)])}
+        runners = {"titanrl": titanrl_runner(folder, prompts, n=G, dtype=dtype),
+                   "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype),
+                   "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype)}
         times = {k: [] for k in runners}
         for _ in range(reps):
             for key, run in runners.items():
@@ -155,15 +161,16 @@ def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_l
     return rows
 
 
-def bench_groups(folder: str, group_size: int, prompt_len: int, new_tokens: int, reps: int) -> dict:
+def bench_groups(folder: str, group_size: int, prompt_len: int, new_tokens: int, reps: int,
+                 dtype: torch.dtype = torch.float32) -> dict:
     """G samples of each prompt: shared prompt blocks (n=G) vs G independent copies."""
     G, n_prompts = group_size, 8
     prompts = _prompts(n_prompts, prompt_len, seed=1)
     copies = [p for p in prompts for _ in range(G)]
     variants = {
-        "group_shared": titanrl_runner(folder, prompts, n=G),
-        "copies_prefix_cache_on": titanrl_runner(folder, copies, prefix_caching=True),
-        "copies_prefix_cache_off": titanrl_runner(folder, copies, prefix_caching=False),
+        "group_shared": titanrl_runner(folder, prompts, n=G, dtype=dtype),
+        "copies_prefix_cache_on": titanrl_runner(folder, copies, prefix_caching=True, dtype=dtype),
+        "copies_prefix_cache_off": titanrl_runner(folder, copies, prefix_caching=False, dtype=dtype),
     }
     groups = {}
     for name, run in variants.items():
@@ -189,7 +196,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="debug", choices=sorted(MODELS))
     parser.add_argument("--sections", default="overhead,batch,groups")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both sides' weights and activations (bfloat16: fast on CPUs with avx512_bf16 / AMX)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     sections = args.sections.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     folder, info = _export(args.model)
@@ -199,13 +209,15 @@ def main() -> None:
         "command": "python scripts/bench_generate.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
         "model": info,
+        "dtype": args.dtype,
     }
     if "overhead" in sections:
-        report["overhead"] = bench_overhead(batch_sizes, args.overhead_new_tokens, args.reps)
+        report["overhead"] = bench_overhead(batch_sizes, args.overhead_new_tokens, args.reps, dtype)
     if "batch" in sections:
-        report["batch"] = bench_batches(folder, batch_sizes, args.group_size, args.prompt_len, args.new_tokens, args.reps)
+        report["batch"] = bench_batches(folder, batch_sizes, args.group_size, args.prompt_len, args.new_tokens, args.reps,
+                                        dtype)
     if "groups" in sections:
-        report["groups"] = bench_groups(folder, args.group_size, 4 * args.prompt_len, args.new_tokens, args.reps)
+        report["groups"] = bench_groups(folder, args.group_size, 4 * args.prompt_len, args.new_tokens, args.reps, dtype)
         print(json.dumps(report["groups"]), flush=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
