@@ -156,6 +156,8 @@ def test_sampler_draws_from_the_filtered_distribution():
     logits_NV = torch.randn(3, 151_936)
     hot = SamplingParams(temperature=1.0)
     assert sample_tokens(logits_NV, SamplingParams(temperature=0), None, None).tolist() == logits_NV.argmax(-1).tolist()
+    ties_NV = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -2.0, -3.0, -1.0]])
+    assert sample_tokens(ties_NV, SamplingParams(temperature=0), None, None).tolist() == [1, 0, 0]  # argmax's first
     together = sample_tokens(logits_NV, hot, torch.tensor([5, 6, 7]), torch.tensor([3, 3, 9]))
     alone = sample_tokens(logits_NV[2:], hot, torch.tensor([7]), torch.tensor([9]))
     other = sample_tokens(logits_NV[2:].expand(8, -1), hot, torch.arange(8) + 100, torch.tensor([9] * 8))
@@ -423,6 +425,18 @@ def test_compiled_decode_matches_and_does_not_recompile(backend, impl):
     assert counters["stats"]["unique_graphs"] == warm
     for c in completions:
         assert c.token_ids == greedy_reference(model, _prompts([5, 12, 21], seed=7)[c.prompt_index], 20)[0]
+
+
+def test_compile_decode_builds_the_cuda_graph_variant():
+    """On CUDA the step is compiled with CUDA graphs. torch.compile refuses `mode` together with
+    `options` (the guard filter), which the generator used to pass on CUDA: every compiled GPU
+    run failed at start. Wrapping is lazy, so this runs without a GPU."""
+    from titanrl.generator.decode import compile_decode
+
+    model_fn, step_fn = compile_decode(_trainer_model(), "inductor", torch.device("cuda"))
+    assert callable(model_fn) and callable(step_fn)
+    with pytest.raises(RuntimeError, match="Either mode or options"):  # what the old call did
+        torch.compile(lambda x: x, mode="reduce-overhead", options={"guard_filter_fn": None})
 
 
 def _resident_bytes() -> int:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
-from titanrl.generator.decode import DecodeRows, decode_step, run_decode_pass
+from titanrl.generator.decode import DecodeRows, compile_decode, decode_step, run_decode_pass
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
@@ -76,14 +76,7 @@ class Generator:
         self.shares_weights = False
         self._decode_model = self.model
         if config.compile:
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._decode_model = torch.compile(self.model, backend=config.compile_backend, mode=mode)
-            # The generator's modules never change type or structure (weights are updated in
-            # place): guarding on them would cost ~0.2 ms per decode step on CPU.
-            self._decode_step = torch.compile(
-                decode_step, backend=config.compile_backend, mode=mode,
-                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-            )
+            self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
             self._decode_step = decode_step
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
