@@ -109,8 +109,9 @@ def counter_uniform(key_N: torch.Tensor, counter_N: torch.Tensor) -> torch.Tenso
 
 def first_argmax(logits_NV: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(logits_NV, -1)` (the first index of the row's maximum) as a max and a min
-    over indices: compiled on CPU, two plain vectorised reductions instead of argmax's
-    (index, value) one, ~30% less time for the sampler's kernel at batch 256."""
+    over indices: compiled on CPU, plain vectorised reductions instead of argmax's (index, value)
+    one; the decode step's sampler kernel at batch 256 took 0.11 -> 0.06 ms. A row with a NaN
+    gives the last index (argmax: the NaN's)."""
     max_N1 = logits_NV.amax(-1, keepdim=True)
     index_V = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
     return torch.where(logits_NV == max_N1, index_V, logits_NV.shape[-1]).amin(-1).clamp(max=logits_NV.shape[-1] - 1)
