@@ -403,6 +403,7 @@ def _two_ranks(folder: str) -> None:
               "leftovers": [d for d in os.listdir(manager.folder) if d.startswith(".tmp")], **errors}
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    manager.close()
     dist.barrier()
     dist.destroy_process_group()
 

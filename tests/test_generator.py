@@ -509,6 +509,22 @@ def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
             torch.testing.assert_close(out[0, n].double(), ref_HD, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_pass_tables_hold_only_the_pages_a_step_can_reach():
+    """A pass reserves pages for all its steps; step s attends over max(pos) + s at most, so its
+    table is cut to the pages that reach that position (never fewer, never the masked tail)."""
+    from titanrl.generator.decode import _TableWidths
+
+    table_NM = torch.arange(2 * 7).view(2, 7)
+    tables = _TableWidths(table_NM, max_pos=9, block_size=4, dynamic=False)
+    for step in range(20):
+        t = tables.at(step)
+        reach = 9 + step
+        assert t.shape[1] == min(7, max(2, reach // 4 + 1))
+        assert t.shape[1] * 4 > min(reach, 7 * 4 - 1)  # the deepest position is covered
+        assert t.is_contiguous() and torch.equal(t, table_NM[:, :t.shape[1]])
+    assert tables.at(0) is tables.at(2)  # one copy per width
+
+
 def test_decode_passes_match_step_by_step_scheduling():
     """Several decode steps per scheduler pass (eos and length stops tested on device) give the
     same samples, logprobs and finish reasons as scheduling every step."""

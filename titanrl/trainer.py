@@ -131,6 +131,7 @@ class Trainer:
     def close(self) -> None:
         self.recipe.close()
         self.metrics.close()
+        self.checkpointer.close()
         self.stop_signals.restore()
         launch.shutdown()
         if self.folder_lock is not None:

@@ -140,6 +140,16 @@ class CheckpointManager:
             error = e
         self._agree(step, tmp, error)
 
+    def close(self) -> None:
+        """Destroy the async writer's group, once no save is in flight (`wait` first), before
+        the default group is: left to interpreter exit, its gloo threads were torn down in
+        whatever order finalisation picked, which once aborted a rank ("terminate called without
+        an active exception"). With a save still in flight (a failing run), the group is left to
+        its writer thread."""
+        if self._async_group is not None and self._pending is None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
+
     def _group(self) -> dist.ProcessGroup | None:
         """The async writer's own gloo group (created once, collectively): DCP's collectives run
         in its background thread, and on the training group they could interleave with the

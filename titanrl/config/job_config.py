@@ -10,7 +10,8 @@ concerns.
 from dataclasses import dataclass, field
 
 from titanrl.config.adapt_sections import Distillation, Float8, LoRA
-from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, Rollout, SFTWarmup
+from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, SFTWarmup
+from titanrl.config.rollout_sections import Rollout
 from titanrl.config.sections import (
     ActivationCheckpoint,
     Checkpoint,
