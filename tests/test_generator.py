@@ -509,6 +509,16 @@ def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
             torch.testing.assert_close(out[0, n].double(), ref_HD, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_of_is_advanced_indexing_along_the_first_dimension():
+    from titanrl.generator.kv_cache import rows_of
+
+    pool = torch.randn(9, 4, 2, 3)
+    for index in (torch.tensor([3, 0, 3]), torch.tensor([[1, 8], [0, 0], [5, 2]])):
+        assert torch.equal(rows_of(pool, index), pool[index])
+    flat, index = pool.view(36, 2, 3), torch.tensor([[35, 0]])
+    assert torch.equal(rows_of(flat, index), flat[index])
+
+
 def test_decode_pass_tables_hold_only_the_pages_a_step_can_reach():
     """A pass reserves pages for all its steps; step s attends over max(pos) + s at most, so its
     table is cut to the pages that reach that position (never fewer, never the masked tail)."""

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanrl.generator.kv_cache import write_kv
+from titanrl.generator.kv_cache import rows_of, write_kv
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
 
@@ -62,7 +62,7 @@ class DecodeAttention:
         if self.k_transposed and not self.exact:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
         k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
-        v_NLHD = v_pages[self.table_NM].flatten(1, 2).to(q_NHD.dtype)
+        v_NLHD = rows_of(v_pages, self.table_NM).flatten(1, 2).to(q_NHD.dtype)
         if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
             return attend_exact_batched(q_NHD[:, None], k_NLHD, v_NLHD, self.pos_N[:, None]).view(1, N, H, D)
         # The R query heads of a KV head are R queries of one attention (no causal mask among
@@ -76,8 +76,8 @@ class DecodeAttention:
     def _keys(self, k_pages: torch.Tensor) -> torch.Tensor:
         """Each row's keys [N, L, Hkv, D], gathered through its block table."""
         if self.k_transposed:
-            return k_pages[self.table_NM].permute(0, 1, 4, 2, 3).flatten(1, 2)
-        return k_pages[self.table_NM].flatten(1, 2)
+            return rows_of(k_pages, self.table_NM).permute(0, 1, 4, 2, 3).flatten(1, 2)
+        return rows_of(k_pages, self.table_NM).flatten(1, 2)
 
     def _attend_in_place(self, q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied.

@@ -181,12 +181,19 @@ def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_N: torch.Tensor,
         k_pages.view(-1, *k_pages.shape[2:])[slot_N] = k_NHD.to(k_pages.dtype)
 
 
+def rows_of(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`pool[index]` along the first dimension, as index_select: a copy per row, where advanced
+    indexing computes every element's offset (eager on CPU, gathering a decode batch's pages:
+    5x faster)."""
+    return pool.index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[1:])
+
+
 def gather_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, slots_SL: torch.Tensor,
               k_transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`KVCachePool.gather` on one layer's page tensors."""
     B = v_pages.shape[1]
-    v_SLHD = v_pages.view(-1, *v_pages.shape[2:])[slots_SL]
+    v_SLHD = rows_of(v_pages.view(-1, *v_pages.shape[2:]), slots_SL)
     if k_transposed:
         # Two advanced indices around slices: the [S, L] index dimensions come first.
         return k_pages[slots_SL // B, :, :, slots_SL % B], v_SLHD
-    return k_pages.view(-1, *k_pages.shape[2:])[slots_SL], v_SLHD
+    return rows_of(k_pages.view(-1, *k_pages.shape[2:]), slots_SL), v_SLHD
