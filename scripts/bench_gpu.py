@@ -276,7 +276,7 @@ def rl_step_worker(cfg: dict) -> dict:
 
     a = argparse.Namespace(**{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr",
                                                   "threads")})
-    out = run_titanrl(a, cfg["model"], cfg["jsonl"], cfg["workdir"], compiled=False)
+    out = run_titanrl(a, cfg["model"], cfg["jsonl"], cfg["workdir"], compiled=cfg.get("compile", False))
     return {"step_s": out["step_s"], "phases_s": out["phases_s"], "response_len": out["response_len"]}
 
 
@@ -350,7 +350,8 @@ def rl_step_section(rl: dict, flavor: str, model_dir: str, jsonl: str, workdir: 
     if cap < 20:
         return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
     print(f"rl step ({flavor}, {rl['steps']} steps, cap {cap:.0f} s):", flush=True)
-    out = run_worker("rl_step", {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir}, workdir, cap, cuda)
+    out = run_worker("rl_step", {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": a.compile},
+                     workdir, cap, cuda)
     if not isinstance(out, dict):
         print(f"  {out[:300]}", flush=True)
         return out

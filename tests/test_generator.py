@@ -439,6 +439,17 @@ def test_compile_decode_builds_the_cuda_graph_variant():
         torch.compile(lambda x: x, mode="reduce-overhead", options={"guard_filter_fn": None})
 
 
+def test_cuda_graph_pool_is_static_so_the_decode_step_is_captured():
+    """The decode step writes K/V into the pool in place; inductor's CUDA graphs skip a step that
+    mutates non-static inputs (seen on an H200: every step ran without a graph). The pool's
+    tensors are marked static addresses (unguarded: a new pool re-records, it does not recompile)."""
+    from titanrl.generator.decode import static_kv_for_cuda_graphs
+
+    k, v = [torch.zeros(4, 2, 3)], [torch.zeros(4, 2, 3)]
+    static_kv_for_cuda_graphs(k, v)
+    assert [getattr(t, "_dynamo_static_input_type", None) for t in (*k, *v)] == ["unguarded", "unguarded"]
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -127,6 +127,20 @@ def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tupl
     return model_fn, torch.compile(decode_step, backend=backend, options=options)
 
 
+def static_kv_for_cuda_graphs(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+    """The compiled decode step writes K/V into the pool in place. CUDA graphs (inductor's
+    cudagraph trees) run a step that mutates its inputs only when those inputs are static: else
+    every step ran without a graph ("skipping cudagraphs due to mutated inputs", seen on an H200:
+    qwen2.5-0.5b decode at batch 1 launch-bound at 167 tok/s). Each wake allocates a new pool;
+    the graphs recorded on the old one are dropped (re-recorded at the next step of each bucket)
+    instead of piling up as stale siblings that every step would check."""
+    for t in (*k_cache, *v_cache):
+        torch._dynamo.mark_static_address(t)
+    from torch._inductor import cudagraph_trees
+
+    cudagraph_trees.reset_cudagraph_trees()
+
+
 @dataclass
 class DecodeRows:
     """Host-side description of the rows of one pass (built by the engine from the scheduler)."""
@@ -202,11 +216,17 @@ def run_decode_pass(
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
     tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
     out_tokens, out_logprobs, out_stopped = [], [], []
+    graphs = device.type == "cuda" and step_fn is not decode_step
     for step in range(steps):
+        if graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
+            torch.compiler.cudagraph_mark_step_begin()
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, tables.at(step), stop_ids_E,
             scratch, k_transposed, exact,
         )
+        if graphs:  # a replay overwrites the previous one's outputs
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
+                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N))
         out_tokens.append(tokens_N)
         out_logprobs.append(logprobs_N)
         out_stopped.append(stopped_N)

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
-from titanrl.generator.decode import DecodeRows, compile_decode, decode_step, run_decode_pass
+from titanrl.generator.decode import (DecodeRows, compile_decode, decode_step, run_decode_pass,
+                                      static_kv_for_cuda_graphs)
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
@@ -129,6 +130,8 @@ class Generator:
                 k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            if self.config.compile and self.device.type == "cuda":
+                static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV pool so training can use the memory; optionally move the weights to host
