@@ -431,8 +431,12 @@ def test_compile_decode_builds_the_cuda_graph_variant():
     """On CUDA the step is compiled with CUDA graphs. torch.compile refuses `mode` together with
     `options` (the guard filter), which the generator used to pass on CUDA: every compiled GPU
     run failed at start. Wrapping is lazy, so this runs without a GPU."""
-    from titanrl.generator.decode import compile_decode
+    from titanrl.generator.decode import compile_decode, uses_cuda_graphs
 
+    assert uses_cuda_graphs(True, "inductor", torch.device("cuda"))
+    assert not uses_cuda_graphs(True, "aot_eager", torch.device("cuda"))
+    assert not uses_cuda_graphs(True, "inductor", torch.device("cpu"))
+    assert not uses_cuda_graphs(False, "inductor", torch.device("cuda"))
     model_fn, step_fn = compile_decode(_trainer_model(), "inductor", torch.device("cuda"))
     assert callable(model_fn) and callable(step_fn)
     with pytest.raises(RuntimeError, match="Either mode or options"):  # what the old call did

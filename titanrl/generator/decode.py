@@ -116,12 +116,17 @@ def decode_step(
             next_live_N.sum())
 
 
+def uses_cuda_graphs(compile: bool, backend: str, device: torch.device) -> bool:
+    """Whether the compiled prefill and decode step run as CUDA graphs (inductor on CUDA)."""
+    return compile and backend == "inductor" and device.type == "cuda"
+
+
 def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tuple[nn.Module, object]:
     """The compiled model (prefill) and decode step. On CUDA, CUDA graphs (`reduce-overhead`'s
     option). Guards on modules are skipped: the generator's modules never change type or
     structure (weights are updated in place), and guarding on them costs ~0.2 ms per decode step
     on CPU."""
-    options: dict = {"triton.cudagraphs": True} if device.type == "cuda" and backend == "inductor" else {}
+    options: dict = {"triton.cudagraphs": True} if uses_cuda_graphs(True, backend, device) else {}
     model_fn = torch.compile(model, backend=backend, options=dict(options) or None)
     options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return model_fn, torch.compile(decode_step, backend=backend, options=options)
@@ -195,6 +200,7 @@ def run_decode_pass(
     step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int,
     end_when_any_stops: bool, device: torch.device, k_transposed: bool = False, exact: bool = False,
+    cuda_graphs: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -216,15 +222,14 @@ def run_decode_pass(
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
     tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
     out_tokens, out_logprobs, out_stopped = [], [], []
-    graphs = device.type == "cuda" and step_fn is not decode_step
     for step in range(steps):
-        if graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
+        if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
             torch.compiler.cudagraph_mark_step_begin()
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, tables.at(step), stop_ids_E,
             scratch, k_transposed, exact,
         )
-        if graphs:  # a replay overwrites the previous one's outputs
+        if cuda_graphs:  # a replay overwrites the previous one's outputs
             tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
                 t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N))
         out_tokens.append(tokens_N)

@@ -21,7 +21,7 @@ from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
 from titanrl.generator.decode import (DecodeRows, compile_decode, decode_step, run_decode_pass,
-                                      static_kv_for_cuda_graphs)
+                                      static_kv_for_cuda_graphs, uses_cuda_graphs)
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
@@ -76,6 +76,7 @@ class Generator:
         self.model = self._build_model(tp_mesh)
         self.shares_weights = False
         self._decode_model = self.model
+        self._cuda_graphs = uses_cuda_graphs(config.compile, config.compile_backend, device)
         if config.compile:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
@@ -130,7 +131,7 @@ class Generator:
                 k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
-            if self.config.compile and self.device.type == "cuda":
+            if self._cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
     def sleep(self, offload_weights: bool = False) -> None:
@@ -307,7 +308,7 @@ class Generator:
                 self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
                 bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
                 scratch=self.num_blocks, end_when_any_stops=bool(sched.waiting), device=self.device,
-                k_transposed=self.pool.k_transposed, exact=self.config.batch_invariant,
+                k_transposed=self.pool.k_transposed, exact=self.config.batch_invariant, cuda_graphs=self._cuda_graphs,
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
