@@ -17,6 +17,7 @@ naming the folder and the cause, and removes its temporary folder; no `step-N` a
 """
 
 import errno
+import gc
 import os
 import re
 import shutil
@@ -142,13 +143,16 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Destroy the async writer's group, once no save is in flight (`wait` first), before
-        the default group is: left to interpreter exit, its gloo threads were torn down in
-        whatever order finalisation picked, which once aborted a rank ("terminate called without
-        an active exception"). With a save still in flight (a failing run), the group is left to
-        its writer thread."""
+        the default group is. After a failed async save, reference cycles (the error's traceback
+        frames, DCP's `_DistWrapper`) keep the group alive until a garbage collection, which
+        could be the one at interpreter exit: its gloo threads were then torn down in whatever
+        order finalisation picked, and a rank aborted ("terminate called without an active
+        exception", CI). Collected here, while the process is whole. With a save still in
+        flight (a failing run), the group is left to its writer thread."""
         if self._async_group is not None and self._pending is None:
             dist.destroy_process_group(self._async_group)
             self._async_group = None
+            gc.collect()
 
     def _group(self) -> dist.ProcessGroup | None:
         """The async writer's own gloo group (created once, collectively): DCP's collectives run
