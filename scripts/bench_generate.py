@@ -19,8 +19,10 @@ Needs `transformers` (the dev extra).
 """
 
 import argparse
+import atexit
 import json
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -107,6 +109,7 @@ def _export(name: str) -> tuple[str, dict]:
     model = Transformer(model_args)
     model.init_weights()
     folder = tempfile.mkdtemp(prefix="bench_generate_")
+    atexit.register(shutil.rmtree, folder, True)
     export_hf(model, folder)
     info = {"name": name, "dim": model_args.dim, "n_layers": model_args.n_layers,
             "params_M": sum(p.numel() for p in model.parameters()) / 1e6}

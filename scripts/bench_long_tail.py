@@ -9,9 +9,10 @@ responses are a few tokens and about `--long_frac` of the groups run to the leng
 reasoning RL. The JSON records the response-length percentiles measured in each run.
 
 The warm-up runs once (the RL job with `--training.steps=0`, exported as a Hugging Face folder);
-every mode then starts from that folder, so all of them begin from the same policy. The three
-modes run the same job (same seed, `--steps` RL steps) under torchrun with `--nproc` gloo ranks
-(one-step: half of them generate, half train), `--repeats` times each, alternating modes so
+every mode then starts from that folder, so all of them begin from the same policy. The modes
+(synchronous, partial rollouts, one-step, and synchronous with `--training.balance_tokens=false`:
+each rank trains the groups it generated) run the same job (same seed, `--steps` RL steps) under
+torchrun with `--nproc` gloo ranks (one-step: half of them generate, half train), `--repeats` times each, alternating modes so
 that a slow spell of the machine hits all of them; rates are the median over repeats.
 samples/s = samples trained over the RL steps / their wall time (the sum of the phase timers,
 first step excluded: it carries one-time costs); `steady_*` counts only the second half of the
@@ -29,6 +30,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +42,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The trainer ranks' phases (one-step: generation and rewards run on the rollout ranks, and the
 # trainer's wait for them is time_wait_rollouts).
-PHASES = ("time_sync", "time_generate", "time_reward", "time_logprob", "time_train", "time_wait_rollouts")
+PHASES = ("time_sync", "time_generate", "time_reward", "time_balance", "time_logprob", "time_train",
+          "time_wait_rollouts")
 
 
 def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed: int = 0) -> None:
@@ -84,6 +87,8 @@ def warm_up(data: str, folder: str, args) -> str:
 def run(mode: str, data: str, hf: str, folder: str, args) -> list[dict]:
     cmd = job(data, folder, args, args.steps) + [f"--model.hf_checkpoint={hf}", "--sft_warmup.steps=0",
                                                  "--checkpoint.enable=false"]
+    if mode == "sync_unbalanced":  # each rank trains the groups it generated (before training.balance_tokens)
+        cmd += ["--training.balance_tokens=false"]
     if mode == "partial":
         cmd += ["--rollout.partial=true", f"--rollout.oversample={args.oversample}"]
     if mode == "one_step":  # the same ranks, split: half generate, half train
@@ -124,6 +129,11 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
         "response_len_p90": [r["response_len_p90"] for r in steps],
         "response_len_max": [r["response_len_max"] for r in steps],
         "reward_mean": [r["reward_mean"] for r in steps],
+        # Tokens of the most loaded trainer rank over the mean, as generated and as trained
+        # (training.balance_tokens moves whole groups between ranks; absent on one trainer rank).
+        **({"rank_tokens_imbalance_before": statistics.mean(r["rank_tokens_imbalance_before"] for r in timed),
+            "rank_tokens_imbalance": statistics.mean(r["rank_tokens_imbalance"] for r in timed)}
+           if "rank_tokens_imbalance" in timed[0] else {}),
         **({"in_flight_groups_at_end": steps[-1]["in_flight_groups"],
             "stale_token_frac": [r["stale_token_frac"] for r in steps],
             "version_lag_max": [r["version_lag_max"] for r in steps]} if "stale_token_frac" in steps[0] else {}),
@@ -160,7 +170,7 @@ def main() -> None:
                     "(run once, every mode starts from it), temperature 1",
     }
     hf = warm_up(data, os.path.join(work, "warm_up"), args)
-    modes = ("sync", "partial", "one_step")
+    modes = ("sync", "partial", "one_step", "sync_unbalanced")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
         for mode in modes:
@@ -170,7 +180,7 @@ def main() -> None:
     for mode in modes:
         report[mode] = {**{k: statistics.median(r[k] for r in runs[mode]) for k in RATES},
                         "repeats": runs[mode]}
-    for mode in ("partial", "one_step"):
+    for mode in ("partial", "one_step", "sync_unbalanced"):
         for k in RATES:
             report[f"{mode}_vs_sync_{k}"] = report[mode][k] / report["sync"][k]
     report["partial_vs_sync_decode_steps_per_sample"] = statistics.median(
@@ -178,6 +188,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in report.items() if "_vs_" in k}, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
+    shutil.rmtree(work)
 
 
 if __name__ == "__main__":

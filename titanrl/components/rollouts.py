@@ -22,6 +22,7 @@ from titanrl.components.checkpoint import fault_active
 from titanrl.components.plugins import load_object
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.batch import build_sequence_batch, trim_padding
+from titanrl.distributed import balance
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.envs.tasks import Sample, Task
@@ -105,6 +106,8 @@ class RolloutCollector:
         """Response lengths of the last step's rollouts."""
         self.decode_steps = 0
         """Decode steps of the last step's generation (all sampling rounds)."""
+        self.balance_metrics: dict[str, float] = {}
+        """Tokens of the most loaded dp rank over the mean, before and after `_balance`."""
 
     def metrics(self) -> dict[str, float]:
         """The tail of this step's responses over data-parallel ranks (collective): what sets a
@@ -117,7 +120,7 @@ class RolloutCollector:
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
         (decode_steps,) = self.trainer.dp_max([float(self.decode_steps)])
         return {"response_len_p50": q50, "response_len_p90": q90, "response_len_max": lengths_N.max().item(),
-                "decode_steps": decode_steps}
+                "decode_steps": decode_steps, **self.balance_metrics}
 
     def state_dict(self) -> dict:
         """Rollout state to checkpoint (partial rollouts' groups in flight); none here."""
@@ -248,6 +251,31 @@ class RolloutCollector:
         train, generated = self._collect(batches, step, timer, stats)
         self.lengths = [len(c.token_ids) for c in generated.completions]
         return train, generated
+
+    def balance(self, train: Rollouts, timer: PhaseTimer) -> Rollouts:
+        """`train`'s groups spread over the trainer's dp ranks by tokens (training.balance_tokens):
+        whole groups, each rank keeping at least one (and a row per mini-batch). Collective."""
+        if not self.config.training.balance_tokens or self.trainer.dims.dp_size == 1:
+            return train
+        with timer("balance"):
+            return self._balance(train)
+
+    def _balance(self, train: Rollouts) -> Rollouts:
+        G, group = self.config.algorithm.group_size, self.trainer.dp_group
+        assert len(train.completions) == G * len(train.prompts)
+        groups = [train.group(i, G) for i in range(len(train.prompts))]
+        costs = [sum(len(g.prompts[0]) + len(c.token_ids) for c in g.completions) for g in groups]
+        costs_by_rank: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(costs_by_rank, costs, group=group)
+        plan = balance.assign(costs_by_rank, min_units=-(-self.config.algorithm.num_minibatches // G))
+        me = dist.get_rank(group)
+        received = balance.exchange([[groups[i] for src, i in units if src == me] for units in plan], group)
+        before = [sum(c) for c in costs_by_rank]
+        mean = max(sum(before) / len(before), 1.0)
+        self.balance_metrics = {"rank_tokens_imbalance_before": max(before) / mean,
+                                "rank_tokens_imbalance": max(balance.loads(costs_by_rank, plan)) / mean,
+                                "moved_groups": float(sum(src != d for d, units in enumerate(plan) for src, _ in units))}
+        return Rollouts.concat([g for from_rank in received for g in from_rank])
 
     def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         """`collect`.

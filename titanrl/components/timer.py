@@ -16,7 +16,7 @@ from titanrl.components.watchdog import Watchdog
 @contextlib.contextmanager
 def phase(watchdog: Watchdog, name: str):
     """A phase the watchdog guards, and a `torch.profiler.record_function` range named `name`
-    (sync, generate, reward, logprob, train, eval, checkpoint) in a profiler trace."""
+    (sync, generate, reward, balance, logprob, train, eval, checkpoint) in a profiler trace."""
     with watchdog.phase(name), torch.profiler.record_function(name):
         yield
 

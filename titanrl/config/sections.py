@@ -125,6 +125,13 @@ class Training:
     in batch-invariant mode). 'auto' = on when the padded micro-batches would hold >= 1.15x the
     packed token slots (long-tailed lengths); 'off' = padded, as before."""
 
+    balance_tokens: bool = True
+    """RL recipe, dp > 1: before the logprob passes and the update, whole groups move between dp
+    ranks so that each computes about as many prompt + response tokens (largest group first, to
+    the least-loaded rank; `titanrl/distributed/balance.py`). Every rank waits for the slowest at
+    each collective, and with long-tailed responses the rank that generated a long group
+    otherwise sets the step's time. Same losses up to float rounding; off: each rank trains what it generated."""
+
     def validate(self) -> None:
         if self.logprob_chunk_tokens < 1:
             raise ValueError(f"[training] logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")

@@ -129,6 +129,10 @@ def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tupl
     options: dict = {"triton.cudagraphs": True} if uses_cuda_graphs(True, backend, device) else {}
     model_fn = torch.compile(model, backend=backend, options=dict(options) or None)
     options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    if backend == "inductor":
+        # No stride checks of the step's ~20 matmul / view outputs on every call: ~10-15 us of
+        # Python per step (negligible model at batch 256 on CPU: a step 0.447 -> 0.435 ms).
+        options["size_asserts"] = False
     return model_fn, torch.compile(decode_step, backend=backend, options=options)
 
 

@@ -186,6 +186,7 @@ class RLRecipe(Recipe):
             self.generator.wake()
             self.generator.load_weights(self.policy)
         train, generated = self.rollouts.collect(batches, step, timer, stats)
+        train = self.rollouts.balance(train, timer)  # whole groups between dp ranks, by tokens
         self.generator.sleep()  # the KV pool's memory goes to training
         stats.add_rollouts(generated)
         self.reward_log.write(generated.results, step)

@@ -1,0 +1,61 @@
+"""Token-balanced data parallelism: units of work (an RL step's groups) move between data-parallel
+ranks so that each rank computes about the same number of tokens.
+
+An RL step's reference / old logprob passes and its update cost per token, and every rank waits
+for the slowest one at each collective (FSDP's gathers and reductions). With long-tailed
+responses a rank that generated one long group trains several times the tokens of the others
+while they wait (verl's `balance_batch` answers the same). `assign` plans, every rank computing
+the same plan from the all-gathered costs; `exchange` moves pickled units with one all-to-all.
+"""
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+
+def assign(costs_by_rank: list[list[int]], min_units: int = 1) -> list[list[tuple[int, int]]]:
+    """Largest first, each unit to the least-loaded rank (ties: the unit's own rank, then the
+    lowest), every rank getting at least `min_units`. Returns per destination rank its units as
+    (source rank, index) pairs, sorted. Nothing moves when there are fewer than world x
+    min_units units, or when the plan would not lower the most loaded rank's cost (greedy is not
+    optimal: [3, 3] and [2, 2, 2] are balanced as they are, greedy makes 7 of them).
+    Deterministic: every rank computes the same plan from the same costs."""
+    world = len(costs_by_rank)
+    units = sorted(((-c, r, i) for r, costs in enumerate(costs_by_rank) for i, c in enumerate(costs)))
+    unmoved = [[(r, i) for i in range(len(costs))] for r, costs in enumerate(costs_by_rank)]
+    if len(units) < world * min_units:
+        return unmoved
+    load, plan = [0] * world, [[] for _ in range(world)]
+    for k, (neg_cost, src, index) in enumerate(units):
+        short = [d for d in range(world) if len(plan[d]) < min_units]
+        # Exactly as many units left as ranks still short of their minimum: those ranks take them.
+        candidates = short if len(units) - k <= sum(min_units - len(plan[d]) for d in short) else range(world)
+        dest = min(candidates, key=lambda d: (load[d], d != src, d))
+        plan[dest].append((src, index))
+        load[dest] -= neg_cost
+    return [sorted(p) for p in plan] if max(load) < max(map(sum, costs_by_rank)) else unmoved
+
+
+def loads(costs_by_rank: list[list[int]], plan: list[list[tuple[int, int]]]) -> list[int]:
+    """Each rank's total cost under `plan`."""
+    return [sum(costs_by_rank[src][i] for src, i in units) for units in plan]
+
+
+def exchange(outgoing: list[list], group: dist.ProcessGroup | None) -> list[list]:
+    """`outgoing[d]`: the objects this rank sends to rank d of `group` (itself included). Returns
+    what each rank sent to this one, by source rank. One all-to-all of pickled bytes (CPU: gloo
+    also under a mixed cpu:gloo,cuda:nccl backend)."""
+    payloads = [pickle.dumps(objs) for objs in outgoing]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
+    recv_sizes = torch.empty_like(send_sizes)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)  # a pickle is never empty
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    chunks = recv.numpy().tobytes()
+    out, offset = [], 0
+    for size in recv_sizes.tolist():
+        out.append(pickle.loads(chunks[offset : offset + size]))
+        offset += size
+    return out
