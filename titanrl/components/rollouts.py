@@ -254,8 +254,9 @@ class RolloutCollector:
 
     def balance(self, train: Rollouts, timer: PhaseTimer) -> Rollouts:
         """`train`'s groups spread over the trainer's dp ranks by tokens (training.balance_tokens):
-        whole groups, each rank keeping at least one (and a row per mini-batch). Collective."""
-        if not self.config.training.balance_tokens or self.trainer.dims.dp_size == 1:
+        whole groups, each rank keeping at least one. Collective."""
+        cfg = self.config
+        if not cfg.training.balance_tokens or self.trainer.dims.dp_size == 1 or cfg.algorithm.num_minibatches > 1:
             return train
         with timer("balance"):
             return self._balance(train)
@@ -267,14 +268,17 @@ class RolloutCollector:
         costs = [sum(len(g.prompts[0]) + len(c.token_ids) for c in g.completions) for g in groups]
         costs_by_rank: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(costs_by_rank, costs, group=group)
-        plan = balance.assign(costs_by_rank, min_units=-(-self.config.algorithm.num_minibatches // G))
-        me = dist.get_rank(group)
-        received = balance.exchange([[groups[i] for src, i in units if src == me] for units in plan], group)
+        plan = balance.assign(costs_by_rank)
         before = [sum(c) for c in costs_by_rank]
         mean = max(sum(before) / len(before), 1.0)
+        moved = sum(src != d for d, units in enumerate(plan) for src, _ in units)
         self.balance_metrics = {"rank_tokens_imbalance_before": max(before) / mean,
                                 "rank_tokens_imbalance": max(balance.loads(costs_by_rank, plan)) / mean,
-                                "moved_groups": float(sum(src != d for d, units in enumerate(plan) for src, _ in units))}
+                                "moved_groups": float(moved)}
+        if not moved:  # the same plan on every rank: all skip the exchange
+            return train
+        me = dist.get_rank(group)
+        received = balance.exchange([[groups[i] for src, i in units if src == me] for units in plan], group)
         return Rollouts.concat([g for from_rank in received for g in from_rank])
 
     def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:

@@ -130,7 +130,9 @@ class Training:
     ranks so that each computes about as many prompt + response tokens (largest group first, to
     the least-loaded rank; `titanrl/distributed/balance.py`). Every rank waits for the slowest at
     each collective, and with long-tailed responses the rank that generated a long group
-    otherwise sets the step's time. Same losses up to float rounding; off: each rank trains what it generated."""
+    otherwise sets the step's time. Same losses up to float rounding; off: each rank trains what it generated.
+    Only with algorithm.num_minibatches = 1: each rank splits its rows into mini-batches in
+    order, so moving groups would change which samples share an optimizer step."""
 
     def validate(self) -> None:
         if self.logprob_chunk_tokens < 1:

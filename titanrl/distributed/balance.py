@@ -14,24 +14,22 @@ import torch
 import torch.distributed as dist
 
 
-def assign(costs_by_rank: list[list[int]], min_units: int = 1) -> list[list[tuple[int, int]]]:
+def assign(costs_by_rank: list[list[int]]) -> list[list[tuple[int, int]]]:
     """Largest first, each unit to the least-loaded rank (ties: the unit's own rank, then the
-    lowest), every rank getting at least `min_units`. Returns per destination rank its units as
-    (source rank, index) pairs, sorted. Nothing moves when there are fewer than world x
-    min_units units, or when the plan would not lower the most loaded rank's cost (greedy is not
-    optimal: [3, 3] and [2, 2, 2] are balanced as they are, greedy makes 7 of them).
-    Deterministic: every rank computes the same plan from the same costs."""
+    lowest). Returns per destination rank its units as (source rank, index) pairs, sorted; with
+    at least as many units as ranks, every rank gets one (costs are > 0). Nothing moves when the
+    plan would not lower the most loaded rank's cost (greedy is not optimal: [3, 3] and
+    [2, 2, 2] are balanced as they are, greedy makes 7 of them) or when there are fewer units
+    than ranks. Deterministic: every rank computes the same plan from the same costs."""
     world = len(costs_by_rank)
     units = sorted(((-c, r, i) for r, costs in enumerate(costs_by_rank) for i, c in enumerate(costs)))
+    assert all(c < 0 for c, _, _ in units), "unit costs must be positive"
     unmoved = [[(r, i) for i in range(len(costs))] for r, costs in enumerate(costs_by_rank)]
-    if len(units) < world * min_units:
+    if len(units) < world:
         return unmoved
     load, plan = [0] * world, [[] for _ in range(world)]
-    for k, (neg_cost, src, index) in enumerate(units):
-        short = [d for d in range(world) if len(plan[d]) < min_units]
-        # Exactly as many units left as ranks still short of their minimum: those ranks take them.
-        candidates = short if len(units) - k <= sum(min_units - len(plan[d]) for d in short) else range(world)
-        dest = min(candidates, key=lambda d: (load[d], d != src, d))
+    for neg_cost, src, index in units:
+        dest = min(range(world), key=lambda d: (load[d], d != src, d))
         plan[dest].append((src, index))
         load[dest] -= neg_cost
     return [sorted(p) for p in plan] if max(load) < max(map(sum, costs_by_rank)) else unmoved
@@ -43,19 +41,21 @@ def loads(costs_by_rank: list[list[int]], plan: list[list[tuple[int, int]]]) -> 
 
 
 def exchange(outgoing: list[list], group: dist.ProcessGroup | None) -> list[list]:
-    """`outgoing[d]`: the objects this rank sends to rank d of `group` (itself included). Returns
-    what each rank sent to this one, by source rank. One all-to-all of pickled bytes (CPU: gloo
-    also under a mixed cpu:gloo,cuda:nccl backend)."""
-    payloads = [pickle.dumps(objs) for objs in outgoing]
+    """`outgoing[d]`: the objects this rank sends to rank d of `group` (itself: kept, not copied).
+    Returns what each rank sent to this one, by source rank. One all-to-all of pickled bytes
+    (CPU tensors: gloo, also under a mixed cpu:gloo,cuda:nccl backend)."""
+    me = dist.get_rank(group)
+    payloads = [b"" if d == me else pickle.dumps(objs) for d, objs in enumerate(outgoing)]
     send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long)
     recv_sizes = torch.empty_like(send_sizes)
     dist.all_to_all_single(recv_sizes, send_sizes, group=group)
-    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)  # a pickle is never empty
+    joined = b"".join(payloads)
+    send = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
     dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
     chunks = recv.numpy().tobytes()
     out, offset = [], 0
-    for size in recv_sizes.tolist():
-        out.append(pickle.loads(chunks[offset : offset + size]))
+    for src, size in enumerate(recv_sizes.tolist()):
+        out.append(outgoing[me] if src == me else pickle.loads(chunks[offset : offset + size]))
         offset += size
     return out

@@ -186,8 +186,8 @@ class RLRecipe(Recipe):
             self.generator.wake()
             self.generator.load_weights(self.policy)
         train, generated = self.rollouts.collect(batches, step, timer, stats)
-        train = self.rollouts.balance(train, timer)  # whole groups between dp ranks, by tokens
         self.generator.sleep()  # the KV pool's memory goes to training
+        train = self.rollouts.balance(train, timer)  # whole groups between dp ranks, by tokens
         stats.add_rollouts(generated)
         self.reward_log.write(generated.results, step)
         batch = self.build_batch(train, stats)
