@@ -12,8 +12,9 @@ The warm-up runs once (the RL job with `--training.steps=0`, exported as a Huggi
 every mode then starts from that folder, so all of them begin from the same policy. The modes
 (synchronous, partial rollouts, one-step, and synchronous with `--training.balance_tokens=false`:
 each rank trains the groups it generated) run the same job (same seed, `--steps` RL steps) under
-torchrun with `--nproc` gloo ranks (one-step: half of them generate, half train), `--repeats` times each, alternating modes so
-that a slow spell of the machine hits all of them; rates are the median over repeats.
+torchrun with `--nproc` gloo ranks (one-step: half of them generate, half train), `--repeats`
+times each, alternating modes so that a slow spell of the machine hits all of them; rates are
+the median over repeats.
 samples/s = samples trained over the RL steps / their wall time (the sum of the phase timers,
 first step excluded: it carries one-time costs); `steady_*` counts only the second half of the
 steps (partial rollouts start by training the short groups while the long ones are in flight,

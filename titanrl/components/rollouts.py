@@ -107,7 +107,8 @@ class RolloutCollector:
         self.decode_steps = 0
         """Decode steps of the last step's generation (all sampling rounds)."""
         self.balance_metrics: dict[str, float] = {}
-        """Tokens of the most loaded dp rank over the mean, before and after `_balance`."""
+        """`balance`'s last plan: the most loaded dp rank's tokens over the mean, before and
+        after it, and the groups it moved."""
 
     def metrics(self) -> dict[str, float]:
         """The tail of this step's responses over data-parallel ranks (collective): what sets a
