@@ -9,6 +9,10 @@ number of tokens for the same prompts (EOS disabled), alternating runs, several 
   prompt G times): titanrl eager and compiled vs HF, tokens/s and ratios.
 - `groups`: prompt sharing (n=G) vs G independent copies with the prefix cache on / off.
 
+titanrl runs with the default `attention_impl = "auto"` (on an AVX-512 CPU in float32: the
+hand-written decode kernel, `titanrl/generator/cpu_kernel.py`); `titanrl_compiled_inplace` is
+the compiled pure-PyTorch decode attention beside it (`attention_impl = "inplace"`).
+
     python scripts/bench_generate.py --out benchmarks/bench_generate.json
     python scripts/bench_generate.py --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json
 
@@ -66,11 +70,11 @@ def _time(fn) -> float:
 
 
 def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True, compile: bool = False,
-                   dtype: torch.dtype = torch.float32):
+                   dtype: torch.dtype = torch.float32, attention_impl: str = "auto"):
     """`run(new_tokens) -> GenerationStats`, greedy, every run with a cold prefix cache (measures
     sharing within a call); warmed up (and the decode step compiled for this batch) here."""
     config = GeneratorConfig(block_size=16, num_blocks=8192, max_num_seqs=1024, enable_prefix_caching=prefix_caching,
-                             compile=compile)
+                             compile=compile, attention_impl=attention_impl)
     gen = Generator(read_hf_config(folder), config, torch.device("cpu"), dtype=dtype)
     gen.load_hf(folder)
 
@@ -126,6 +130,8 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
         prompts = _prompts(b, 16)
         runners = {"titanrl": titanrl_runner(folder, prompts, dtype=dtype),
                    "titanrl_compiled": titanrl_runner(folder, prompts, compile=True, dtype=dtype),
+                   "titanrl_compiled_inplace": titanrl_runner(folder, prompts, compile=True, dtype=dtype,
+                                                              attention_impl="inplace"),
                    "hf": hf_runner(folder, prompts, dtype)}
         per_step = {k: [] for k in runners}
         for _ in range(reps):
@@ -134,6 +140,7 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
         row = {"batch": b, **{f"{k}_ms_per_step": 1e3 * statistics.median(v) for k, v in per_step.items()}}
         row["titanrl_vs_hf"] = row["titanrl_ms_per_step"] / row["hf_ms_per_step"]
         row["titanrl_compiled_vs_hf"] = row["titanrl_compiled_ms_per_step"] / row["hf_ms_per_step"]
+        row["titanrl_compiled_inplace_vs_hf"] = row["titanrl_compiled_inplace_ms_per_step"] / row["hf_ms_per_step"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     torch.set_num_threads(threads)
@@ -149,6 +156,8 @@ def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_l
         prompts = _prompts(batch // G, prompt_len)
         runners = {"titanrl": titanrl_runner(folder, prompts, n=G, dtype=dtype),
                    "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype),
+                   "titanrl_compiled_inplace": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype,
+                                                              attention_impl="inplace"),
                    "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype)}
         times = {k: [] for k in runners}
         for _ in range(reps):
@@ -159,6 +168,7 @@ def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_l
             row[f"{key}_tok_s"] = batch * new_tokens / row[f"{key}_s"]
         row["speedup_vs_hf"] = row["hf_s"] / row["titanrl_s"]
         row["speedup_compiled_vs_hf"] = row["hf_s"] / row["titanrl_compiled_s"]
+        row["speedup_compiled_inplace_vs_hf"] = row["hf_s"] / row["titanrl_compiled_inplace_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -47,14 +47,17 @@ class Generator:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """`torch.compile` backend of the decode step when `compile` is on."""
 
-    attention_impl: Literal["auto", "sdpa", "flex", "inplace"] = "auto"
+    attention_impl: Literal["auto", "sdpa", "flex", "inplace", "cpu_kernel"] = "auto"
     """Paged attention: 'sdpa' gathers a sequence's pages then runs SDPA (portable); 'flex' runs
     FlexAttention with a block mask over the pages (the fast path on GPU; correct but slow on
     CPU); 'inplace' decodes reading the pages where they are (indexing, products and sums that
     torch.compile fuses into one pass over the KV, no gathered copy; eager it allocates) and
-    prefills as 'sdpa'. 'auto': 'inplace' for the compiled decode step (K pages stored
-    transposed; at batch 256 on CPU 2.1x faster than 'sdpa' at head_dim 64, 2.4x at head_dim 16),
-    else 'sdpa'."""
+    prefills as 'sdpa'; 'cpu_kernel' decodes with a hand-written kernel that reads the pages in
+    place (float32, x86 CPUs with AVX-512, block_size and head_dim multiples of 16; built with
+    the C compiler on first use, titanrl/generator/cpu_kernel.py) and prefills as 'sdpa'.
+    'auto': 'cpu_kernel' where it can run, else 'inplace' for the compiled decode step (K pages
+    stored transposed; at batch 256 on CPU 2.1x faster than 'sdpa' at head_dim 64, 2.4x at
+    head_dim 16), else 'sdpa'."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
     """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;

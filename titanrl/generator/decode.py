@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanrl.generator.cpu_kernel import paged_decode_attention
 from titanrl.generator.kv_cache import rows_of, write_kv
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
@@ -40,13 +41,14 @@ class DecodeAttention:
     are (indexing, products and sums that the compiler fuses into passes over the KV, no gathered
     copy); otherwise pages are gathered and SDPA runs on the copy (the fast form eagerly, where a
     broadcast product would allocate). `exact` (batch-invariant mode) gathers in either layout.
+    `kernel`: the hand-written CPU kernel (`cpu_kernel.py`, transposed K pages) instead.
     """
 
     def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], table_NM: torch.Tensor,
                  pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, k_transposed: bool = False,
-                 exact: bool = False) -> None:
+                 exact: bool = False, kernel: bool = False) -> None:
         self.k_cache, self.v_cache, self.table_NM = k_cache, v_cache, table_NM
-        self.pos_N, self.k_transposed, self.exact = pos_N, k_transposed, exact
+        self.pos_N, self.k_transposed, self.exact, self.kernel = pos_N, k_transposed, exact, kernel
         B = v_cache[0].shape[1]
         M = table_NM.shape[1]
         slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
@@ -59,6 +61,9 @@ class DecodeAttention:
         q_NHD = q_1NHD[0]
         N, H, D = q_NHD.shape
         Hkv = v_pages.shape[2]
+        if self.kernel:
+            q_NGRD = q_NHD.view(N, Hkv, H // Hkv, D)
+            return paged_decode_attention(q_NGRD, k_pages, v_pages, self.table_NM, self.pos_N).view(1, N, H, D)
         if self.k_transposed and not self.exact:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
         k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
@@ -99,12 +104,12 @@ def decode_step(
     model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     tokens_N: torch.Tensor, pos_N: torch.Tensor, live_N: torch.Tensor, left_N: torch.Tensor, key_N: torch.Tensor,
     table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, k_transposed: bool = False,
-    exact: bool = False,
+    exact: bool = False, kernel: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
     still live (0-d, the host's one read per step). `exact`: batch-invariant mode (eager only)."""
-    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact)
+    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact, kernel)
     with batch_invariant_mode() if exact else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -204,7 +209,7 @@ def run_decode_pass(
     step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
     rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int,
     end_when_any_stops: bool, device: torch.device, k_transposed: bool = False, exact: bool = False,
-    cuda_graphs: bool = False,
+    cuda_graphs: bool = False, kernel: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -231,7 +236,7 @@ def run_decode_pass(
             torch.compiler.cudagraph_mark_step_begin()
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
             model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, tables.at(step), stop_ids_E,
-            scratch, k_transposed, exact,
+            scratch, k_transposed, exact, kernel,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
             tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (

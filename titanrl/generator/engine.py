@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
+from titanrl.generator import cpu_kernel
 from titanrl.generator.decode import (DecodeRows, compile_decode, decode_step, run_decode_pass,
                                       static_kv_for_cuda_graphs, uses_cuda_graphs)
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
@@ -81,6 +82,7 @@ class Generator:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
             self._decode_step = decode_step
+        self._kernel = cpu_kernel.use_for_decode(config, device, dtype, model_args.head_dim)
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -303,12 +305,13 @@ class Generator:
             tables=[s.block_table for s in batch],
         )
         compiled = self._decode_step is not decode_step
+        bucket = 1 << (len(batch) - 1).bit_length() if compiled else len(batch)
         with torch.profiler.record_function("generator/decode"):
             out = run_decode_pass(
-                self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps,
-                bucket=1 << (len(batch) - 1).bit_length() if compiled else len(batch), stop_ids=stop_ids,
-                scratch=self.num_blocks, end_when_any_stops=bool(sched.waiting), device=self.device,
+                self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps, bucket=bucket,
+                stop_ids=stop_ids, scratch=self.num_blocks, end_when_any_stops=bool(sched.waiting), device=self.device,
                 k_transposed=self.pool.k_transposed, exact=self.config.batch_invariant, cuda_graphs=self._cuda_graphs,
+                kernel=self._kernel and (not compiled or bucket >= cpu_kernel.MIN_COMPILED_BUCKET),
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
@@ -325,7 +328,7 @@ class Generator:
     def _decode_in_place(self) -> bool:
         """Decode attention reads the pages in place (the pool then keeps K transposed)."""
         impl = self.config.attention_impl
-        return impl == "inplace" or (impl == "auto" and self.config.compile)
+        return self._kernel or impl == "inplace" or (impl == "auto" and self.config.compile)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]

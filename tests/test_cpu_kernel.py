@@ -1,0 +1,135 @@
+"""The hand-written CPU decode-attention kernel (`titanrl/generator/cpu_kernel.py`): against a
+float64 reference over ragged rows and shared pages, inside the generator (eager and compiled)
+against the full-recompute reference, and its fallbacks where it cannot run."""
+
+import pytest
+import torch
+
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator import Generator, SamplingParams, cpu_kernel
+from titanrl.generator.reference import greedy_reference
+from titanrl.models import Transformer, TransformerModelArgs
+
+CPU = torch.device("cpu")
+REASON = cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16)
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the CPU kernel cannot run here: {REASON}")
+
+
+def _reference_NGRD(q_NGRD, k_pages, v_pages, table_NM, pos_N) -> torch.Tensor:
+    """float64 attention of each row over its positions 0..pos, gathered slot by slot."""
+    N, G, R, D = q_NGRD.shape
+    B = v_pages.shape[1]
+    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)  # [pages * B, G, D]
+    v_SGD = v_pages.double().reshape(-1, G, D)
+    out = torch.empty(N, G, R, D, dtype=torch.float64)
+    for n in range(N):
+        slots = torch.tensor([int(table_NM[n, p // B]) * B + p % B for p in range(int(pos_N[n]) + 1)])
+        scores_GRL = torch.einsum("grd,lgd->grl", q_NGRD[n].double(), k_SGD[slots]) * D**-0.5
+        out[n] = torch.einsum("grl,lgd->grd", scores_GRL.softmax(-1), v_SGD[slots])
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("block,head_dim,G,R", [(16, 16, 1, 2), (16, 64, 2, 2), (32, 64, 2, 3), (16, 128, 1, 4)])
+def test_kernel_matches_float64_reference(block, head_dim, G, R, threads):
+    g = torch.Generator().manual_seed(block + head_dim + R)
+    M = 4
+    # Positions at and around page edges, the first position, the last the table covers.
+    pos_N = torch.tensor([0, block - 1, block, block + 1, 2 * block - 1, M * block - 1, 5, 3 * block + 2, 1])
+    N = len(pos_N)
+    pages = N * M + 1
+    table_NM = torch.randperm(pages, generator=g)[: N * M].view(N, M).contiguous()
+    table_NM[1, 0] = table_NM[2, 0]  # two rows share a prompt page (GRPO groups do)
+    k_pages = torch.randn(pages, G, head_dim, block, generator=g)
+    v_pages = torch.randn(pages, block, G, head_dim, generator=g)
+    q_NGRD = torch.randn(N, G, R, head_dim, generator=g)
+    # Slots past a row's position hold large values in its last page: masking must drop them.
+    last = table_NM[0, 0]
+    k_pages[last, :, :, 1:], v_pages[last, 1:] = 1e4, 1e4
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernel.paged_decode_attention(q_NGRD, k_pages, v_pages, table_NM, pos_N)
+    finally:
+        torch.set_num_threads(threads_before)
+    ref = _reference_NGRD(q_NGRD, k_pages, v_pages, table_NM, pos_N)
+    assert out.dtype == torch.float32 and out.shape == q_NGRD.shape
+    assert (out.double() - ref).abs().max().item() < 2e-6
+    # Row 0 sees one position: its output is that position's value row.
+    assert torch.allclose(out[0], v_pages[last, 0][:, None, :].expand(G, R, head_dim), atol=1e-6)
+
+
+ARGS = TransformerModelArgs(
+    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
+    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+)
+
+
+def _model() -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ARGS)
+    model.init_weights()
+    return model.eval()
+
+
+@needs_kernel
+@pytest.mark.parametrize("compile", [False, True])
+def test_generator_with_the_kernel_matches_full_recompute_reference(compile, monkeypatch):
+    """Greedy decoding through the kernel (head_dim 16, GQA 2:1, pages of 16, a small pool with
+    preemption) gives the reference's tokens and logprobs (1e-5); compiled, from any bucket."""
+    monkeypatch.setattr(cpu_kernel, "MIN_COMPILED_BUCKET", 1)
+    torch._dynamo.reset()
+    model = _model()
+    config = GeneratorConfig(block_size=16, num_blocks=12, attention_impl="cpu_kernel", compile=compile)
+    gen = Generator(ARGS, config, CPU)
+    gen.load_weights(model)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 17, 31, 9)]
+    with torch.profiler.profile() as prof:
+        completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0, n=2))
+    calls = sum(e.count for e in prof.key_averages() if e.key == "titanrl::paged_decode_attention")
+    assert calls >= stats.decode_steps * ARGS.n_layers > 0  # every decode step, every layer
+    assert stats.preemptions > 0
+    for c in completions:
+        ref_ids, ref_lps = greedy_reference(model, prompts[c.prompt_index], 40)
+        assert c.token_ids == ref_ids
+        assert max(abs(a - b) for a, b in zip(c.logprobs, ref_lps)) < 1e-5
+    if compile:  # other lengths, same buckets: the op's shapes are dynamic, nothing compiles again
+        from torch._dynamo.utils import counters
+
+        warm = counters["stats"]["unique_graphs"]
+        more = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (5, 12, 21, 8)]
+        completions, _ = gen.generate(more, SamplingParams(max_new_tokens=30, temperature=0, n=2))
+        assert counters["stats"]["unique_graphs"] == warm
+        assert all(c.token_ids == greedy_reference(model, more[c.prompt_index], 30)[0] for c in completions)
+
+
+def test_auto_falls_back_and_an_explicit_request_says_why(tmp_path, monkeypatch):
+    """'auto' uses the kernel only where it runs; asking for it where it cannot fails at start
+    naming the cause. A missing compiler is one cause (a fresh cache folder forces a build)."""
+    def use(dtype=torch.float32, **config):
+        return cpu_kernel.use_for_decode(GeneratorConfig(**{"block_size": 16, **config}), CPU, dtype, 16)
+
+    assert not use(torch.bfloat16)
+    assert not use(block_size=4)
+    assert not use(attention_impl="cpu_kernel", batch_invariant=True)  # batch-invariant: the exact attention
+    assert not use(attention_impl="inplace")
+    assert use() == (REASON is None)
+    with pytest.raises(ValueError, match=r"attention_impl = 'cpu_kernel' cannot run here: it runs float32 on CPU"):
+        use(torch.bfloat16, attention_impl="cpu_kernel")
+    with pytest.raises(ValueError, match=r"block_size \(4\) and head_dim \(16\) must be multiples of 16"):
+        Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=8, attention_impl="cpu_kernel"), CPU)
+    if REASON is not None:
+        return
+    monkeypatch.setenv("TITANRL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    cpu_kernel._library.cache_clear()
+    try:
+        assert cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16) == "no C compiler ($CC or cc) to build it"
+        monkeypatch.delenv("CC")
+        cpu_kernel._library.cache_clear()
+        assert cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16) is None  # built into the cache folder
+        assert len(list((tmp_path / "kernels").glob("paged_decode_attention_*.so"))) == 1
+    finally:
+        cpu_kernel._library.cache_clear()

@@ -1,0 +1,138 @@
+"""A hand-written CPU kernel for the decode step's paged attention (AVX-512, float32).
+
+The compiled pure-PyTorch form (`DecodeAttention._attend_in_place`) reads the pages in place
+but pays index arithmetic per position; `csrc/paged_decode_attention.c` walks each row's pages
+with whole-register loads (a page's keys per feature, a value row; rows and KV heads in
+parallel). On its own, with the pool warm in cache, it is 2-4x faster than the compiled form
+(`scripts/bench_decode_attention.py`); in whole decode steps, where the pool is read cold more
+often, the step gains less (`scripts/bench_generate.py`). Eager decode steps gain the most: they
+otherwise gather the pages and run SDPA on the copy.
+
+It is built on first use with the system C compiler (`$CC`, else `cc`; torch.compile needs one
+on CPU too) and glibc's vector math library, once per block size and head dim, into
+`$TITANRL_CACHE` (default ~/.cache/titanrl), and registered as the op
+`titanrl::paged_decode_attention`, so a compiled decode step calls it like an aten op. Where it
+cannot run (no AVX-512, bfloat16, no compiler), `attention_impl = "auto"` uses the PyTorch forms.
+"""
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_attention.c")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_LIBS = ["-lmvec", "-lm"]
+MIN_COMPILED_BUCKET = 128
+"""A compiled decode step calls the kernel from batch buckets of this many rows: the call
+(dispatch to Python, the compiled graph split around it) costs ~0.03 ms, more than the kernel
+saves below (negligible model on one thread: 0.18 vs 0.15 ms per step at batch 1, 0.47 vs 0.42
+at 64, 0.87 vs 1.00 at 256; scripts/bench_generate.py). Eager steps always call it."""
+
+
+def unusable_reason(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
+    """Why the kernel cannot run this generator's decode attention, or None when it can."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return "it runs float32 on CPU"
+    if block_size % 16 or head_dim % 16:
+        return f"block_size ({block_size}) and head_dim ({head_dim}) must be multiples of 16"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    try:
+        _library(block_size, head_dim)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def use_for_decode(config: GeneratorConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the generator's decode steps run this kernel: `[generator] attention_impl`
+    'cpu_kernel' (an error if it cannot run here) or 'auto' where it can; never in
+    batch-invariant mode (its exact attention keeps the trainer's reduction order)."""
+    if config.attention_impl not in ("auto", "cpu_kernel") or config.batch_invariant:
+        return False
+    reason = unusable_reason(device, dtype, config.block_size, head_dim)
+    if reason is not None and config.attention_impl == "cpu_kernel":
+        raise ValueError(f"[generator] attention_impl = 'cpu_kernel' cannot run here: {reason}; "
+                         "use 'auto' or 'inplace'")
+    return reason is None
+
+
+def _cache_dir() -> str:
+    return os.environ.get("TITANRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "titanrl"))
+
+
+@functools.cache
+def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler ($CC or cc) to build it")
+    flags = [*_FLAGS, f"-DBLOCK={block_size}", f"-DHEAD_DIM={head_dim}"]
+    with open(_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    path = os.path.join(_cache_dir(), "kernels", f"paged_decode_attention_{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Ranks of one job build at once: each into its own file, renamed into place (atomic).
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+        os.close(fd)
+        proc = subprocess.run([compiler, *flags, _SOURCE, "-o", tmp, *_LIBS], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"{compiler} failed to build it: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    lib = ctypes.CDLL(path)
+    fn = lib.titanrl_paged_decode_attention_f32
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                           table_NM: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+    """Row n's query heads attend to its positions 0..pos_N[n] through block table row n.
+    `q_NGRD` [N, G, R, D] (G KV heads, R query heads each), `k_pages` [pages, G, D, block] (keys
+    transposed), `v_pages` [pages, block, G, D], `table_NM` and `pos_N` int64. Returns [N, G, R, D]."""
+    return torch.ops.titanrl.paged_decode_attention.default(q_NGRD, k_pages, v_pages, table_NM, pos_N)
+
+
+def _paged_decode_attention_cpu(q_NGRD, k_pages, v_pages, table_NM, pos_N):
+    N, G, R, D = q_NGRD.shape
+    assert k_pages.is_contiguous() and v_pages.is_contiguous() and k_pages.dtype == torch.float32
+    assert table_NM.dtype == pos_N.dtype == torch.int64
+    q_NGRD, table_NM, pos_N = q_NGRD.contiguous(), table_NM.contiguous(), pos_N.contiguous()
+    out_NGRD = torch.empty_like(q_NGRD)
+    fn = _library(v_pages.shape[1], D).titanrl_paged_decode_attention_f32
+    fn(q_NGRD.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_NM.data_ptr(), pos_N.data_ptr(),
+       out_NGRD.data_ptr(), N, G, R, table_NM.shape[1], D**-0.5, torch.get_num_threads())
+    return out_NGRD
+
+
+def _paged_decode_attention_fake(q_NGRD, k_pages, v_pages, table_NM, pos_N):
+    return torch.empty_like(q_NGRD, memory_format=torch.contiguous_format)
+
+
+def _register_op() -> None:
+    """A plain `torch.library` op (not `custom_op`, whose Python wrapper costs ~15-30 us per call,
+    a tenth of a decode step at batch 256 on the negligible model). The registrations live in
+    torch.library (not in this module), so a re-import finds the op defined and keeps it."""
+    try:
+        torch.ops.titanrl.paged_decode_attention
+        return
+    except AttributeError:
+        pass
+    qualname = "titanrl::paged_decode_attention"
+    torch.library.define(qualname, "(Tensor q_NGRD, Tensor k_pages, Tensor v_pages, Tensor table_NM, Tensor pos_N)"
+                                   " -> Tensor")
+    torch.library.impl(qualname, "cpu", _paged_decode_attention_cpu)
+    torch.library.register_fake(qualname, _paged_decode_attention_fake)
+
+
+_register_op()

@@ -1,0 +1,110 @@
+/* Paged decode attention for x86 CPUs with AVX-512, float32 (titanrl/generator/cpu_kernel.py).
+ *
+ * One query token per row attends to the row's positions 0..pos[n] through its block table.
+ * Layouts are the generator's KV pool with keys transposed (KVCachePool(k_transposed=True)):
+ *   q     [N, G, R, HEAD_DIM]       G KV heads, R query heads each
+ *   k     [pages, G, HEAD_DIM, BLOCK] a page's keys contiguous per feature
+ *   v     [pages, BLOCK, G, HEAD_DIM]
+ *   table [N, M] int64, pos [N] int64, out [N, G, R, HEAD_DIM]
+ * BLOCK and HEAD_DIM are compile-time multiples of 16 (one zmm register holds 16 floats): a
+ * page's scores for one feature and a value row are whole registers, and the loops unroll.
+ * Each (row, KV head) is computed alone in a fixed order, so a row's result does not depend on
+ * the batch it is in. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define SV (BLOCK / 16)                   /* registers per page of scores */
+#define DV (HEAD_DIM / 16)                /* registers per head vector */
+#define KS (SV >= 4 ? 1 : 4 / SV)         /* independent FMA chains: FMA latency ~4 cycles */
+#define KV (DV >= 4 ? 1 : 4 / DV)
+
+/* glibc's libmvec: expf on 16 lanes (AVX-512 variant). */
+__m512 _ZGVeN16v_expf(__m512);
+
+static void page_scores(const float* qg, const float* kpage, int64_t R, float scale, float* scores,
+                        int64_t stride) {
+  for (int64_t r = 0; r < R; r++) {
+    const float* qr = qg + r * HEAD_DIM;
+    for (int c = 0; c < SV; c++) {
+      __m512 acc[KS];
+      for (int k = 0; k < KS; k++) acc[k] = _mm512_setzero_ps();
+      for (int d = 0; d < HEAD_DIM; d += KS)
+        for (int k = 0; k < KS; k++)
+          acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + k]), _mm512_loadu_ps(kpage + (d + k) * BLOCK + c * 16),
+                                   acc[k]);
+      for (int k = 1; k < KS; k++) acc[0] = _mm512_add_ps(acc[0], acc[k]);
+      _mm512_storeu_ps(scores + r * stride + c * 16, _mm512_mul_ps(acc[0], _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+/* exp(x - max) of the first `valid` of `len` scores (a multiple of 16), in place; the rest become
+ * 0. Returns the sum. Arguments are clamped at -87 (exp > 0 stays a normal float): libmvec's
+ * expf takes a slow scalar path for lanes out of range, and masked lanes never reach it. */
+static float softmax_unnormalised(float* s, int64_t valid, int64_t len) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 in = i + 16 <= valid ? 0xFFFF : (i < valid ? (__mmask16)((1u << (valid - i)) - 1) : 0);
+    mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(s + i));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 in = i + 16 <= valid ? 0xFFFF : (i < valid ? (__mmask16)((1u << (valid - i)) - 1) : 0);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), m), lo);
+    const __m512 e = _mm512_maskz_mov_ps(in, _ZGVeN16v_expf(x));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+static void weighted_values(const float* p, const float* vp, const int64_t* tab, int64_t pages, int64_t G,
+                            int64_t g, float inv_sum, float* out) {
+  __m512 acc[KV][DV];
+  for (int k = 0; k < KV; k++)
+    for (int j = 0; j < DV; j++) acc[k][j] = _mm512_setzero_ps();
+  for (int64_t m = 0; m < pages; m++) {
+    const float* vpage = vp + (tab[m] * BLOCK * G + g) * HEAD_DIM;
+    for (int b = 0; b < BLOCK; b += KV)
+      for (int k = 0; k < KV; k++) {
+        const __m512 w = _mm512_set1_ps(p[m * BLOCK + b + k]);
+        for (int j = 0; j < DV; j++)
+          acc[k][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vpage + (b + k) * G * HEAD_DIM + j * 16), acc[k][j]);
+      }
+  }
+  for (int j = 0; j < DV; j++) {
+    for (int k = 1; k < KV; k++) acc[0][j] = _mm512_add_ps(acc[0][j], acc[k][j]);
+    _mm512_storeu_ps(out + j * 16, _mm512_mul_ps(acc[0][j], _mm512_set1_ps(inv_sum)));
+  }
+}
+
+void titanrl_paged_decode_attention_f32(const float* q, const float* kp, const float* vp, const int64_t* table,
+                                        const int64_t* pos, float* out, int64_t N, int64_t G, int64_t R,
+                                        int64_t M, float scale, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t stride = M * BLOCK;
+    float* scores = aligned_alloc(64, sizeof(float) * R * stride);
+#pragma omp for schedule(static)
+    for (int64_t ng = 0; ng < N * G; ng++) {
+      const int64_t n = ng / G, g = ng % G;
+      const int64_t L = pos[n] + 1;
+      int64_t pages = (L + BLOCK - 1) / BLOCK;
+      if (pages > M) pages = M; /* the table covers every position the step reads */
+      const int64_t* tab = table + n * M;
+      const float* qg = q + ng * R * HEAD_DIM;
+      for (int64_t m = 0; m < pages; m++)
+        page_scores(qg, kp + (tab[m] * G + g) * HEAD_DIM * BLOCK, R, scale, scores + m * BLOCK, stride);
+      for (int64_t r = 0; r < R; r++) {
+        float* s = scores + r * stride;
+        const float sum = softmax_unnormalised(s, L < pages * BLOCK ? L : pages * BLOCK, pages * BLOCK);
+        weighted_values(s, vp, tab, pages, G, g, 1.0f / sum, out + (ng * R + r) * HEAD_DIM);
+      }
+    }
+    free(scores);
+  }
+}
