@@ -107,7 +107,8 @@ def test_generator_with_the_kernel_matches_full_recompute_reference(compile, mon
 
 def test_auto_falls_back_and_an_explicit_request_says_why(tmp_path, monkeypatch):
     """'auto' uses the kernel only where it runs; asking for it where it cannot fails at start
-    naming the cause. A missing compiler is one cause (a fresh cache folder forces a build)."""
+    naming the cause. A missing compiler or an unwritable cache folder are causes too (a fresh
+    cache folder forces a build)."""
     def use(dtype=torch.float32, **config):
         return cpu_kernel.use_for_decode(GeneratorConfig(**{"block_size": 16, **config}), CPU, dtype, 16)
 
@@ -128,6 +129,13 @@ def test_auto_falls_back_and_an_explicit_request_says_why(tmp_path, monkeypatch)
     try:
         assert cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16) == "no C compiler ($CC or cc) to build it"
         monkeypatch.delenv("CC")
+        (tmp_path / "a-file").write_text("")
+        monkeypatch.setenv("TITANRL_CACHE", str(tmp_path / "a-file"))  # not a folder: no build, no crash
+        cpu_kernel._library.cache_clear()
+        reason = cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16)
+        assert "could not be built or loaded" in reason and "$TITANRL_CACHE names a writable folder" in reason
+        assert not cpu_kernel.use_for_decode(GeneratorConfig(block_size=16), CPU, torch.float32, 16)
+        monkeypatch.setenv("TITANRL_CACHE", str(tmp_path))
         cpu_kernel._library.cache_clear()
         assert cpu_kernel.unusable_reason(CPU, torch.float32, 16, 16) is None  # built into the cache folder
         assert len(list((tmp_path / "kernels").glob("paged_decode_attention_*.so"))) == 1

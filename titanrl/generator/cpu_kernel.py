@@ -78,21 +78,29 @@ def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
     with open(_SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), "kernels", f"paged_decode_attention_{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Ranks of one job build at once: each into its own file, renamed into place (atomic).
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-        os.close(fd)
-        proc = subprocess.run([compiler, *flags, _SOURCE, "-o", tmp, *_LIBS], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"{compiler} failed to build it: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, path)
-    lib = ctypes.CDLL(path)
+    try:
+        if not os.path.exists(path):
+            _build(compiler, flags, path)
+        lib = ctypes.CDLL(path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"it could not be built or loaded at {path} ({e}); $TITANRL_CACHE names a writable "
+                           "folder for it") from e
     fn = lib.titanrl_paged_decode_attention_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
     return lib
+
+
+def _build(compiler: str, flags: list[str], path: str) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    # Ranks of one job build at once: each into its own file, renamed into place (atomic).
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    proc = subprocess.run([compiler, *flags, _SOURCE, "-o", tmp, *_LIBS], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{compiler} failed to build it: {proc.stderr.strip()[-500:]}")
+    os.replace(tmp, path)
 
 
 def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
