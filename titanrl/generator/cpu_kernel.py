@@ -19,6 +19,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -31,10 +32,12 @@ _SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_attentio
 _FLAGS = ["-O3", "-mavx512f", "-mavx512dq", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _LIBS = ["-lmvec", "-lm"]
 MIN_COMPILED_BUCKET = 128
-"""A compiled decode step calls the kernel from batch buckets of this many rows: the call
-(dispatch to Python, the compiled graph split around it) costs ~0.03 ms, more than the kernel
-saves below (negligible model on one thread: 0.18 vs 0.15 ms per step at batch 1, 0.47 vs 0.42
-at 64, 0.87 vs 1.00 at 256; scripts/bench_generate.py). Eager steps always call it."""
+"""A compiled decode step calls the kernel from batch buckets of this many rows (smaller ones run
+the compiled in-place attention): the call (dispatch to Python, the compiled graph split around
+it) costs ~0.03 ms, more than the kernel saves at small batches (negligible model, one thread,
+with the kernel vs without, ms per step: 0.18 vs 0.15 at batch 1, 0.47 vs 0.42 at 64; at 256
+0.87 vs 1.00 in that bench run, 0.77 vs 0.76 in the next, 0.57 vs 0.63 in a 9-run A/B).
+Eager steps always call it."""
 
 
 def unusable_reason(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
@@ -45,11 +48,7 @@ def unusable_reason(device: torch.device, dtype: torch.dtype, block_size: int, h
         return f"block_size ({block_size}) and head_dim ({head_dim}) must be multiples of 16"
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
-    try:
-        _library(block_size, head_dim)
-    except RuntimeError as e:
-        return str(e)
-    return None
+    return _build_error(block_size, head_dim)
 
 
 def use_for_decode(config: GeneratorConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -70,17 +69,28 @@ def _cache_dir() -> str:
 
 
 @functools.cache
+def _build_error(block_size: int, head_dim: int) -> str | None:
+    """Why `_library` fails for this shape, or None (a failed build is tried once per process)."""
+    try:
+        _library(block_size, head_dim)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@functools.cache
 def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    cc = shlex.split(os.environ.get("CC", "cc")) or ["cc"]  # $CC may carry arguments ("ccache gcc")
+    compiler = shutil.which(cc[0])
     if compiler is None:
         raise RuntimeError("no C compiler ($CC or cc) to build it")
-    flags = [*_FLAGS, f"-DBLOCK={block_size}", f"-DHEAD_DIM={head_dim}"]
+    command = [compiler, *cc[1:], *_FLAGS, f"-DBLOCK={block_size}", f"-DHEAD_DIM={head_dim}"]
     with open(_SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+        key = hashlib.sha256(f.read() + " ".join(command).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), "kernels", f"paged_decode_attention_{key}.so")
     try:
         if not os.path.exists(path):
-            _build(compiler, flags, path)
+            _build(command, path)
         lib = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"it could not be built or loaded at {path} ({e}); $TITANRL_CACHE names a writable "
@@ -91,16 +101,19 @@ def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
     return lib
 
 
-def _build(compiler: str, flags: list[str], path: str) -> None:
+def _build(command: list[str], path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     # Ranks of one job build at once: each into its own file, renamed into place (atomic).
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    proc = subprocess.run([compiler, *flags, _SOURCE, "-o", tmp, *_LIBS], capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{compiler} failed to build it: {proc.stderr.strip()[-500:]}")
-    os.replace(tmp, path)
+    try:
+        proc = subprocess.run([*command, _SOURCE, "-o", tmp, *_LIBS], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed to build it: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
@@ -113,11 +126,15 @@ def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages:
 
 def _paged_decode_attention_cpu(q_NGRD, k_pages, v_pages, table_NM, pos_N):
     N, G, R, D = q_NGRD.shape
-    assert k_pages.is_contiguous() and v_pages.is_contiguous() and k_pages.dtype == torch.float32
-    assert table_NM.dtype == pos_N.dtype == torch.int64
+    B = v_pages.shape[1]
+    # Invariants of the generator's pool and decode step (a mismatch would read out of bounds).
+    assert k_pages.shape[1:] == (G, D, B) and v_pages.shape[1:] == (B, G, D), (q_NGRD.shape, k_pages.shape)
+    assert k_pages.is_contiguous() and v_pages.is_contiguous()
+    assert q_NGRD.dtype == k_pages.dtype == v_pages.dtype == torch.float32 and q_NGRD.device.type == "cpu"
+    assert table_NM.dtype == pos_N.dtype == torch.int64 and table_NM.shape[0] == pos_N.shape[0] == N
     q_NGRD, table_NM, pos_N = q_NGRD.contiguous(), table_NM.contiguous(), pos_N.contiguous()
     out_NGRD = torch.empty_like(q_NGRD)
-    fn = _library(v_pages.shape[1], D).titanrl_paged_decode_attention_f32
+    fn = _library(B, D).titanrl_paged_decode_attention_f32
     fn(q_NGRD.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_NM.data_ptr(), pos_N.data_ptr(),
        out_NGRD.data_ptr(), N, G, R, table_NM.shape[1], D**-0.5, torch.get_num_threads())
     return out_NGRD

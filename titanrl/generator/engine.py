@@ -356,7 +356,7 @@ class Generator:
         backend = PagedAttention(
             self.pool, slices, self.device, exact=self.config.batch_invariant,
             impl="flex" if self.config.attention_impl == "flex" else "sdpa",
-        )
+            kernel=self._kernel and model is self.model)
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.

@@ -9,7 +9,7 @@
  * BLOCK and HEAD_DIM are compile-time multiples of 16 (one zmm register holds 16 floats): a
  * page's scores for one feature and a value row are whole registers, and the loops unroll.
  * Each (row, KV head) is computed alone in a fixed order, so a row's result does not depend on
- * the batch it is in. */
+ * the batch it is in, nor on the thread count. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -40,21 +40,25 @@ static void page_scores(const float* qg, const float* kpage, int64_t R, float sc
   }
 }
 
-/* exp(x - max) of the first `valid` of `len` scores (a multiple of 16), in place; the rest become
- * 0. Returns the sum. Arguments are clamped at -87 (exp > 0 stays a normal float): libmvec's
- * expf takes a slow scalar path for lanes out of range, and masked lanes never reach it. */
+/* The lanes of scores i..i+15 that are among the first `valid`. */
+static inline __mmask16 valid_lanes(int64_t i, int64_t valid) {
+  return i + 16 <= valid ? (__mmask16)0xFFFF : (i < valid ? (__mmask16)((1u << (valid - i)) - 1) : (__mmask16)0);
+}
+
+/* exp(s - max) of the first `valid` of `len` scores (a multiple of 16), in place; the rest
+ * become 0. Returns the sum. Masked lanes enter expf as 0 and the others are clamped at -87 (the
+ * result stays a normal float): libmvec's expf takes a slow scalar path for lanes out of range.
+ * A NaN score makes the sum NaN, as in a reference softmax (max(lo, x) returns x if x is NaN). */
 static float softmax_unnormalised(float* s, int64_t valid, int64_t len) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < len; i += 16) {
-    const __mmask16 in = i + 16 <= valid ? 0xFFFF : (i < valid ? (__mmask16)((1u << (valid - i)) - 1) : 0);
-    mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(s + i));
-  }
+  for (int64_t i = 0; i < len; i += 16)
+    mx = _mm512_mask_max_ps(mx, valid_lanes(i, valid), mx, _mm512_loadu_ps(s + i));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   const __m512 lo = _mm512_set1_ps(-87.0f);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < len; i += 16) {
-    const __mmask16 in = i + 16 <= valid ? 0xFFFF : (i < valid ? (__mmask16)((1u << (valid - i)) - 1) : 0);
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), m), lo);
+    const __mmask16 in = valid_lanes(i, valid);
+    const __m512 x = _mm512_max_ps(lo, _mm512_maskz_sub_ps(in, _mm512_loadu_ps(s + i), m));
     const __m512 e = _mm512_maskz_mov_ps(in, _ZGVeN16v_expf(x));
     _mm512_storeu_ps(s + i, e);
     sum = _mm512_add_ps(sum, e);
@@ -89,7 +93,7 @@ void titanrl_paged_decode_attention_f32(const float* q, const float* kp, const f
   {
     const int64_t stride = M * BLOCK;
     float* scores = aligned_alloc(64, sizeof(float) * R * stride);
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8) /* rows differ in length */
     for (int64_t ng = 0; ng < N * G; ng++) {
       const int64_t n = ng / G, g = ng % G;
       const int64_t L = pos[n] + 1;
