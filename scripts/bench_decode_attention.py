@@ -21,6 +21,7 @@ import torch
 
 from titanrl.generator import cpu_kernel
 from titanrl.generator.decode import DecodeAttention
+from titanrl.generator.reference import paged_decode_attention_reference
 
 # (block, head_dim, kv heads G, query heads per KV head R, rows N, context, threads)
 SHAPES = [
@@ -65,7 +66,7 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
         "kernel": lambda: cpu_kernel.paged_decode_attention(*args),
         "compiled_inplace": lambda: inplace(*args),
     }
-    ref = _reference(*args)
+    ref = paged_decode_attention_reference(*args)
     row = {"block": block, "head_dim": head_dim, "kv_heads": G, "q_per_kv": R, "rows": N, "ctx": ctx,
            "threads": threads}
     for name, fn in variants.items():
@@ -78,20 +79,6 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
         row[f"{name}_ms"] = min(times[name])
     row["kernel_speedup"] = row["compiled_inplace_ms"] / row["kernel_ms"]
     return row
-
-
-def _reference(q_NGRD, k_pages, v_pages, table_NM, pos_N) -> torch.Tensor:
-    N, G, R, D = q_NGRD.shape
-    B = v_pages.shape[1]
-    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)
-    v_SGD = v_pages.double().reshape(-1, G, D)
-    out = torch.empty(N, G, R, D, dtype=torch.float64)
-    for n in range(N):
-        L = int(pos_N[n]) + 1
-        slots = table_NM[n].repeat_interleave(B)[:L] * B + torch.arange(L) % B
-        scores_GRL = torch.einsum("grd,lgd->grl", q_NGRD[n].double(), k_SGD[slots]) * D**-0.5
-        out[n] = torch.einsum("grl,lgd->grd", scores_GRL.softmax(-1), v_SGD[slots])
-    return out
 
 
 def main() -> None:

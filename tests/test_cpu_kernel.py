@@ -10,7 +10,7 @@ import torch
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams, cpu_kernel
-from titanrl.generator.reference import greedy_reference
+from titanrl.generator.reference import greedy_reference, paged_decode_attention_reference
 from titanrl.models import Transformer, TransformerModelArgs
 
 CPU = torch.device("cpu")
@@ -23,20 +23,6 @@ needs_kernel = pytest.mark.skipif(not _CAN_RUN, reason="the CPU kernel needs AVX
 def _forget_builds() -> None:
     cpu_kernel._library.cache_clear()
     cpu_kernel._build_error.cache_clear()
-
-
-def _reference_NGRD(q_NGRD, k_pages, v_pages, table_NM, pos_N) -> torch.Tensor:
-    """float64 attention of each row over its positions 0..pos, gathered slot by slot."""
-    N, G, R, D = q_NGRD.shape
-    B = v_pages.shape[1]
-    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)  # [pages * B, G, D]
-    v_SGD = v_pages.double().reshape(-1, G, D)
-    out = torch.empty(N, G, R, D, dtype=torch.float64)
-    for n in range(N):
-        slots = torch.tensor([int(table_NM[n, p // B]) * B + p % B for p in range(int(pos_N[n]) + 1)])
-        scores_GRL = torch.einsum("grd,lgd->grl", q_NGRD[n].double(), k_SGD[slots]) * D**-0.5
-        out[n] = torch.einsum("grl,lgd->grd", scores_GRL.softmax(-1), v_SGD[slots])
-    return out
 
 
 def _attend(threads: int, *args) -> torch.Tensor:
@@ -69,7 +55,7 @@ def test_kernel_matches_float64_reference(block, head_dim, G, R):
     for scale in (1.0, 40.0):  # scores O(1), and peaked ones (softmax must subtract the max)
         args = (q_NGRD * scale, k_pages, v_pages, table_NM, pos_N)
         out = _attend(1, *args)
-        ref = _reference_NGRD(*args)
+        ref = paged_decode_attention_reference(*args)
         assert out.dtype == torch.float32 and out.shape == q_NGRD.shape
         assert (out.double() - ref).abs().max().item() < 2e-6 * scale
         assert torch.equal(_attend(2, *args), out)  # rows in parallel, each in a fixed order

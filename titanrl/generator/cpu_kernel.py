@@ -124,6 +124,15 @@ def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages:
     return torch.ops.titanrl.paged_decode_attention.default(q_NGRD, k_pages, v_pages, table_NM, pos_N)
 
 
+def decode_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor,
+                     pos_N: torch.Tensor) -> torch.Tensor:
+    """`paged_decode_attention` for a decode step's queries [N, H, D] (the query heads of a KV
+    head adjacent, as in the model); returns [N, H, D]."""
+    N, H, D = q_NHD.shape
+    q_NGRD = q_NHD.view(N, v_pages.shape[2], H // v_pages.shape[2], D)
+    return paged_decode_attention(q_NGRD, k_pages, v_pages, table_NM, pos_N).view(N, H, D)
+
+
 def _paged_decode_attention_cpu(q_NGRD, k_pages, v_pages, table_NM, pos_N):
     N, G, R, D = q_NGRD.shape
     B = v_pages.shape[1]

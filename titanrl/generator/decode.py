@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanrl.generator.cpu_kernel import paged_decode_attention
+from titanrl.generator.cpu_kernel import decode_attention
 from titanrl.generator.kv_cache import rows_of, write_kv
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
@@ -62,8 +62,7 @@ class DecodeAttention:
         N, H, D = q_NHD.shape
         Hkv = v_pages.shape[2]
         if self.kernel:
-            q_NGRD = q_NHD.view(N, Hkv, H // Hkv, D)
-            return paged_decode_attention(q_NGRD, k_pages, v_pages, self.table_NM, self.pos_N).view(1, N, H, D)
+            return decode_attention(q_NHD, k_pages, v_pages, self.table_NM, self.pos_N).unsqueeze(0)
         if self.k_transposed and not self.exact:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
         k_NLHD = self._keys(k_pages).to(q_NHD.dtype)

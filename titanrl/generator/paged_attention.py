@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from titanrl.generator.cpu_kernel import paged_decode_attention
+from titanrl.generator.cpu_kernel import decode_attention
 from titanrl.generator.kv_cache import KVCachePool
 from titanrl.models.batch_invariant import attend_exact_batched
 
@@ -69,7 +69,8 @@ class PagedAttention:
         self.decode_only = max_new == 1
         # ... and the CPU decode kernel can read the pages in place (`cpu_kernel.py`).
         self.kernel = kernel and self.decode_only and not exact
-        self.block_table_SM, self.pos_S = block_table_SM, context_len_S - 1
+        if self.kernel:
+            self.block_table_SM, self.pos_S = block_table_SM, context_len_S - 1
         self.query_index_SQ = torch.where(query_valid_SQ, starts_S[:, None] + q_off_Q[None, :], 0)
         # Where each (sequence, query) row goes in the packed output; padding rows go to a spare
         # row N, so that no data-dependent boolean indexing happens in the forward (compile-friendly).
@@ -109,9 +110,7 @@ class PagedAttention:
         self.pool.write(layer_id, self.slot_mapping_N, k_1NHD[0], v_1NHD[0])
         if self.kernel:
             k_pages, v_pages = self.pool.k[layer_id], self.pool.v[layer_id]
-            _, N, H, D = q_1NHD.shape
-            q_NGRD = q_1NHD[0].view(N, v_pages.shape[2], -1, D)
-            return paged_decode_attention(q_NGRD, k_pages, v_pages, self.block_table_SM, self.pos_S).view(1, N, H, D)
+            return decode_attention(q_1NHD[0], k_pages, v_pages, self.block_table_SM, self.pos_S).unsqueeze(0)
         if self.exact:
             return self._attend_exact(q_1NHD[0], layer_id).unsqueeze(0)
         if self.impl == "flex":

@@ -1,4 +1,5 @@
-"""Plain full-recompute greedy decoding: the oracle the paged generator is tested against."""
+"""Plain full-recompute greedy decoding: the oracle the paged generator is tested against; and a
+float64 paged decode attention, the oracle of the CPU decode kernel (test and benchmark)."""
 
 import torch
 
@@ -24,3 +25,20 @@ def greedy_reference(
         if token == eos_id:
             break
     return new_ids, logprobs
+
+
+def paged_decode_attention_reference(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                                     table_NM: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+    """float64 attention of each row over its positions 0..pos, gathered slot by slot through its
+    block table; the layouts of `cpu_kernel.paged_decode_attention` (K pages transposed)."""
+    N, G, R, D = q_NGRD.shape
+    B = v_pages.shape[1]
+    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)  # [pages * B, G, D]
+    v_SGD = v_pages.double().reshape(-1, G, D)
+    out_NGRD = torch.empty(N, G, R, D, dtype=torch.float64)
+    for n in range(N):
+        L = int(pos_N[n]) + 1
+        slots = table_NM[n].repeat_interleave(B)[:L] * B + torch.arange(L) % B
+        scores_GRL = torch.einsum("grd,lgd->grl", q_NGRD[n].double(), k_SGD[slots]) * D**-0.5
+        out_NGRD[n] = torch.einsum("grl,lgd->grd", scores_GRL.softmax(-1), v_SGD[slots])
+    return out_NGRD
