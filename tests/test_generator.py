@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 from titanrl.components.loss import token_logprobs
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
-from titanrl.generator.kv_cache import BlockAllocator, OutOfBlocks, block_hashes
+from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
 from titanrl.generator.reference import greedy_reference
+from titanrl.generator.scheduler import Scheduler
+from titanrl.generator.sequence import Seq
 from titanrl.models import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(
@@ -548,6 +550,27 @@ def test_decode_pass_tables_hold_only_the_pages_a_step_can_reach():
         assert t.shape[1] * 4 > min(reach, 7 * 4 - 1)  # the deepest position is covered
         assert t.is_contiguous() and torch.equal(t, table_NM[:, :t.shape[1]])
     assert tables.at(0) is tables.at(2)  # one copy per width
+
+
+@pytest.mark.parametrize("free, steps, added", [(40, 32, 8), (10, 8, 2), (3, 1, 0)])
+def test_reserve_ahead_halves_the_steps_until_the_free_blocks_cover_them(free, steps, added):
+    """A pass reserves blocks for the steps of every running sample; where the pool cannot hold
+    `decode_steps_per_schedule` of them it takes half, a quarter, ... (not one step at once)."""
+    B, used = 4, 8
+    config = GeneratorConfig(block_size=B, num_blocks=used + free)
+    pool = KVCachePool(1, used + free, B, 1, 8, torch.float32, torch.device("cpu"))
+    allocator = BlockAllocator(used + free)
+    params = SamplingParams(max_new_tokens=64)
+    sched = Scheduler(pool, allocator, config, [[1] * 8], [0], params, max_seq_len=96, vocab_size=100)
+    # Four samples of 8 tokens (two full blocks each); the next token is fed at position 7.
+    batch = [Seq(0, j, [1] * 8, 4, params, key=j, block_table=[allocator.allocate() for _ in range(2)])
+             for j in range(4)]
+    got, left = sched.reserve_ahead(batch, 32)
+    assert (got, left) == (steps, [60] * 4)
+    # Positions 7 .. 6 + steps are written: blocks up to (6 + steps) // B.
+    assert [len(s.block_table) for s in batch] == [2 + added] * 4
+    assert allocator.num_free == free - 4 * added
+    assert all(s.block_table[-1] < used + free for s in batch)
 
 
 def test_decode_passes_match_step_by_step_scheduling():

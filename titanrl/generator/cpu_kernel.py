@@ -3,10 +3,10 @@
 The compiled pure-PyTorch form (`DecodeAttention._attend_in_place`) reads the pages in place
 but pays index arithmetic per position; `csrc/paged_decode_attention.c` walks each row's pages
 with whole-register loads (a page's keys per feature, a value row; rows and KV heads in
-parallel). On its own, with the pool warm in cache, it is 1.9-3.6x faster than the compiled form
-(`scripts/bench_decode_attention.py`); in whole decode steps, where the pool is read cold more
-often, the step gains less (`scripts/bench_generate.py`). Eager decode steps gain the most: they
-otherwise gather the pages and run SDPA on the copy.
+parallel; pages prefetched ahead of use). On its own it is 1.8-4x faster than the compiled form
+(`scripts/bench_decode_attention.py`, most with long rows); in whole decode steps the step gains
+less (`scripts/bench_generate.py`). Eager decode steps gain the most: they otherwise gather the
+pages and run SDPA on the copy.
 
 It is built on first use with the system C compiler (`$CC`, else `cc`; torch.compile needs one
 on CPU too) and glibc's vector math library, once per block size and head dim, into

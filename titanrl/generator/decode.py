@@ -12,6 +12,7 @@ and the tokens once per pass. With `compile`, the step (model, sampling, logprob
 one compiled region per power-of-two batch bucket (CUDA graphs on GPU).
 """
 
+import array
 import contextlib
 from dataclasses import dataclass
 
@@ -215,17 +216,21 @@ def run_decode_pass(
     would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
     N, P = len(rows.tokens), bucket - len(rows.tokens)
     M = max(2, max(len(t) for t in rows.tables))  # >= 2: keeps the dynamic width off 0/1 specialisation
-    meta = torch.tensor(
-        [[tok, pos, left, key, *table, *[scratch] * (M - len(table))]
-         for tok, pos, left, key, table in zip(rows.tokens, rows.positions, rows.left, rows.keys, rows.tables)]
-        + [[0, 0, 1, 0, *[scratch] * M]] * P,
-        dtype=torch.long,
-    ).to(device)
-    # Fresh row-major tensors: views into `meta` have strides that change with the table width
-    # (size-1 dimensions included), which the compiled step guards on.
-    tokens_N, pos_N, left_N, key_N = (torch.empty(bucket, dtype=torch.long, device=device).copy_(meta[:, i])
-                                      for i in range(4))
-    table_NM = meta[:, 4:]
+    # One host buffer (built as one flat list: ~3x faster than a nested list into torch.tensor)
+    # and one copy to the device: the state [4, bucket] (padding rows dead: 1 token left), then
+    # the block tables [bucket, M] padded with the scratch block.
+    pad = [scratch] * M
+    flat = [*rows.tokens, *[0] * P, *rows.positions, *[0] * P, *rows.left, *[1] * P, *rows.keys, *[0] * P]
+    for table in rows.tables:
+        flat += table
+        flat += pad[len(table):]
+    flat += pad * P
+    meta = torch.frombuffer(array.array("q", flat), dtype=torch.long).to(device)
+    # Fresh tensors: views into `meta` have offsets and strides that change with the table width,
+    # which the compiled step guards on.
+    tokens_N, pos_N, left_N, key_N = (torch.empty(bucket, dtype=torch.long, device=device)
+                                      .copy_(meta[i * bucket : (i + 1) * bucket]) for i in range(4))
+    table_NM = meta[4 * bucket :].view(bucket, M)
     live_N = torch.arange(bucket, device=device) < N
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
     tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
@@ -247,14 +252,16 @@ def run_decode_pass(
         if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
             break
     done = len(out_tokens)
-    # A row's length is the step it stopped at (argmax finds the first True), or all steps.
-    stopped_NK = torch.stack(out_stopped, 1)[:N]
-    lengths = torch.where(stopped_NK.any(1), stopped_NK.int().argmax(1) + 1, done).tolist()
-    tokens = torch.stack(out_tokens, 1)[:N].tolist()
-    logprobs = torch.stack(out_logprobs, 1)[:N].tolist()
+    tokens = torch.stack(out_tokens)[:, :N].t().tolist()
+    logprobs = torch.stack(out_logprobs)[:, :N].t().tolist()
+    stopped_KN = torch.stack(out_stopped)[:, :N]
+    if stopped_KN.any():  # cut each stopped row after its stop (argmax finds the first True)
+        lengths = torch.where(stopped_KN.any(0), stopped_KN.int().argmax(0) + 1, done).tolist()
+        tokens = [t[:n] for t, n in zip(tokens, lengths)]
+        logprobs = [lp[:n] for lp, n in zip(logprobs, lengths)]
     return DecodeOutput(
-        tokens=[t[:n] for t, n in zip(tokens, lengths)],
-        logprobs=[lp[:n] for lp, n in zip(logprobs, lengths)],
+        tokens=tokens,
+        logprobs=logprobs,
         stopped=(~live_N[:N]).tolist(),
         steps=done,
     )

@@ -297,11 +297,11 @@ class Generator:
         params = batch[0].params
         if turns is not None or params.stop_strings or params.num_top_logprobs or self.config.attention_impl == "flex":
             return self._decode_one_step(sched, batch)
-        steps = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
+        steps, left = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
         rows = DecodeRows(
             tokens=[s.token_ids[-1] for s in batch], positions=[len(s.token_ids) - 1 for s in batch],
-            left=[sched.tokens_left(s) for s in batch], keys=[s.key for s in batch],
+            left=left, keys=[s.key for s in batch],
             tables=[s.block_table for s in batch],
         )
         compiled = self._decode_step is not decode_step

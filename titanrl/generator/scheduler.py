@@ -197,25 +197,25 @@ class Scheduler:
         """Tokens `seq` may still add: its max_new_tokens budget, and the model's context."""
         return min(seq.params.max_new_tokens - seq.num_generated, self.max_seq_len - len(seq.token_ids))
 
-    def reserve_ahead(self, batch: list[Seq], max_steps: int) -> int:
+    def reserve_ahead(self, batch: list[Seq], max_steps: int) -> tuple[int, list[int]]:
         """Blocks for the next decode steps of every sequence in `batch` (each already has a
-        writable slot for its next one). Returns the number of steps reserved: 1 when the
-        blocks for more are not free (the next pass schedules, and preempts, step by step)."""
+        writable slot for its next one). Returns the number of steps reserved and each
+        sequence's tokens left. When the free blocks do not cover `max_steps`, the steps are
+        halved until they do (1: the next pass schedules, and preempts, step by step)."""
         B = self.block_size
-        steps = min(max_steps, max(self.tokens_left(s) for s in batch))
-        if steps <= 1:
-            return 1
-        # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
-        needed = [
-            max(0, (len(s.token_ids) - 2 + min(steps, self.tokens_left(s))) // B + 1 - len(s.block_table))
-            for s in batch
-        ]
-        if sum(needed) > self.allocator.num_free:
-            return 1
-        for seq, n in zip(batch, needed):
-            for _ in range(n):
-                self._append_block(seq)
-        return steps
+        lefts = [self.tokens_left(s) for s in batch]
+        steps = min(max_steps, max(lefts))
+        while steps > 1:
+            # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
+            needed = [max(0, (len(s.token_ids) - 2 + min(steps, left)) // B + 1 - len(s.block_table))
+                      for s, left in zip(batch, lefts)]
+            if sum(needed) <= self.allocator.num_free:
+                for seq, n in zip(batch, needed):
+                    for _ in range(n):
+                        self._append_block(seq)
+                return steps, lefts
+            steps //= 2
+        return 1, lefts
 
     def trim_blocks(self, seq: Seq) -> None:
         """Give back blocks reserved ahead but not reached (a pass ended early)."""
