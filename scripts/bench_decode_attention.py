@@ -6,9 +6,11 @@ against `DecodeAttention._attend_in_place` under `torch.compile` (what `attentio
 "inplace"` runs). Best of 5 timings of 30 calls each, twice alternating, so the pool is warm in
 cache: this isolates the kernels (in a decode step the pool is read cold more often and the
 gain is smaller; `scripts/bench_generate.py` measures whole steps). Also the largest difference
-of each from a float64 reference.
+of each from a float64 reference. `--dtype bfloat16`: pool and queries in bfloat16 (the kernel
+widens them to float32 as it reads; the compiled form computes as PyTorch does in bfloat16).
 
     python scripts/bench_decode_attention.py --out benchmarks/bench_decode_attention.json
+    python scripts/bench_decode_attention.py --dtype bfloat16 --out benchmarks/bench_decode_attention_bf16.json
 """
 
 import argparse
@@ -44,7 +46,7 @@ def _best_ms(fn, calls: int = 30, reps: int = 5) -> float:
     return best * 1e3
 
 
-def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, threads: int) -> dict:
+def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, threads: int, dtype: torch.dtype) -> dict:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     M = -(-ctx // block)
@@ -54,6 +56,7 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
     table_NM = torch.randperm(pages - 1, generator=g)[: N * M].view(N, M).contiguous()
     pos_N = torch.randint(ctx // 2, ctx, (N,), generator=g)
     q_NGRD = torch.randn(N, G, R, head_dim, generator=g)
+    k_pages, v_pages, q_NGRD = k_pages.to(dtype), v_pages.to(dtype), q_NGRD.to(dtype)
     live_N = torch.ones(N, dtype=torch.bool)
 
     def inplace_attention(q, k, v, table, pos):
@@ -68,7 +71,7 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
     }
     ref = paged_decode_attention_reference(*args)
     row = {"block": block, "head_dim": head_dim, "kv_heads": G, "q_per_kv": R, "rows": N, "ctx": ctx,
-           "threads": threads}
+           "threads": threads, "dtype": str(dtype).removeprefix("torch.")}
     for name, fn in variants.items():
         row[f"{name}_max_err"] = (fn().double() - ref).abs().max().item()
     times = {name: [] for name in variants}
@@ -84,18 +87,20 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_decode_attention.json")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    reason = cpu_kernel.unusable_reason(torch.device("cpu"), torch.float32, 16, 16)
+    dtype = getattr(torch, args.dtype)
+    reason = cpu_kernel.unusable_reason(torch.device("cpu"), dtype, 16, 16)
     if reason is not None:
         raise SystemExit(f"the CPU kernel cannot run here: {reason}")
     rows = []
     for shape in SHAPES:
-        rows.append(bench_shape(*shape))
+        rows.append(bench_shape(*shape, dtype))
         print(json.dumps(rows[-1]), flush=True)
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}",
-        "command": "python scripts/bench_decode_attention.py",
+        "command": f"python scripts/bench_decode_attention.py --dtype {args.dtype}",
         "rows": rows,
     }
     with open(args.out, "w") as f:

@@ -53,12 +53,13 @@ class Generator:
     CPU); 'inplace' decodes reading the pages where they are (indexing, products and sums that
     torch.compile fuses into one pass over the KV, no gathered copy; eager it allocates) and
     prefills as 'sdpa'; 'cpu_kernel' decodes with a hand-written kernel that reads the pages in
-    place (float32, x86 CPUs with AVX-512, block_size and head_dim multiples of 16; built with
-    the C compiler on first use, titanrl/generator/cpu_kernel.py; with `compile`, batch buckets
-    under cpu_kernel.MIN_COMPILED_BUCKET rows decode 'inplace') and prefills as 'sdpa'.
-    'auto': 'cpu_kernel' where it can run, else 'inplace' for the compiled decode step (K pages
-    stored transposed; at batch 256 on CPU 2.1x faster than 'sdpa' at head_dim 64, 2.4x at
-    head_dim 16), else 'sdpa'."""
+    place (float32 or bfloat16, x86 CPUs with AVX-512, block_size and head_dim multiples of 16;
+    built with the C compiler on first use, titanrl/generator/cpu_kernel.py; with `compile`,
+    batch buckets under cpu_kernel.MIN_COMPILED_BUCKET rows decode 'inplace') and prefills as
+    'sdpa'. 'auto': 'cpu_kernel' where it can run (in bfloat16 under `compile` only: eager
+    'sdpa' runs the trainer's own SDPA and matches its bfloat16 logprobs closest), else
+    'inplace' for the compiled decode step (K pages stored transposed; at batch 256 on CPU 2.1x
+    faster than 'sdpa' at head_dim 64, 2.4x at head_dim 16), else 'sdpa'."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
     """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;

@@ -1,4 +1,4 @@
-"""A hand-written CPU kernel for the decode step's paged attention (AVX-512, float32).
+"""A hand-written CPU kernel for the decode step's paged attention (AVX-512, float32 or bfloat16).
 
 The compiled pure-PyTorch form (`DecodeAttention._attend_in_place`) reads the pages in place
 but pays index arithmetic per position; `csrc/paged_decode_attention.c` walks each row's pages
@@ -9,10 +9,13 @@ less (`scripts/bench_generate.py`). Eager decode steps gain the most: they other
 pages and run SDPA on the copy.
 
 It is built on first use with the system C compiler (`$CC`, else `cc`; torch.compile needs one
-on CPU too) and glibc's vector math library, once per block size and head dim, into
+on CPU too) and glibc's vector math library, once per block size, head dim and dtype, into
 `$TITANRL_CACHE` (default ~/.cache/titanrl), and registered as the op
 `titanrl::paged_decode_attention`, so a compiled decode step calls it like an aten op. Where it
-cannot run (no AVX-512, bfloat16, no compiler), `attention_impl = "auto"` uses the PyTorch forms.
+cannot run (no AVX-512, float16, no compiler), `attention_impl = "auto"` uses the PyTorch forms.
+A bfloat16 pool and query are widened to float32 as they are read; scores, softmax and the
+weighted sum are float32, and the output is rounded to bfloat16 once (the compiled PyTorch form
+holds scores and probabilities in bfloat16).
 """
 
 import ctypes
@@ -42,20 +45,25 @@ Eager steps always call it."""
 
 def unusable_reason(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
     """Why the kernel cannot run this generator's decode attention, or None when it can."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return "it runs float32 on CPU"
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return "it runs float32 or bfloat16 on CPU"
     if block_size % 16 or head_dim % 16:
         return f"block_size ({block_size}) and head_dim ({head_dim}) must be multiples of 16"
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return f"this CPU's vector ISA is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
-    return _build_error(block_size, head_dim)
+    return _build_error(block_size, head_dim, dtype == torch.bfloat16)
 
 
 def use_for_decode(config: GeneratorConfig, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the generator's decode steps run this kernel: `[generator] attention_impl`
     'cpu_kernel' (an error if it cannot run here) or 'auto' where it can; never in
-    batch-invariant mode (its exact attention keeps the trainer's reduction order)."""
+    batch-invariant mode (its exact attention keeps the trainer's reduction order). In bfloat16
+    'auto' uses it under `compile` only: eager decoding otherwise runs the trainer's own SDPA on
+    the gathered pages, whose logprobs are the bfloat16 trainer's to ~1e-4, where the kernel's
+    (float32 inside) and the compiled PyTorch forms' are to ~1e-2 (tests/test_cpu_kernel.py)."""
     if config.attention_impl not in ("auto", "cpu_kernel") or config.batch_invariant:
+        return False
+    if config.attention_impl == "auto" and dtype == torch.bfloat16 and not config.compile:
         return False
     reason = unusable_reason(device, dtype, config.block_size, head_dim)
     if reason is not None and config.attention_impl == "cpu_kernel":
@@ -69,22 +77,22 @@ def _cache_dir() -> str:
 
 
 @functools.cache
-def _build_error(block_size: int, head_dim: int) -> str | None:
+def _build_error(block_size: int, head_dim: int, bf16: bool) -> str | None:
     """Why `_library` fails for this shape, or None (a failed build is tried once per process)."""
     try:
-        _library(block_size, head_dim)
+        _library(block_size, head_dim, bf16)
     except RuntimeError as e:
         return str(e)
     return None
 
 
 @functools.cache
-def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
+def _library(block_size: int, head_dim: int, bf16: bool) -> ctypes.CDLL:
     cc = shlex.split(os.environ.get("CC", "cc")) or ["cc"]  # $CC may carry arguments ("ccache gcc")
     compiler = shutil.which(cc[0])
     if compiler is None:
         raise RuntimeError("no C compiler ($CC or cc) to build it")
-    command = [compiler, *cc[1:], *_FLAGS, f"-DBLOCK={block_size}", f"-DHEAD_DIM={head_dim}"]
+    command = [compiler, *cc[1:], *_FLAGS, f"-DBLOCK={block_size}", f"-DHEAD_DIM={head_dim}", f"-DBF16={int(bf16)}"]
     with open(_SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + " ".join(command).encode()).hexdigest()[:16]
     path = os.path.join(_cache_dir(), "kernels", f"paged_decode_attention_{key}.so")
@@ -95,7 +103,7 @@ def _library(block_size: int, head_dim: int) -> ctypes.CDLL:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"it could not be built or loaded at {path} ({e}); $TITANRL_CACHE names a writable "
                            "folder for it") from e
-    fn = lib.titanrl_paged_decode_attention_f32
+    fn = lib.titanrl_paged_decode_attention
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
     return lib
@@ -139,11 +147,12 @@ def _paged_decode_attention_cpu(q_NGRD, k_pages, v_pages, table_NM, pos_N):
     # Invariants of the generator's pool and decode step (a mismatch would read out of bounds).
     assert k_pages.shape[1:] == (G, D, B) and v_pages.shape[1:] == (B, G, D), (q_NGRD.shape, k_pages.shape)
     assert k_pages.is_contiguous() and v_pages.is_contiguous()
-    assert q_NGRD.dtype == k_pages.dtype == v_pages.dtype == torch.float32 and q_NGRD.device.type == "cpu"
+    assert q_NGRD.dtype == k_pages.dtype == v_pages.dtype in (torch.float32, torch.bfloat16)
+    assert q_NGRD.device.type == "cpu"
     assert table_NM.dtype == pos_N.dtype == torch.int64 and table_NM.shape[0] == pos_N.shape[0] == N
     q_NGRD, table_NM, pos_N = q_NGRD.contiguous(), table_NM.contiguous(), pos_N.contiguous()
     out_NGRD = torch.empty_like(q_NGRD)
-    fn = _library(B, D).titanrl_paged_decode_attention_f32
+    fn = _library(B, D, q_NGRD.dtype == torch.bfloat16).titanrl_paged_decode_attention
     fn(q_NGRD.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_NM.data_ptr(), pos_N.data_ptr(),
        out_NGRD.data_ptr(), N, G, R, table_NM.shape[1], D**-0.5, torch.get_num_threads())
     return out_NGRD
