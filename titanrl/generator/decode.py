@@ -226,8 +226,8 @@ def run_decode_pass(
         flat += pad[len(table):]
     flat += pad * P
     meta = torch.frombuffer(array.array("q", flat), dtype=torch.long).to(device)
-    # Fresh tensors: views into `meta` have offsets and strides that change with the table width,
-    # which the compiled step guards on.
+    # Fresh tensors, as the step's own outputs are at later steps: four views with offsets into
+    # one storage would be inputs of another kind for the compiled step (guards, a recompile).
     tokens_N, pos_N, left_N, key_N = (torch.empty(bucket, dtype=torch.long, device=device)
                                       .copy_(meta[i * bucket : (i + 1) * bucket]) for i in range(4))
     table_NM = meta[4 * bucket :].view(bucket, M)

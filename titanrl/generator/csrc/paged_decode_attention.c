@@ -19,7 +19,7 @@
 
 #if BF16
 /* bfloat16 in memory: the high half of a float32. Loads widen 16 at a time; the output is
- * rounded to nearest-even, as torch's float -> bfloat16 conversion. */
+ * rounded to nearest-even, as c10::BFloat16's scalar conversion (NaN -> 0x7FC0). */
 typedef uint16_t elem_t;
 static inline __m512 load16(const elem_t* p) {
   const __m256i h = _mm256_loadu_si256((const __m256i*)p);
