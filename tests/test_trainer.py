@@ -192,3 +192,29 @@ def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
         assert lines == ["8", "True"] * 2  # 2 prompts x 4 samples per rank, all advantages <= 0
     steps = [r for r in _rows(tmp_path) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["grad_norm"]) for r in steps)
+
+
+def test_launch_run_frees_the_runs_model_before_the_interpreter_exits(tmp_path, monkeypatch):
+    """The entry point's run leaves its model in reference cycles (hooks, FSDP state that holds
+    process groups); `launch.run` collects them when `main` returns instead of leaving them to
+    the interpreter's teardown (where a rank of a finished 2-rank run was seen to abort)."""
+    import gc
+    import weakref
+
+    from titanrl.components import launch
+
+    models = []
+    close = Trainer.close
+
+    def close_and_watch(self):
+        models.append(weakref.ref(self.model))
+        close(self)
+
+    monkeypatch.setattr(Trainer, "close", close_and_watch)
+    monkeypatch.setattr(sys, "argv", ["train", *_offline_args("sft", tmp_path, "--training.steps=1")])
+    gc.disable()  # only launch.run's own collection may free the cycles
+    try:
+        launch.run(train.main)
+        assert len(models) == 1 and models[0]() is None
+    finally:
+        gc.enable()
