@@ -91,6 +91,10 @@ def _model() -> Transformer:
     return model.eval()
 
 
+def _kernel_calls(prof) -> int:
+    return sum(e.count for e in prof.key_averages() if e.key == "titanrl::paged_decode_attention")
+
+
 @needs_kernel
 @pytest.mark.parametrize("compile,top_logprobs", [(False, 0), (True, 0), (False, 2)])
 def test_generator_with_the_kernel_matches_full_recompute_reference(compile, top_logprobs, monkeypatch):
@@ -108,8 +112,7 @@ def test_generator_with_the_kernel_matches_full_recompute_reference(compile, top
     with torch.profiler.profile() as prof:
         completions, stats = gen.generate(
             prompts, SamplingParams(max_new_tokens=40, temperature=0, n=2, num_top_logprobs=top_logprobs))
-    calls = sum(e.count for e in prof.key_averages() if e.key == "titanrl::paged_decode_attention")
-    assert calls >= stats.decode_steps * ARGS.n_layers > 0  # every decode step, every layer
+    assert _kernel_calls(prof) >= stats.decode_steps * ARGS.n_layers > 0  # every decode step, every layer
     assert stats.preemptions > 0
     for c in completions:
         ref_ids, ref_lps = greedy_reference(model, prompts[c.prompt_index], 40)
@@ -123,10 +126,6 @@ def test_generator_with_the_kernel_matches_full_recompute_reference(compile, top
         completions, _ = gen.generate(more, SamplingParams(max_new_tokens=30, temperature=0, n=2))
         assert counters["stats"]["unique_graphs"] == warm
         assert all(c.token_ids == greedy_reference(model, more[c.prompt_index], 30)[0] for c in completions)
-
-
-def _kernel_calls(prof) -> int:
-    return sum(e.count for e in prof.key_averages() if e.key == "titanrl::paged_decode_attention")
 
 
 @needs_kernel

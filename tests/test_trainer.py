@@ -2,10 +2,12 @@
 checked against independent computations; every recipe honours checkpoint.load_path, the
 watchdog and training.on_nonfinite alike; the algorithm registry and a plug-in algorithm."""
 
+import gc
 import json
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch
 from conftest import REPO_ROOT, run_cmd
 from titanrl import train
 from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm
+from titanrl.components import launch
 from titanrl.config import load_config
 from titanrl.models import Transformer
 from titanrl.recipes.sft import demonstration
@@ -198,11 +201,6 @@ def test_launch_run_frees_the_runs_model_before_the_interpreter_exits(tmp_path, 
     """The entry point's run leaves its model in reference cycles (hooks, FSDP state that holds
     process groups); `launch.run` collects them when `main` returns instead of leaving them to
     the interpreter's teardown (where a rank of a finished 2-rank run was seen to abort)."""
-    import gc
-    import weakref
-
-    from titanrl.components import launch
-
     models = []
     close = Trainer.close
 
