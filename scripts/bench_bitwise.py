@@ -44,15 +44,25 @@ def main() -> None:
     a = p.parse_args()
     variants = ["normal", "bitwise"]
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-    base = [f"--job.config_file={config}", "--sft_warmup.steps=0", f"--training.steps={a.steps}",
-            "--metrics.eval_freq=0", "--data.num_eval_samples=8", "--job.print_config=false", *a.extra]
+    base = [
+        f"--job.config_file={config}",
+        "--sft_warmup.steps=0",
+        f"--training.steps={a.steps}",
+        "--metrics.eval_freq=0",
+        "--data.num_eval_samples=8",
+        "--job.print_config=false",
+        *a.extra,
+    ]
     rows = {v: [] for v in variants}
     for rep in range(a.reps):
         trainers = {}
         for v in variants:
             dump = os.path.join("/tmp", f"bench_bitwise_{os.getpid()}_{rep}_{v}")
-            trainers[v] = Trainer(load_config([*base, f"--job.dump_folder={dump}",
-                                               f"--generator.batch_invariant={str(v != 'normal').lower()}"]))
+            trainers[v] = Trainer(
+                load_config(
+                    [*base, f"--job.dump_folder={dump}", f"--generator.batch_invariant={str(v != 'normal').lower()}"]
+                )
+            )
         loaders = {v: iter(t.recipe.loader) for v, t in trainers.items()}
         for step in range(1, a.steps + 1):
             for v, t in trainers.items():
@@ -72,19 +82,30 @@ def main() -> None:
     # Load from other processes only adds time: the minimum is the least disturbed step.
     summary = {v: {k: statistics.median(r[k] for r in rs) for k in [*PHASES, "wall"]} for v, rs in rows.items()}
     minimum = {v: {k: min(r[k] for r in rs) for k in [*PHASES, "wall"]} for v, rs in rows.items()}
-    ratios = {v: {k: summary[v][k] / summary["normal"][k] for k in ["generate", "train", "wall"]}
-              for v in variants if v != "normal"}
-    min_ratios = {v: {k: minimum[v][k] / minimum["normal"][k] for k in ["generate", "train", "wall"]}
-                  for v in variants if v != "normal"}
+    ratios = {
+        v: {k: summary[v][k] / summary["normal"][k] for k in ["generate", "train", "wall"]}
+        for v in variants
+        if v != "normal"
+    }
+    min_ratios = {
+        v: {k: minimum[v][k] / minimum["normal"][k] for k in ["generate", "train", "wall"]}
+        for v in variants
+        if v != "normal"
+    }
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-                    "blas": "MKL" if torch.backends.mkl.is_available() else "other"},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "blas": "MKL" if torch.backends.mkl.is_available() else "other",
+        },
         "command": "python scripts/bench_bitwise.py " + " ".join(sys.argv[1:]),
         "job": "train_configs/grpo_reverse_debug.toml " + " ".join(base[1:]),
         "method": "variants alternate step by step in one process; first step of each trainer dropped; "
-                  "medians and minima over the other steps (s)",
+        "medians and minima over the other steps (s)",
         "median_s": summary,
         "ratio_to_normal": ratios,
         "min_s": minimum,

@@ -70,8 +70,16 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
         "compiled_inplace": lambda: inplace(*args),
     }
     ref = paged_decode_attention_reference(*args)
-    row = {"block": block, "head_dim": head_dim, "kv_heads": G, "q_per_kv": R, "rows": N, "ctx": ctx,
-           "threads": threads, "dtype": str(dtype).removeprefix("torch.")}
+    row = {
+        "block": block,
+        "head_dim": head_dim,
+        "kv_heads": G,
+        "q_per_kv": R,
+        "rows": N,
+        "ctx": ctx,
+        "threads": threads,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     for name, fn in variants.items():
         row[f"{name}_max_err"] = (fn().double() - ref).abs().max().item()
     times = {name: [] for name in variants}

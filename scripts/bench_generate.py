@@ -42,18 +42,42 @@ from titanrl.models.hf import export_hf, read_hf_config
 MODELS = {
     # The debug flavor's shape (3.2M params): matmul-bound on 2 CPU cores.
     "debug": TransformerModelArgs(
-        family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
-        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+        family="qwen3",
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=768,
+        vocab_size=264,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=512,
     ),
     # Negligible compute (1 layer, width 32): what is left of a decode step is framework overhead.
     "negligible": TransformerModelArgs(
-        family="qwen3", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=264,
-        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+        family="qwen3",
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=64,
+        vocab_size=264,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=512,
     ),
     # A tiny model (0.1M params): per-step framework overhead dominates.
     "tiny": TransformerModelArgs(
-        family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=264,
-        qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+        family="qwen3",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=128,
+        vocab_size=264,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=512,
     ),
 }
 
@@ -69,12 +93,25 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def titanrl_runner(folder: str, prompts, n: int = 1, prefix_caching: bool = True, compile: bool = False,
-                   dtype: torch.dtype = torch.float32, attention_impl: str = "auto"):
+def titanrl_runner(
+    folder: str,
+    prompts,
+    n: int = 1,
+    prefix_caching: bool = True,
+    compile: bool = False,
+    dtype: torch.dtype = torch.float32,
+    attention_impl: str = "auto",
+):
     """`run(new_tokens) -> GenerationStats`, greedy, every run with a cold prefix cache (measures
     sharing within a call); warmed up (and the decode step compiled for this batch) here."""
-    config = GeneratorConfig(block_size=16, num_blocks=8192, max_num_seqs=1024, enable_prefix_caching=prefix_caching,
-                             compile=compile, attention_impl=attention_impl)
+    config = GeneratorConfig(
+        block_size=16,
+        num_blocks=8192,
+        max_num_seqs=1024,
+        enable_prefix_caching=prefix_caching,
+        compile=compile,
+        attention_impl=attention_impl,
+    )
     gen = Generator(read_hf_config(folder), config, torch.device("cpu"), dtype=dtype)
     gen.load_hf(folder)
 
@@ -98,8 +135,13 @@ def hf_runner(folder: str, prompts, dtype: torch.dtype = torch.float32):
     def run(new_tokens: int):
         with torch.no_grad():
             out = model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
         assert out.shape[1] == input_ids.shape[1] + new_tokens
 
@@ -115,8 +157,12 @@ def _export(name: str) -> tuple[str, dict]:
     folder = tempfile.mkdtemp(prefix="bench_generate_")
     atexit.register(shutil.rmtree, folder, True)
     export_hf(model, folder)
-    info = {"name": name, "dim": model_args.dim, "n_layers": model_args.n_layers,
-            "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    info = {
+        "name": name,
+        "dim": model_args.dim,
+        "n_layers": model_args.n_layers,
+        "params_M": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
     return folder, info
 
 
@@ -128,11 +174,14 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
     rows = []
     for b in batch_sizes:
         prompts = _prompts(b, 16)
-        runners = {"titanrl": titanrl_runner(folder, prompts, dtype=dtype),
-                   "titanrl_compiled": titanrl_runner(folder, prompts, compile=True, dtype=dtype),
-                   "titanrl_compiled_inplace": titanrl_runner(folder, prompts, compile=True, dtype=dtype,
-                                                              attention_impl="inplace"),
-                   "hf": hf_runner(folder, prompts, dtype)}
+        runners = {
+            "titanrl": titanrl_runner(folder, prompts, dtype=dtype),
+            "titanrl_compiled": titanrl_runner(folder, prompts, compile=True, dtype=dtype),
+            "titanrl_compiled_inplace": titanrl_runner(
+                folder, prompts, compile=True, dtype=dtype, attention_impl="inplace"
+            ),
+            "hf": hf_runner(folder, prompts, dtype),
+        }
         per_step = {k: [] for k in runners}
         for _ in range(reps):
             for key, run in runners.items():
@@ -147,18 +196,28 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
     return {"model": info, "threads": 1, "new_tokens": new_tokens, "prompt_len": 16, "rows": rows}
 
 
-def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_len: int, new_tokens: int,
-                  reps: int, dtype: torch.dtype = torch.float32) -> list[dict]:
+def bench_batches(
+    folder: str,
+    batch_sizes: list[int],
+    group_size: int,
+    prompt_len: int,
+    new_tokens: int,
+    reps: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     """GRPO-shaped batches: batch / G prompts with G samples each (HF decodes each prompt G times)."""
     rows = []
     for batch in batch_sizes:
         G = group_size if batch % group_size == 0 else 1
         prompts = _prompts(batch // G, prompt_len)
-        runners = {"titanrl": titanrl_runner(folder, prompts, n=G, dtype=dtype),
-                   "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype),
-                   "titanrl_compiled_inplace": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype,
-                                                              attention_impl="inplace"),
-                   "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype)}
+        runners = {
+            "titanrl": titanrl_runner(folder, prompts, n=G, dtype=dtype),
+            "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype),
+            "titanrl_compiled_inplace": titanrl_runner(
+                folder, prompts, n=G, compile=True, dtype=dtype, attention_impl="inplace"
+            ),
+            "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype),
+        }
         times = {k: [] for k in runners}
         for _ in range(reps):
             for key, run in runners.items():
@@ -174,8 +233,9 @@ def bench_batches(folder: str, batch_sizes: list[int], group_size: int, prompt_l
     return rows
 
 
-def bench_groups(folder: str, group_size: int, prompt_len: int, new_tokens: int, reps: int,
-                 dtype: torch.dtype = torch.float32) -> dict:
+def bench_groups(
+    folder: str, group_size: int, prompt_len: int, new_tokens: int, reps: int, dtype: torch.dtype = torch.float32
+) -> dict:
     """G samples of each prompt: shared prompt blocks (n=G) vs G independent copies."""
     G, n_prompts = group_size, 8
     prompts = _prompts(n_prompts, prompt_len, seed=1)
@@ -192,9 +252,14 @@ def bench_groups(folder: str, group_size: int, prompt_len: int, new_tokens: int,
             start = time.perf_counter()
             stats = run(new_tokens)
             times.append(time.perf_counter() - start)
-        groups[name] = {"seconds": statistics.median(times), "prefill_tokens": stats.prefill_tokens,
-                        "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens}
-    groups["speedup_shared_vs_no_cache"] = groups["copies_prefix_cache_off"]["seconds"] / groups["group_shared"]["seconds"]
+        groups[name] = {
+            "seconds": statistics.median(times),
+            "prefill_tokens": stats.prefill_tokens,
+            "prefix_cache_hit_tokens": stats.prefix_cache_hit_tokens,
+        }
+    groups["speedup_shared_vs_no_cache"] = (
+        groups["copies_prefix_cache_off"]["seconds"] / groups["group_shared"]["seconds"]
+    )
     return {"group_size": G, "prompts": n_prompts, "prompt_len": prompt_len, **groups}
 
 
@@ -209,8 +274,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="debug", choices=sorted(MODELS))
     parser.add_argument("--sections", default="overhead,batch,groups")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="both sides' weights and activations (bfloat16: fast on CPUs with avx512_bf16 / AMX)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="both sides' weights and activations (bfloat16: fast on CPUs with avx512_bf16 / AMX)",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     sections = args.sections.split(",")
@@ -219,16 +288,17 @@ def main() -> None:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_generate.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python scripts/bench_generate.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
         "model": info,
         "dtype": args.dtype,
     }
     if "overhead" in sections:
         report["overhead"] = bench_overhead(batch_sizes, args.overhead_new_tokens, args.reps, dtype)
     if "batch" in sections:
-        report["batch"] = bench_batches(folder, batch_sizes, args.group_size, args.prompt_len, args.new_tokens, args.reps,
-                                        dtype)
+        report["batch"] = bench_batches(
+            folder, batch_sizes, args.group_size, args.prompt_len, args.new_tokens, args.reps, dtype
+        )
     if "groups" in sections:
         report["groups"] = bench_groups(folder, args.group_size, 4 * args.prompt_len, args.new_tokens, args.reps, dtype)
         print(json.dumps(report["groups"]), flush=True)

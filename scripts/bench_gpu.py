@@ -120,18 +120,35 @@ def time_decode(run, batch: int, new_tokens: int, device: torch.device) -> tuple
     sync(device)
     prefill = time.perf_counter() - start
     decode_s = max(total - prefill, 1e-9)
-    return {"decode_tok_s": batch * (new_tokens - 1) / decode_s, "prefill_s": prefill, "generate_s": total,
-            "tok_s": batch * new_tokens / total}, out
+    return {
+        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+        "prefill_s": prefill,
+        "generate_s": total,
+        "tok_s": batch * new_tokens / total,
+    }, out
 
 
-def bench_decode(args: TransformerModelArgs, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
-                 prompt_len: int, new_tokens: int, bandwidth: float, compile: bool) -> list[dict]:
+def bench_decode(
+    args: TransformerModelArgs,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_sizes: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    bandwidth: float,
+    compile: bool,
+) -> list[dict]:
     max_batch = max(batch_sizes)
     block = 16
     blocks = max_batch * ((prompt_len + new_tokens) // block + 2)
-    config = GeneratorConfig(block_size=block, num_blocks=blocks, max_num_seqs=max_batch,
-                             max_num_batched_tokens=max(4096, prompt_len * 8), enable_prefix_caching=False,
-                             compile=compile)
+    config = GeneratorConfig(
+        block_size=block,
+        num_blocks=blocks,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(4096, prompt_len * 8),
+        enable_prefix_caching=False,
+        compile=compile,
+    )
     gen = Generator(args, config, device, dtype=dtype)
     gen.wake()
     weight_bytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
@@ -149,16 +166,26 @@ def bench_decode(args: TransformerModelArgs, device: torch.device, dtype: torch.
         step_bytes = weight_bytes + b * mean_ctx * kv_bytes_per_token(args, dtype)
         roofline = b / (step_bytes / bandwidth)
         achieved = timing["decode_tok_s"]
-        rows.append({"batch": b, "decode_tok_s": achieved, "roofline_tok_s": roofline,
-                     "fraction_of_roofline": achieved / roofline, "prefill_s": timing["prefill_s"],
-                     "generate_s": timing["generate_s"], "tok_s": timing["tok_s"], "decode_steps": stats.steps})
+        rows.append(
+            {
+                "batch": b,
+                "decode_tok_s": achieved,
+                "roofline_tok_s": roofline,
+                "fraction_of_roofline": achieved / roofline,
+                "prefill_s": timing["prefill_s"],
+                "generate_s": timing["generate_s"],
+                "tok_s": timing["tok_s"],
+                "decode_steps": stats.steps,
+            }
+        )
         print(f"  decode batch {b}: {achieved:,.0f} tok/s = {achieved / roofline:.1%} of roofline", flush=True)
     gen.sleep()
     return rows
 
 
-def bench_train(args: TransformerModelArgs, device: torch.device, batch: int, seq: int, peak: float | None,
-                reps: int) -> dict:
+def bench_train(
+    args: TransformerModelArgs, device: torch.device, batch: int, seq: int, peak: float | None, reps: int
+) -> dict:
     torch.manual_seed(0)
     model = build_on(args, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
@@ -177,8 +204,14 @@ def bench_train(args: TransformerModelArgs, device: torch.device, batch: int, se
     n_params = sum(p.numel() for p in model.parameters())
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq * seq * batch / 2  # causal
     flops = 6 * n_params * batch * seq + attention
-    out = {"batch": batch, "seq": seq, "step_s": seconds, "tokens_per_s": batch * seq / seconds,
-           "tflops": flops / seconds / 1e12, "mfu": flops / seconds / peak if peak else None}
+    out = {
+        "batch": batch,
+        "seq": seq,
+        "step_s": seconds,
+        "tokens_per_s": batch * seq / seconds,
+        "tflops": flops / seconds / 1e12,
+        "mfu": flops / seconds / peak if peak else None,
+    }
     del model, opt
     return out
 
@@ -224,12 +257,19 @@ def run_worker(kind: str, cfg: dict, workdir: str, timeout_s: float, cuda: bool)
     with open(cfg_path, "w") as f:
         json.dump({**cfg, "result": result}, f)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker-config", cfg_path]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}),
+    }
     start = time.perf_counter()
     with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
+        )
         ACTIVE_GROUPS.add(proc.pid)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -274,8 +314,9 @@ def rl_step_worker(cfg: dict) -> dict:
     """A few GRPO steps of the recipe (bench_rl_step.run_titanrl), median seconds per phase."""
     from bench_rl_step import run_titanrl
 
-    a = argparse.Namespace(**{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr",
-                                                  "threads")})
+    a = argparse.Namespace(
+        **{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr", "threads")}
+    )
     out = run_titanrl(a, cfg["model"], cfg["jsonl"], cfg["workdir"], compiled=cfg.get("compile", False))
     return {"step_s": out["step_s"], "phases_s": out["phases_s"], "response_len": out["response_len"]}
 
@@ -287,10 +328,17 @@ def vllm_worker(cfg: dict) -> dict:
     from vllm import SamplingParams as VllmSamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=cfg["model"], skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              gpu_memory_utilization=cfg["gpu_memory_utilization"], enforce_eager=cfg["enforce_eager"],
-              max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 16, max_num_seqs=max(cfg["batch_sizes"]),
-              enable_prefix_caching=False)  # titanrl's decode runs without it; repeats would hit the cache
+    llm = LLM(
+        model=cfg["model"],
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        gpu_memory_utilization=cfg["gpu_memory_utilization"],
+        enforce_eager=cfg["enforce_eager"],
+        max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 16,
+        max_num_seqs=max(cfg["batch_sizes"]),
+        enable_prefix_caching=False,
+    )  # titanrl's decode runs without it; repeats would hit the cache
     startup = time.perf_counter() - start
     rows = []
     g = torch.Generator().manual_seed(0)
@@ -334,35 +382,64 @@ def compare_with_vllm(titanrl_rows: list[dict], vllm_out: dict) -> list[dict]:
         t = ours.get(v["batch"])
         if t is None:
             continue
-        rows.append({"batch": v["batch"],
-                     "titanrl_decode_tok_s": t["decode_tok_s"], "vllm_decode_tok_s": v["decode_tok_s"],
-                     "titanrl_over_vllm_decode": t["decode_tok_s"] / v["decode_tok_s"],
-                     "titanrl_tok_s": t["tok_s"], "vllm_tok_s": v["tok_s"],
-                     "titanrl_over_vllm": t["tok_s"] / v["tok_s"],
-                     "titanrl_prefill_s": t["prefill_s"], "vllm_prefill_s": v["prefill_s"],
-                     "vllm_generated_tokens": v["generated_tokens"]})
+        rows.append(
+            {
+                "batch": v["batch"],
+                "titanrl_decode_tok_s": t["decode_tok_s"],
+                "vllm_decode_tok_s": v["decode_tok_s"],
+                "titanrl_over_vllm_decode": t["decode_tok_s"] / v["decode_tok_s"],
+                "titanrl_tok_s": t["tok_s"],
+                "vllm_tok_s": v["tok_s"],
+                "titanrl_over_vllm": t["tok_s"] / v["tok_s"],
+                "titanrl_prefill_s": t["prefill_s"],
+                "vllm_prefill_s": v["prefill_s"],
+                "vllm_generated_tokens": v["generated_tokens"],
+            }
+        )
     return rows
 
 
-def rl_step_section(rl: dict, flavor: str, model_dir: str, jsonl: str, workdir: str, left, cuda: bool,
-                    a: argparse.Namespace) -> dict | str:
+def rl_step_section(
+    rl: dict, flavor: str, model_dir: str, jsonl: str, workdir: str, left, cuda: bool, a: argparse.Namespace
+) -> dict | str:
     cap = min(a.rl_timeout, left() - 10)
     if cap < 20:
         return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
     print(f"rl step ({flavor}, {rl['steps']} steps, cap {cap:.0f} s):", flush=True)
-    out = run_worker("rl_step", {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": a.compile},
-                     workdir, cap, cuda)
+    out = run_worker(
+        "rl_step",
+        {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": a.compile},
+        workdir,
+        cap,
+        cuda,
+    )
     if not isinstance(out, dict):
         print(f"  {out[:300]}", flush=True)
         return out
     print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_s"].items()), flush=True)
-    return {"recipe": "train_configs/grpo_reverse_debug.toml", "runner": "scripts/bench_rl_step.py:run_titanrl",
-            "model": f"{flavor} flavor's shape, random weights (bf16 HF folder), character tokenizer",
-            "device": "cuda" if cuda else "cpu", **rl, "steps_timed": rl["steps"] - 1, **out}
+    return {
+        "recipe": "train_configs/grpo_reverse_debug.toml",
+        "runner": "scripts/bench_rl_step.py:run_titanrl",
+        "model": f"{flavor} flavor's shape, random weights (bf16 HF folder), character tokenizer",
+        "device": "cuda" if cuda else "cpu",
+        **rl,
+        "steps_timed": rl["steps"] - 1,
+        **out,
+    }
 
 
-def vllm_section(model_dir: str, flavor: str, shape: TransformerModelArgs, titanrl_rows: list[dict], prompt_len: int,
-                 new_tokens: int, workdir: str, left, cuda: bool, a: argparse.Namespace) -> dict | str:
+def vllm_section(
+    model_dir: str,
+    flavor: str,
+    shape: TransformerModelArgs,
+    titanrl_rows: list[dict],
+    prompt_len: int,
+    new_tokens: int,
+    workdir: str,
+    left,
+    cuda: bool,
+    a: argparse.Namespace,
+) -> dict | str:
     if importlib.util.find_spec("vllm") is None:
         return "not installed"
     if not cuda:
@@ -371,17 +448,27 @@ def vllm_section(model_dir: str, flavor: str, shape: TransformerModelArgs, titan
         return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget, needs {a.vllm_min_s:.0f}"
     cap = min(a.vllm_timeout, left() - 10)
     print(f"vllm ({flavor}, cap {cap:.0f} s):", flush=True)
-    cfg = {"model": model_dir, "vocab_size": shape.vocab_size, "batch_sizes": VLLM_BATCH_SIZES,
-           "prompt_len": prompt_len, "new_tokens": new_tokens,
-           "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enforce_eager": a.vllm_eager}
+    cfg = {
+        "model": model_dir,
+        "vocab_size": shape.vocab_size,
+        "batch_sizes": VLLM_BATCH_SIZES,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+        "enforce_eager": a.vllm_eager,
+    }
     out = run_worker("vllm", cfg, workdir, cap, cuda)
     if not isinstance(out, dict):
         print(f"  {out[:300]}", flush=True)
         return out
-    out = {"model": f"{flavor} flavor's shape, random weights, bf16 (the folder the RL step loads)",
-           "enforce_eager": a.vllm_eager, "titanrl_compile": a.compile,
-           "gpu_memory_utilization": a.vllm_gpu_memory_utilization, **out,
-           "vs_titanrl": compare_with_vllm(titanrl_rows, out)}
+    out = {
+        "model": f"{flavor} flavor's shape, random weights, bf16 (the folder the RL step loads)",
+        "enforce_eager": a.vllm_eager,
+        "titanrl_compile": a.compile,
+        "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
+        **out,
+        "vs_titanrl": compare_with_vllm(titanrl_rows, out),
+    }
     for r in out["vs_titanrl"]:
         print(f"  batch {r['batch']}: titanrl / vLLM decode {r['titanrl_over_vllm_decode']:.2f}x", flush=True)
     return out
@@ -400,14 +487,25 @@ def main() -> None:
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps (CI)")
     p.add_argument("--out", default="benchmarks/bench_gpu.json")
     p.add_argument("--compile", action="store_true", help="compiled decode (CUDA graphs); longer warm-up")
-    p.add_argument("--models", default=f"{VLLM_MODEL},qwen2.5-1.5b",
-                   help="flavors of the decode / train / sync sections on a GPU (vLLM compares with the first)")
-    p.add_argument("--budget-s", type=float, default=450.0,
-                   help="seconds for the whole run: the RL step and vLLM get at most what is left of it")
+    p.add_argument(
+        "--models",
+        default=f"{VLLM_MODEL},qwen2.5-1.5b",
+        help="flavors of the decode / train / sync sections on a GPU (vLLM compares with the first)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=450.0,
+        help="seconds for the whole run: the RL step and vLLM get at most what is left of it",
+    )
     p.add_argument("--rl-timeout", type=float, default=180.0, help="time cap of the RL step run (seconds)")
     p.add_argument("--vllm-timeout", type=float, default=240.0, help="time cap of the vLLM run, start-up included")
-    p.add_argument("--vllm-min-s", type=float, default=90.0,
-                   help="skip vLLM when less than this is left of the budget (start-up alone takes about a minute)")
+    p.add_argument(
+        "--vllm-min-s",
+        type=float,
+        default=90.0,
+        help="skip vLLM when less than this is left of the budget (start-up alone takes about a minute)",
+    )
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no CUDA graphs)")
     p.add_argument("--worker", choices=["rl_step", "vllm"], help=argparse.SUPPRESS)
@@ -428,8 +526,7 @@ def main() -> None:
         models = {name: get_model_args(name) for name in a.models.split(",") if name}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 16, 64, 256], 128, 128, torch.bfloat16
         train_shape, reps, bw_bytes = (8, 1024), 5, 2**30
-        rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64,
-                                     "threads": 4}
+        rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "threads": 4}
     rl["lr"] = 1e-6
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if cuda else None
@@ -442,12 +539,22 @@ def main() -> None:
     print(f"device {name}: copy bandwidth {bandwidth / 1e9:,.1f} GB/s", flush=True)
     report = {
         "benchmark": "single-device generator decode vs roofline, training MFU, weight sync, GRPO step phases, "
-                     "decode vs vLLM",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "device": name, "dry_run": a.dry_run,
-        "torch": torch.__version__, "command": "bash scripts/bench_gpu.sh " + " ".join(sys.argv[1:]),
-        "copy_bandwidth_gb_s": bandwidth / 1e9, "peak_bf16_tflops": peak / 1e12 if peak else None,
-        "config": {"prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": str(dtype),
-                   "compile": a.compile, "train_batch_seq": list(train_shape), "budget_s": a.budget_s},
+        "decode vs vLLM",
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "device": name,
+        "dry_run": a.dry_run,
+        "torch": torch.__version__,
+        "command": "bash scripts/bench_gpu.sh " + " ".join(sys.argv[1:]),
+        "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "peak_bf16_tflops": peak / 1e12 if peak else None,
+        "config": {
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "dtype": str(dtype),
+            "compile": a.compile,
+            "train_batch_seq": list(train_shape),
+            "budget_s": a.budget_s,
+        },
         "models": {},
         "rl_step": "not run",
         "vllm": "not run",
@@ -483,8 +590,9 @@ def main() -> None:
             report["wall_s"] = time.perf_counter() - start
             write_report(report, a.out)
             titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
-            report["vllm"] = vllm_section(model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir,
-                                          left, cuda, a)
+            report["vllm"] = vllm_section(
+                model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir, left, cuda, a
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - start

@@ -20,9 +20,17 @@ from titanrl.models.logprobs import token_logprobs
 
 
 def model_args(a) -> TransformerModelArgs:
-    return TransformerModelArgs(family="qwen2", dim=a.dim, n_layers=a.layers, n_heads=14, n_kv_heads=2,
-                                hidden_dim=4864, vocab_size=a.vocab, tie_word_embeddings=True,
-                                max_seq_len=a.seq_len + 1)
+    return TransformerModelArgs(
+        family="qwen2",
+        dim=a.dim,
+        n_layers=a.layers,
+        n_heads=14,
+        n_kv_heads=2,
+        hidden_dim=4864,
+        vocab_size=a.vocab,
+        tie_word_embeddings=True,
+        max_seq_len=a.seq_len + 1,
+    )
 
 
 def run_one(a) -> dict:
@@ -41,9 +49,15 @@ def run_one(a) -> dict:
     seconds = time.perf_counter() - start
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     params = sum(p.numel() for p in model.parameters())
-    return {"mode": a.mode, "peak_rss_gb": peak_gb, "rss_before_step_gb": base_gb, "step_seconds": seconds,
-            "params": params, "weights_and_grads_gb": 2 * 4 * params / 2**30,
-            "full_logits_gb": 4 * a.batch * a.seq_len * a.vocab / 2**30}
+    return {
+        "mode": a.mode,
+        "peak_rss_gb": peak_gb,
+        "rss_before_step_gb": base_gb,
+        "step_seconds": seconds,
+        "params": params,
+        "weights_and_grads_gb": 2 * 4 * params / 2**30,
+        "full_logits_gb": 4 * a.batch * a.seq_len * a.vocab / 2**30,
+    }
 
 
 def main() -> None:
@@ -62,13 +76,16 @@ def main() -> None:
         return
     results = {}
     for mode in ("full", "chunked"):
-        cmd = [sys.executable, __file__, "--mode", mode] + [f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                                                            if k not in ("mode", "out")]
+        cmd = [sys.executable, __file__, "--mode", mode] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("mode", "out")
+        ]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ})
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     report = {
         "config": {k: v for k, v in vars(a).items() if k not in ("mode", "out")},
-        "device": "cpu", "torch": torch.__version__, **results,
+        "device": "cpu",
+        "torch": torch.__version__,
+        **results,
         "peak_ratio_chunked_over_full": results["chunked"]["peak_rss_gb"] / results["full"]["peak_rss_gb"],
         "step_time_ratio_chunked_over_full": results["chunked"]["step_seconds"] / results["full"]["step_seconds"],
     }

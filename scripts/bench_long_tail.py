@@ -43,8 +43,15 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The trainer ranks' phases (one-step: generation and rewards run on the rollout ranks, and the
 # trainer's wait for them is time_wait_rollouts).
-PHASES = ("time_sync", "time_generate", "time_reward", "time_balance", "time_logprob", "time_train",
-          "time_wait_rollouts")
+PHASES = (
+    "time_sync",
+    "time_generate",
+    "time_reward",
+    "time_balance",
+    "time_logprob",
+    "time_train",
+    "time_wait_rollouts",
+)
 
 
 def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed: int = 0) -> None:
@@ -55,19 +62,33 @@ def write_workload(path: str, rows: int, long_frac: float, long_chars: int, seed
             long = rng.random() < long_frac
             tail = "".join(rng.choice("0123456789") for _ in range(long_chars)) if long else ""
             prompt = f"{'long' if long else 'short'} {n}"
-            f.write(json.dumps({"prompt": prompt, "answer": str(n), "solution": f"{n}{' ' + tail if tail else ''}"})
-                    + "\n")
+            f.write(
+                json.dumps({"prompt": prompt, "answer": str(n), "solution": f"{n}{' ' + tail if tail else ''}"}) + "\n"
+            )
 
 
 def job(data: str, folder: str, args, steps: int) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "-m", "titanrl.train", f"--job.config_file={os.path.join(REPO, 'train_configs', 'grpo_reverse_debug.toml')}",
-        "--data.task=jsonl", f"--data.path={data}", "--data.num_eval_samples=16", "--metrics.eval_freq=0",
-        f"--parallelism.dp_shard={args.nproc}", f"--training.steps={steps}",
-        f"--training.batch_size={args.batch_size}", f"--algorithm.group_size={args.group_size}",
-        f"--generator.max_new_tokens={args.max_new_tokens}", "--algorithm.off_policy_correction=tis",
-        f"--job.dump_folder={folder}", "--reward.num_workers=1",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        "-m",
+        "titanrl.train",
+        f"--job.config_file={os.path.join(REPO, 'train_configs', 'grpo_reverse_debug.toml')}",
+        "--data.task=jsonl",
+        f"--data.path={data}",
+        "--data.num_eval_samples=16",
+        "--metrics.eval_freq=0",
+        f"--parallelism.dp_shard={args.nproc}",
+        f"--training.steps={steps}",
+        f"--training.batch_size={args.batch_size}",
+        f"--algorithm.group_size={args.group_size}",
+        f"--generator.max_new_tokens={args.max_new_tokens}",
+        "--algorithm.off_policy_correction=tis",
+        f"--job.dump_folder={folder}",
+        "--reward.num_workers=1",
     ]
 
 
@@ -80,22 +101,31 @@ def launch(cmd: list[str], what: str, nproc: int) -> None:
 
 def warm_up(data: str, folder: str, args) -> str:
     """The SFT warm-up once, exported as a Hugging Face folder every mode starts from."""
-    launch(job(data, folder, args, steps=0) + [f"--sft_warmup.steps={args.sft_steps}", "--checkpoint.export_hf=true"],
-           "warm-up", args.nproc)
+    launch(
+        job(data, folder, args, steps=0) + [f"--sft_warmup.steps={args.sft_steps}", "--checkpoint.export_hf=true"],
+        "warm-up",
+        args.nproc,
+    )
     return os.path.join(folder, "hf")
 
 
 def run(mode: str, data: str, hf: str, folder: str, args) -> list[dict]:
-    cmd = job(data, folder, args, args.steps) + [f"--model.hf_checkpoint={hf}", "--sft_warmup.steps=0",
-                                                 "--checkpoint.enable=false"]
+    cmd = job(data, folder, args, args.steps) + [
+        f"--model.hf_checkpoint={hf}",
+        "--sft_warmup.steps=0",
+        "--checkpoint.enable=false",
+    ]
     if mode == "sync_unbalanced":  # each rank trains the groups it generated (before training.balance_tokens)
         cmd += ["--training.balance_tokens=false"]
     if mode == "partial":
         cmd += ["--rollout.partial=true", f"--rollout.oversample={args.oversample}"]
     if mode == "one_step":  # the same ranks, split: half generate, half train
         cmd = [c for c in cmd if not c.startswith("--parallelism.dp_shard")]
-        cmd += ["--rollout.mode=one_step", f"--rollout.rollout_ranks={args.nproc // 2}",
-                f"--parallelism.dp_shard={args.nproc // 2}"]
+        cmd += [
+            "--rollout.mode=one_step",
+            f"--rollout.rollout_ranks={args.nproc // 2}",
+            f"--parallelism.dp_shard={args.nproc // 2}",
+        ]
     launch(cmd, mode, args.nproc)
     steps = {}
     for line in open(os.path.join(folder, "metrics.jsonl")):
@@ -110,15 +140,21 @@ def rates(timed: list[dict], batch_size: int, group_size: int) -> dict:
     per_step = [r.get("trained_groups", batch_size) * group_size for r in timed]
     samples = sum(per_step)
     tokens = sum(n * r["response_len"] for n, r in zip(per_step, timed))
-    return {"samples": samples, "seconds": seconds, "samples_per_s": samples / seconds,
-            "response_tokens": tokens, "response_tokens_per_s": tokens / seconds,
-            "response_len_trained_mean": tokens / samples, "step_s_mean": seconds / len(timed)}
+    return {
+        "samples": samples,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds,
+        "response_tokens": tokens,
+        "response_tokens_per_s": tokens / seconds,
+        "response_len_trained_mean": tokens / samples,
+        "step_s_mean": seconds / len(timed),
+    }
 
 
 def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     timed = steps[1:]
     whole = rates(timed, batch_size, group_size)
-    steady = rates(steps[len(steps) // 2:], batch_size, group_size)
+    steady = rates(steps[len(steps) // 2 :], batch_size, group_size)
     return {
         **whole,
         **{f"steady_{k}": v for k, v in steady.items()},
@@ -132,12 +168,23 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
         "reward_mean": [r["reward_mean"] for r in steps],
         # Tokens of the most loaded trainer rank over the mean, as generated and as trained
         # (training.balance_tokens moves whole groups between ranks; absent on one trainer rank).
-        **({"rank_tokens_imbalance_before": statistics.mean(r["rank_tokens_imbalance_before"] for r in timed),
-            "rank_tokens_imbalance": statistics.mean(r["rank_tokens_imbalance"] for r in timed)}
-           if "rank_tokens_imbalance" in timed[0] else {}),
-        **({"in_flight_groups_at_end": steps[-1]["in_flight_groups"],
-            "stale_token_frac": [r["stale_token_frac"] for r in steps],
-            "version_lag_max": [r["version_lag_max"] for r in steps]} if "stale_token_frac" in steps[0] else {}),
+        **(
+            {
+                "rank_tokens_imbalance_before": statistics.mean(r["rank_tokens_imbalance_before"] for r in timed),
+                "rank_tokens_imbalance": statistics.mean(r["rank_tokens_imbalance"] for r in timed),
+            }
+            if "rank_tokens_imbalance" in timed[0]
+            else {}
+        ),
+        **(
+            {
+                "in_flight_groups_at_end": steps[-1]["in_flight_groups"],
+                "stale_token_frac": [r["stale_token_frac"] for r in steps],
+                "version_lag_max": [r["version_lag_max"] for r in steps],
+            }
+            if "stale_token_frac" in steps[0]
+            else {}
+        ),
     }
 
 
@@ -164,28 +211,31 @@ def main() -> None:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
-        "command": "python scripts/bench_long_tail.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                    if k != "out"),
+        "command": "python scripts/bench_long_tail.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
         "workload": f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
-                    f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps "
-                    "(run once, every mode starts from it), temperature 1",
+        f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps "
+        "(run once, every mode starts from it), temperature 1",
     }
     hf = warm_up(data, os.path.join(work, "warm_up"), args)
     modes = ("sync", "partial", "one_step", "sync_unbalanced")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
         for mode in modes:
-            runs[mode].append(summarise(run(mode, data, hf, os.path.join(work, f"{mode}_{i}"), args),
-                                        args.batch_size, args.group_size))
+            runs[mode].append(
+                summarise(
+                    run(mode, data, hf, os.path.join(work, f"{mode}_{i}"), args), args.batch_size, args.group_size
+                )
+            )
             print(mode, i, json.dumps({k: runs[mode][-1][k] for k in RATES}), flush=True)
     for mode in modes:
-        report[mode] = {**{k: statistics.median(r[k] for r in runs[mode]) for k in RATES},
-                        "repeats": runs[mode]}
+        report[mode] = {**{k: statistics.median(r[k] for r in runs[mode]) for k in RATES}, "repeats": runs[mode]}
     for mode in ("partial", "one_step", "sync_unbalanced"):
         for k in RATES:
             report[f"{mode}_vs_sync_{k}"] = report[mode][k] / report["sync"][k]
     report["partial_vs_sync_decode_steps_per_sample"] = statistics.median(
-        s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"]))
+        s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"])
+    )
     print(json.dumps({k: v for k, v in report.items() if "_vs_" in k}, indent=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -43,8 +43,16 @@ from titanrl.models.flavors import get_model_args
 from titanrl.models.lora import LoRALinear, add_lora
 
 BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_generate.py
-    family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+    family="qwen3",
+    dim=256,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=768,
+    vocab_size=264,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=512,
 )
 ONE_RANK = ParallelDims(1, 1, 1, 1)
 
@@ -127,8 +135,12 @@ def sync_worker(flavor: str, reps: int, out: str) -> None:
     trainer = build_model(args, dims, JobConfig(), torch.device("cpu"), lora=_lora_config(16))
     row = {"flavor": flavor, "ranks": world}
     for mode in ("runtime", "merged"):
-        gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=8), torch.device("cpu"),
-                        lora=_lora_config(16, mode) if mode == "runtime" else None)
+        gen = Generator(
+            args,
+            GeneratorConfig(block_size=16, num_blocks=8),
+            torch.device("cpu"),
+            lora=_lora_config(16, mode) if mode == "runtime" else None,
+        )
         times = []
         for _ in range(reps + 1):
             dist.barrier()
@@ -145,8 +157,21 @@ def sync_worker(flavor: str, reps: int, out: str) -> None:
 
 def bench_sync(flavor: str, reps: int) -> dict:
     out = f"/tmp/bench_lora_sync_{os.getpid()}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--sync_worker", "--sync_flavor", flavor, "--reps", str(reps), "--out", out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--sync_worker",
+        "--sync_flavor",
+        flavor,
+        "--reps",
+        str(reps),
+        "--out",
+        out,
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     with open(out) as f:
         row = json.load(f)
@@ -164,13 +189,22 @@ def _adam_state_bytes(model: Transformer) -> int:
 def bench_memory(ranks: list[int], flavor: str) -> dict:
     torch.manual_seed(0)
     full = build_model(BENCH_MODEL, ONE_RANK, JobConfig(), torch.device("cpu"))
-    rows = [{"what": "full", "trainable_params": sum(p.numel() for p in full.parameters()),
-             "adam_state_MB": _adam_state_bytes(full) / 1e6}]
+    rows = [
+        {
+            "what": "full",
+            "trainable_params": sum(p.numel() for p in full.parameters()),
+            "adam_state_MB": _adam_state_bytes(full) / 1e6,
+        }
+    ]
     for rank in ranks:
         model = build_model(BENCH_MODEL, ONE_RANK, JobConfig(), torch.device("cpu"), lora=_lora_config(rank))
-        rows.append({"what": f"lora_r{rank}", "trainable_params": sum(p.numel() for p in model.parameters()
-                                                                     if p.requires_grad),
-                     "adam_state_MB": _adam_state_bytes(model) / 1e6})
+        rows.append(
+            {
+                "what": f"lora_r{rank}",
+                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "adam_state_MB": _adam_state_bytes(model) / 1e6,
+            }
+        )
     for row in rows:
         row["adam_state_vs_full"] = row["adam_state_MB"] / rows[0]["adam_state_MB"]
         print(json.dumps(row), flush=True)
@@ -179,9 +213,16 @@ def bench_memory(ranks: list[int], flavor: str) -> dict:
         total = sum(p.numel() for p in real.parameters())
         add_lora(real, _lora_config(16))
     adapters = sum(p.numel() for n, p in real.named_parameters() if ".lora_" in n)
-    return {"bench_model": rows, "real_flavor": {"flavor": flavor, "params": total, "lora_r16_all_params": adapters,
-                                                 "adam_state_full_GB": 8 * total / 1e9,
-                                                 "adam_state_lora_r16_GB": 8 * adapters / 1e9}}
+    return {
+        "bench_model": rows,
+        "real_flavor": {
+            "flavor": flavor,
+            "params": total,
+            "lora_r16_all_params": adapters,
+            "adam_state_full_GB": 8 * total / 1e9,
+            "adam_state_lora_r16_GB": 8 * adapters / 1e9,
+        },
+    }
 
 
 def _read_run(folder: str) -> dict:
@@ -189,9 +230,12 @@ def _read_run(folder: str) -> dict:
         rows = [json.loads(line) for line in f]
     rl = [r for r in rows if r.get("phase") == "rl"]
     steps = [r for r in rl if "reward_mean" in r]
-    return {"folder": folder, "eval_accuracy": {r["step"]: r["eval_accuracy"] for r in rl if "eval_accuracy" in r},
-            "reward_first10": statistics.mean(r["reward_mean"] for r in steps[:10]),
-            "reward_last10": statistics.mean(r["reward_mean"] for r in steps[-10:])}
+    return {
+        "folder": folder,
+        "eval_accuracy": {r["step"]: r["eval_accuracy"] for r in rl if "eval_accuracy" in r},
+        "reward_first10": statistics.mean(r["reward_mean"] for r in steps[:10]),
+        "reward_last10": statistics.mean(r["reward_mean"] for r in steps[-10:]),
+    }
 
 
 def main() -> None:
@@ -215,16 +259,22 @@ def main() -> None:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_lora.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python scripts/bench_lora.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
     }
     if os.path.exists(args.out):  # sections not rerun keep their last numbers
         with open(args.out) as f:
             report = {**json.load(f), **report}
     if "generator" in sections:
-        report["generator"] = {"lora_rank": 16, "targets": list(LORA_TARGETS), "prompt_len": args.prompt_len,
-                               "new_tokens": args.new_tokens,
-                               "rows": bench_generator([int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
-                                                       args.new_tokens, args.reps)}
+        report["generator"] = {
+            "lora_rank": 16,
+            "targets": list(LORA_TARGETS),
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "rows": bench_generator(
+                [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.new_tokens, args.reps
+            ),
+        }
     if "sync" in sections:
         report["sync"] = bench_sync(args.sync_flavor, args.reps)
     if "memory" in sections:

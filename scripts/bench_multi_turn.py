@@ -66,21 +66,23 @@ def main() -> None:
     gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=1024), torch.device("cpu"))  # no eos stop
     gen.wake()
     g = torch.Generator().manual_seed(0)
-    texts = ["".join(chr(97 + int(i)) for i in torch.randint(0, 26, (a.prompt_len,), generator=g))
-             for _ in range(a.prompts)]
+    texts = [
+        "".join(chr(97 + int(i)) for i in torch.randint(0, 26, (a.prompt_len,), generator=g)) for _ in range(a.prompts)
+    ]
     prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]
     obs = tok.encode(OBSERVATION)
     model_tokens = a.prompts * a.group_size * a.turns * a.turn_tokens
     pool = EnvPool("bench_multi_turn:FixedTurnsEnv", {"turns": a.turns}, num_workers=2)
 
     def single():
-        _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=a.turns * a.turn_tokens, n=a.group_size,
-                                                        seed=0))
+        _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=a.turns * a.turn_tokens, n=a.group_size, seed=0))
         return stats.prefill_tokens
 
     def multi():
         turns = MultiTurnRollout(pool, tok, a.turns, 10_000)
-        ps = turns.start([{"prompt": t, "answer": ""} for t in texts], a.group_size, lambda t: [tok.bos_id, *tok.encode(t)])
+        ps = turns.start(
+            [{"prompt": t, "answer": ""} for t in texts], a.group_size, lambda t: [tok.bos_id, *tok.encode(t)]
+        )
         _, stats = gen.generate(ps, SamplingParams(max_new_tokens=a.turn_tokens, n=a.group_size, seed=0), turns=turns)
         return stats.prefill_tokens
 
@@ -105,12 +107,18 @@ def main() -> None:
                 start = time.perf_counter()
                 prefill = fn()
                 seconds = time.perf_counter() - start
-                runs[name].append({"seconds": seconds, "prefill_tokens": prefill,
-                                   "model_tokens_per_s": model_tokens / seconds})
+                runs[name].append(
+                    {"seconds": seconds, "prefill_tokens": prefill, "model_tokens_per_s": model_tokens / seconds}
+                )
     finally:
         pool.close()
-    summary = {k: {"median_model_tokens_per_s": statistics.median(r["model_tokens_per_s"] for r in v),
-                   "prefill_tokens": v[0]["prefill_tokens"]} for k, v in runs.items()}
+    summary = {
+        k: {
+            "median_model_tokens_per_s": statistics.median(r["model_tokens_per_s"] for r in v),
+            "prefill_tokens": v[0]["prefill_tokens"],
+        }
+        for k, v in runs.items()
+    }
     ratios = {
         "multi_turn_over_single_turn": summary["multi_turn"]["median_model_tokens_per_s"]
         / summary["single_turn"]["median_model_tokens_per_s"],
@@ -120,11 +128,18 @@ def main() -> None:
     report = {
         "benchmark": "multi-turn vs single-turn rollout throughput (paged generator, CPU)",
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__,
         "command": "python scripts/bench_multi_turn.py " + " ".join(sys.argv[1:]),
-        "config": vars(a) | {"model": "debug flavor, random weights", "observation_tokens": len(obs),
-                             "model_tokens_per_run": model_tokens},
-        "summary": summary, "ratios": ratios, "runs": runs,
+        "config": vars(a)
+        | {
+            "model": "debug flavor, random weights",
+            "observation_tokens": len(obs),
+            "model_tokens_per_run": model_tokens,
+        },
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
     }
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
     if a.out:

@@ -78,8 +78,16 @@ def train_phase(model, algo, batch, mbs, chunk: int) -> tuple[tuple[float, float
     start, cpu = time.perf_counter(), time.process_time()
     for mb in mbs:
         logprobs, _ = forward_logprobs(model, mb, False, chunk, with_entropy=True)
-        out = algo.loss(logprobs, logprobs.detach(), mb["advantages"], mb["loss_mask"], num_global_tokens=num_tokens,
-                        num_global_seqs=num_seqs, ref_logprobs_BT=None, is_weights_BT=None)
+        out = algo.loss(
+            logprobs,
+            logprobs.detach(),
+            mb["advantages"],
+            mb["loss_mask"],
+            num_global_tokens=num_tokens,
+            num_global_seqs=num_seqs,
+            ref_logprobs_BT=None,
+            is_weights_BT=None,
+        )
         out.loss.backward()
         total += out.loss.item()
     return (time.perf_counter() - start, time.process_time() - cpu), total
@@ -103,8 +111,11 @@ def measure(args: TransformerModelArgs, shape, budget: int, reps: int, chunk: in
     times = {k: {"padded": [], "packed": []} for k in ("wall", "cpu", "lp_wall", "lp_cpu")}
     losses, grads = {}, {}
     for rep in range(reps + 1):
-        for name, mbs in (("padded", padded_mbs), ("packed", packed_mbs)) if rep % 2 == 0 else (
-                ("packed", packed_mbs), ("padded", padded_mbs)):
+        for name, mbs in (
+            (("padded", padded_mbs), ("packed", packed_mbs))
+            if rep % 2 == 0
+            else (("packed", packed_mbs), ("padded", padded_mbs))
+        ):
             seconds, loss = train_phase(model, algo, batch, mbs, chunk)
             lp_seconds = logprob_phase(model, batch, "on" if name == "packed" else "off", chunk)
             if rep:  # rep 0 is the warm-up
@@ -117,11 +128,17 @@ def measure(args: TransformerModelArgs, shape, budget: int, reps: int, chunk: in
     med = {key: {k: statistics.median(v) for k, v in d.items()} for key, d in times.items()}
     speedup = {key: m["padded"] / m["packed"] for key, m in med.items()}
     return {
-        "rows": len(lengths), "real_input_tokens": sum(n - 1 for n in lengths), "batch_width": max(lengths),
-        "micro_batch_tokens": budget, "micro_batches": {"padded": len(padded_mbs), "packed": len(packed_mbs)},
+        "rows": len(lengths),
+        "real_input_tokens": sum(n - 1 for n in lengths),
+        "batch_width": max(lengths),
+        "micro_batch_tokens": budget,
+        "micro_batches": {"padded": len(padded_mbs), "packed": len(packed_mbs)},
         "token_slots": {"padded": padded_slots, "packed": packed_slots},
-        "median_s": med, "speedup_packed_over_padded": speedup, "all_s": times,
-        "loss": losses, "max_abs_loss_diff": abs(losses["padded"] - losses["packed"]),
+        "median_s": med,
+        "speedup_packed_over_padded": speedup,
+        "all_s": times,
+        "loss": losses,
+        "max_abs_loss_diff": abs(losses["padded"] - losses["packed"]),
         "max_abs_grad_diff": (grads["padded"] - grads["packed"]).abs().max().item(),
         "grad_scale": grads["padded"].abs().max().item(),
     }
@@ -146,13 +163,17 @@ def main() -> None:
         "what": "RL train phase (GRPO token-mean loss forward+backward over micro-batches), padded vs packed",
         "workload": {
             "long_tailed": f"{cli.rows} rollouts; prompt ~ U[16, 48] tokens; response = {cap} (the cap) with "
-                           "p=0.08, else min(cap, round(24 * lognormal(0, 0.8)))",
+            "p=0.08, else min(cap, round(24 * lognormal(0, 0.8)))",
             "narrow": f"{cli.rows} rollouts; prompt 32 tokens; response ~ U[{int(cap * 0.8)}, {cap}]",
         },
         "tolerance": {"max_abs_loss_diff": 1e-5, "note": "float32; packed and padded differ in BLAS blocking only"},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "note": "2 CPU cores shared with 3 other agents' jobs (load average 4-7): timings measured "
-                            "under load; medians of alternating reps, wall clock and this process's CPU time"},
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "note": "2 CPU cores shared with 3 other agents' jobs (load average 4-7): timings measured "
+            "under load; medians of alternating reps, wall clock and this process's CPU time",
+        },
         "reps": {"debug": cli.reps, "larger": cli.larger_reps if cli.larger else None},
         "results": {},
     }
@@ -161,21 +182,37 @@ def main() -> None:
     report["results"]["debug/long_tailed/micro_batch_tokens=0"] = measure(debug, tail, 0, cli.reps)
     report["results"][f"debug/long_tailed/micro_batch_tokens={cli.budget}"] = measure(debug, tail, cli.budget, cli.reps)
     report["results"][f"debug/narrow/micro_batch_tokens={cli.budget}"] = measure(
-        debug, narrow_lengths(rng, cli.rows, cap), cli.budget, cli.reps)
+        debug, narrow_lengths(rng, cli.rows, cap), cli.budget, cli.reps
+    )
     if cli.larger:
-        larger = TransformerModelArgs(family="qwen3", dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1536,
-                                      vocab_size=4096, qk_norm=True, tie_word_embeddings=True, max_seq_len=256)
+        larger = TransformerModelArgs(
+            family="qwen3",
+            dim=512,
+            n_layers=8,
+            n_heads=8,
+            n_kv_heads=4,
+            hidden_dim=1536,
+            vocab_size=4096,
+            qk_norm=True,
+            tie_word_embeddings=True,
+            max_seq_len=256,
+        )
         report["results"][f"d512x8/long_tailed/micro_batch_tokens={cli.budget}"] = measure(
-            larger, long_tailed_lengths(random.Random(1), cli.larger_rows, cap), cli.budget, cli.larger_reps)
-    report["acceptance"] = {"target": "packed >= 1.5x faster (train phase, wall median) on the long-tailed workload "
-                                      "with |loss diff| <= 1e-5"}
+            larger, long_tailed_lengths(random.Random(1), cli.larger_rows, cap), cli.budget, cli.larger_reps
+        )
+    report["acceptance"] = {
+        "target": "packed >= 1.5x faster (train phase, wall median) on the long-tailed workload "
+        "with |loss diff| <= 1e-5"
+    }
     for name, r in report["results"].items():
         ok = r["max_abs_loss_diff"] <= report["tolerance"]["max_abs_loss_diff"]
         m, x = r["median_s"], r["speedup_packed_over_padded"]
-        print(f"{name}: train wall padded {m['wall']['padded']:.3f}s packed {m['wall']['packed']:.3f}s -> "
-              f"{x['wall']:.2f}x (cpu {x['cpu']:.2f}x; slots {r['token_slots']['padded']} vs "
-              f"{r['token_slots']['packed']}), logprob {x['lp_wall']:.2f}x (cpu {x['lp_cpu']:.2f}x), "
-              f"|dloss| {r['max_abs_loss_diff']:.2e} {'ok' if ok else 'OVER TOLERANCE'}")
+        print(
+            f"{name}: train wall padded {m['wall']['padded']:.3f}s packed {m['wall']['packed']:.3f}s -> "
+            f"{x['wall']:.2f}x (cpu {x['cpu']:.2f}x; slots {r['token_slots']['padded']} vs "
+            f"{r['token_slots']['packed']}), logprob {x['lp_wall']:.2f}x (cpu {x['lp_cpu']:.2f}x), "
+            f"|dloss| {r['max_abs_loss_diff']:.2e} {'ok' if ok else 'OVER TOLERANCE'}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
     with open(cli.out, "w") as f:
         json.dump(report, f, indent=2)

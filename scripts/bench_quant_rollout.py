@@ -36,8 +36,16 @@ from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.flavors import get_model_args
 
 BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_generate.py
-    family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768, vocab_size=264,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=512,
+    family="qwen3",
+    dim=256,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=768,
+    vocab_size=264,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=512,
 )
 VARIANTS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (torch.float32, "int8")}
 MISMATCH = ("gen_logprob_diff", "mismatch_kl", "mismatch_ratio_max", "is_dropped_frac")
@@ -74,8 +82,10 @@ def bench_decode(batch_sizes: list[int], prompt_len: int, new_tokens: int, reps:
         prompts = torch.randint(0, 256, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
         per_run = {}
         # Eager variants alternate within every repetition.
-        runners = {f"{name}_eager": _runner(model, prompts, dtype, quantize, False)
-                   for name, (dtype, quantize) in VARIANTS.items()}
+        runners = {
+            f"{name}_eager": _runner(model, prompts, dtype, quantize, False)
+            for name, (dtype, quantize) in VARIANTS.items()
+        }
         for _ in range(reps):
             for key, run in runners.items():
                 per_run.setdefault(key, []).append(_time(lambda: run(new_tokens)) - _time(lambda: run(1)))
@@ -100,8 +110,12 @@ def bench_memory(flavors: list[str]) -> list[dict]:
     rows = []
     for flavor in flavors:
         row = {"flavor": flavor}
-        for name, dtype, quantize in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                      ("int8_fp32", torch.float32, True), ("int8_bf16", torch.bfloat16, True)):
+        for name, dtype, quantize in (
+            ("fp32", torch.float32, False),
+            ("bf16", torch.bfloat16, False),
+            ("int8_fp32", torch.float32, True),
+            ("int8_bf16", torch.bfloat16, True),
+        ):
             with torch.device("meta"):
                 model = Transformer(get_model_args(flavor)).to(dtype)
             if quantize:
@@ -120,9 +134,13 @@ def _read_run(folder: str) -> dict:
     rl = [r for r in rows if r.get("phase") == "rl"]
     evals = {r["step"]: r["eval_accuracy"] for r in rl if "eval_accuracy" in r}
     steps = [r for r in rl if "gen_logprob_diff" in r]
-    out = {"folder": folder, "eval_accuracy": evals, "train_steps": len(steps),
-           "final_train_accuracy_last10": statistics.mean(r["accuracy"] for r in steps[-10:]) if steps else None,
-           "seconds": rl[-1]["time"] - rl[0]["time"] if rl else None}
+    out = {
+        "folder": folder,
+        "eval_accuracy": evals,
+        "train_steps": len(steps),
+        "final_train_accuracy_last10": statistics.mean(r["accuracy"] for r in steps[-10:]) if steps else None,
+        "seconds": rl[-1]["time"] - rl[0]["time"] if rl else None,
+    }
     for key in MISMATCH:
         values = [r[key] for r in steps if key in r]
         if values:
@@ -134,8 +152,10 @@ def _read_run(folder: str) -> dict:
 def bench_curves(fp32_run: str, int8_run: str) -> dict:
     runs = {"fp32": _read_run(fp32_run), "int8_tis": _read_run(int8_run)}
     steps = sorted(set(runs["fp32"]["eval_accuracy"]) & set(runs["int8_tis"]["eval_accuracy"]))
-    table = [{"step": s, "fp32": runs["fp32"]["eval_accuracy"][s], "int8_tis": runs["int8_tis"]["eval_accuracy"][s]}
-             for s in steps]
+    table = [
+        {"step": s, "fp32": runs["fp32"]["eval_accuracy"][s], "int8_tis": runs["int8_tis"]["eval_accuracy"][s]}
+        for s in steps
+    ]
     for row in table:
         print(json.dumps(row), flush=True)
     return {**runs, "eval_accuracy_table": table}
@@ -157,16 +177,21 @@ def main() -> None:
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_quant_rollout.py " + " ".join(
-            f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        "command": "python scripts/bench_quant_rollout.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
     }
     if os.path.exists(args.out):  # sections not rerun keep their last numbers
         with open(args.out) as f:
             report = {**json.load(f), **report}
     if "decode" in sections:
-        report["decode"] = {"model_params_M": 3.2, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                            "rows": bench_decode([int(b) for b in args.batch_sizes.split(",")], args.prompt_len,
-                                                 args.new_tokens, args.reps)}
+        report["decode"] = {
+            "model_params_M": 3.2,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "rows": bench_decode(
+                [int(b) for b in args.batch_sizes.split(",")], args.prompt_len, args.new_tokens, args.reps
+            ),
+        }
     if "memory" in sections:
         report["memory"] = bench_memory(args.flavors.split(","))
     if "curves" in sections:

@@ -60,8 +60,10 @@ QWEN_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 1
 SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 # Qwen2's pre-tokenizer split (digits one by one), then byte-level.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Qwen2.5's ChatML template without the tools branch: a default system prompt when none is given.
 CHATML = (
     "{%- if messages[0]['role'] == 'system' %}"
@@ -185,20 +187,28 @@ def make_problems(n: int, seed: int) -> list[tuple[str, str]]:
         a, b, c = rng.randint(2, 60) * 2, rng.randint(2, 12), rng.randint(2, 15)
         kind = rng.randrange(4)
         if kind == 0:
-            q = (f"{name} sold {item} to {a} of her friends in April, and then she sold half as many {item} in "
-                 f"May. How many {item} did {name} sell altogether in April and May?")
+            q = (
+                f"{name} sold {item} to {a} of her friends in April, and then she sold half as many {item} in "
+                f"May. How many {item} did {name} sell altogether in April and May?"
+            )
             ans = a + a // 2
         elif kind == 1:
-            q = (f"{name} has {a} {item}. She buys {b} more boxes with {c} {item} in each box. How many {item} "
-                 f"does {name} have now?")
+            q = (
+                f"{name} has {a} {item}. She buys {b} more boxes with {c} {item} in each box. How many {item} "
+                f"does {name} have now?"
+            )
             ans = a + b * c
         elif kind == 2:
-            q = (f"A store sells {item} for ${c} each. {name} buys {b} {item} and pays with a $200 bill. How much "
-                 f"change does {name} get back?")
+            q = (
+                f"A store sells {item} for ${c} each. {name} buys {b} {item} and pays with a $200 bill. How much "
+                f"change does {name} get back?"
+            )
             ans = 200 - b * c
         else:
-            q = (f"{name} reads {b} pages a day for {c} days, then {a} pages a day for the next {b} days. How many "
-                 f"pages did {name} read in total?")
+            q = (
+                f"{name} reads {b} pages a day for {c} days, then {a} pages a day for the next {b} days. How many "
+                f"pages did {name} read in total?"
+            )
             ans = b * c + a * b
         problems.append((f"{q} {INSTRUCTION}", str(ans)))
     return problems
@@ -210,13 +220,19 @@ def train_bpe(corpus: list[str], vocab_size: int):
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(QWEN_SPECIAL), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
@@ -233,12 +249,28 @@ def write_tokenizer(folder: str, corpus: list[str], bpe_vocab: int) -> None:
     vocab.update({f"<|reserved_{i}|>": i for i in range(VOCAB_SIZE) if i not in used})
     vocab.update(QWEN_SPECIAL)
     spec["model"]["vocab"] = vocab
-    spec["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for t, i in QWEN_SPECIAL.items()]
+    spec["added_tokens"] = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for t, i in QWEN_SPECIAL.items()
+    ]
     with open(os.path.join(folder, "tokenizer.json"), "w") as f:
         json.dump(spec, f)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "model_max_length": 32768, "chat_template": CHATML}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 32768,
+        "chat_template": CHATML,
+    }
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -359,11 +391,15 @@ def run_measured(cmd: list[str], env: dict, log_path: str) -> dict:
     if proc.returncode:
         with open(log_path) as f:
             raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}), log {log_path}:\n{f.read()[-3000:]}")
-    return {"max_rss_gb": usage.ru_maxrss / 2**20, "sampled_peak_rss_gb": sampler.peak_main_kib / 2**20,
-            "sampled_peak_tree_rss_gb": sampler.peak_tree_kib / 2**20,
-            "sampled_peak_child_rss_gb": sampler.peak_other_kib / 2**20,
-            "processes": sampler.max_processes, "wall_s": time.perf_counter() - began,
-            "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
+    return {
+        "max_rss_gb": usage.ru_maxrss / 2**20,
+        "sampled_peak_rss_gb": sampler.peak_main_kib / 2**20,
+        "sampled_peak_tree_rss_gb": sampler.peak_tree_kib / 2**20,
+        "sampled_peak_child_rss_gb": sampler.peak_other_kib / 2**20,
+        "processes": sampler.max_processes,
+        "wall_s": time.perf_counter() - began,
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+    }
 
 
 # ---- the two sides ----
@@ -373,24 +409,50 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
     dump = tempfile.mkdtemp(prefix=f"titanrl_{tag}_", dir=workdir)
     max_prompt = 160
     num_blocks = 2 * a.batch_size * a.group_size * math.ceil((max_prompt + a.max_new_tokens) / 16)
-    model_opts = ([f"--model.flavor={a.flavor}", f"--model.tokenizer={model}", "--model.hf_checkpoint="]
-                  if a.flavor else [f"--model.hf_checkpoint={model}", f"--model.tokenizer={model}"])
+    model_opts = (
+        [f"--model.flavor={a.flavor}", f"--model.tokenizer={model}", "--model.hf_checkpoint="]
+        if a.flavor
+        else [f"--model.hf_checkpoint={model}", f"--model.tokenizer={model}"]
+    )
     cmd = [
-        sys.executable, "-m", "titanrl.train",
-        "--job.config_file", os.path.join(REPO_ROOT, "train_configs", "grpo_qwen2.5_0.5b_gsm8k.toml"),
-        f"--job.dump_folder={dump}", *model_opts, "--model.max_seq_len=512",
-        "--sft_warmup.steps=0", f"--training.steps={a.steps}", f"--training.batch_size={a.batch_size}",
-        f"--algorithm.group_size={a.group_size}", "--algorithm.kl_coef=0.0", "--algorithm.loss_agg=token-mean",
-        f"--generator.max_new_tokens={a.max_new_tokens}", "--generator.temperature=1.0",
+        sys.executable,
+        "-m",
+        "titanrl.train",
+        "--job.config_file",
+        os.path.join(REPO_ROOT, "train_configs", "grpo_qwen2.5_0.5b_gsm8k.toml"),
+        f"--job.dump_folder={dump}",
+        *model_opts,
+        "--model.max_seq_len=512",
+        "--sft_warmup.steps=0",
+        f"--training.steps={a.steps}",
+        f"--training.batch_size={a.batch_size}",
+        f"--algorithm.group_size={a.group_size}",
+        "--algorithm.kl_coef=0.0",
+        "--algorithm.loss_agg=token-mean",
+        f"--generator.max_new_tokens={a.max_new_tokens}",
+        "--generator.temperature=1.0",
         f"--generator.num_blocks={num_blocks}",
-        "--data.task=jsonl", f"--data.path={jsonl}", "--data.chat_template=true", "--data.num_eval_samples=1",
-        "--metrics.eval_freq=0", "--checkpoint.enable=false", "--checkpoint.export_hf=false",
-        f"--optimizer.lr={a.lr}", "--optimizer.beta1=0.9", f"--optimizer.beta2={a.beta2}", "--optimizer.eps=1e-8",
-        "--optimizer.weight_decay=0.0", "--lr_scheduler.warmup_steps=0", "--training.max_norm=1.0",
-        "--training.mixed_precision_param=float32", "--training.mixed_precision_reduce=float32",
-        "--reward.function=titanrl.rewards.math_verify:gsm8k_verifier", f"--reward.num_workers={a.reward_workers}",
+        "--data.task=jsonl",
+        f"--data.path={jsonl}",
+        "--data.chat_template=true",
+        "--data.num_eval_samples=1",
+        "--metrics.eval_freq=0",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf=false",
+        f"--optimizer.lr={a.lr}",
+        "--optimizer.beta1=0.9",
+        f"--optimizer.beta2={a.beta2}",
+        "--optimizer.eps=1e-8",
+        "--optimizer.weight_decay=0.0",
+        "--lr_scheduler.warmup_steps=0",
+        "--training.max_norm=1.0",
+        "--training.mixed_precision_param=float32",
+        "--training.mixed_precision_reduce=float32",
+        "--reward.function=titanrl.rewards.math_verify:gsm8k_verifier",
+        f"--reward.num_workers={a.reward_workers}",
         f"--activation_checkpoint.mode={'full' if a.activation_checkpointing else 'none'}",
-        "--job.print_config=false", *a.titanrl_override,
+        "--job.print_config=false",
+        *a.titanrl_override,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"}
     mem = run_measured(cmd, env, os.path.join(dump, "log.txt"))
@@ -407,18 +469,35 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
         "peak_mem_gb_by_step": [r.get("peak_mem_gb") for r in rows],
         "response_len": statistics.mean(r["response_len"] for r in rows),
         "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
-        "grad_norm": [r.get("grad_norm") for r in rows], "gen_logprob_diff": [r.get("gen_logprob_diff") for r in rows],
+        "grad_norm": [r.get("grad_norm") for r in rows],
+        "gen_logprob_diff": [r.get("gen_logprob_diff") for r in rows],
         **mem,
     }
 
 
 def run_trl(a, model: str, trl_json: str, workdir: str) -> dict:
     result = os.path.join(workdir, f"trl_{time.monotonic_ns()}.json")
-    cfg = {"model": model, "prompts": trl_json, "workdir": workdir, "result": result, "batch_size": a.batch_size,
-           "group_size": a.group_size, "max_new_tokens": a.max_new_tokens, "steps": a.steps, "lr": a.lr,
-           "beta2": a.beta2, "activation_checkpointing": a.activation_checkpointing}
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cfg = {
+        "model": model,
+        "prompts": trl_json,
+        "workdir": workdir,
+        "result": result,
+        "batch_size": a.batch_size,
+        "group_size": a.group_size,
+        "max_new_tokens": a.max_new_tokens,
+        "steps": a.steps,
+        "lr": a.lr,
+        "beta2": a.beta2,
+        "activation_checkpointing": a.activation_checkpointing,
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "CUDA_VISIBLE_DEVICES": "",
+        "WANDB_DISABLED": "true",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env.pop("PYTHONPATH", None)
     mem = run_measured([a.trl_python, "-c", TRL_SCRIPT, json.dumps(cfg)], env, result + ".log")
     out = json.load(open(result))
@@ -426,14 +505,21 @@ def run_trl(a, model: str, trl_json: str, workdir: str) -> dict:
     gen, fwd = out["generate_s"][1:], out["forward_s"][1:]
     return {
         "step_s": statistics.median(steps),
-        "phases_s": {"generate": statistics.median(gen),
-                     "reward+scoring": statistics.median(s - g for s, g in zip(gen_score, gen)),
-                     "forward": statistics.median(fwd),
-                     "backward+optimizer": statistics.median(s - gs - f for s, gs, f in zip(steps, gen_score, fwd))},
-        "rss_at_step_end_gb": out["rss_gb"], "rss_after_init_gb": out["rss_after_init_gb"],
-        "response_len": statistics.mean(out["response_len"]), "prompt_len": statistics.mean(out["prompt_len"]),
-        "first_prompt_ids": out["first_prompt_ids"], "threads": out["threads"], "params": out["params"],
-        "versions": out["versions"], **mem,
+        "phases_s": {
+            "generate": statistics.median(gen),
+            "reward+scoring": statistics.median(s - g for s, g in zip(gen_score, gen)),
+            "forward": statistics.median(fwd),
+            "backward+optimizer": statistics.median(s - gs - f for s, gs, f in zip(steps, gen_score, fwd)),
+        },
+        "rss_at_step_end_gb": out["rss_gb"],
+        "rss_after_init_gb": out["rss_after_init_gb"],
+        "response_len": statistics.mean(out["response_len"]),
+        "prompt_len": statistics.mean(out["prompt_len"]),
+        "first_prompt_ids": out["first_prompt_ids"],
+        "threads": out["threads"],
+        "params": out["params"],
+        "versions": out["versions"],
+        **mem,
     }
 
 
@@ -455,8 +541,10 @@ def titanrl_commit() -> str:
 
 
 def machine(threads: int) -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {threads} threads"
 
 
@@ -466,48 +554,72 @@ def compare(a, workdir: str, model: str, n_params: int, problems: list[tuple[str
     for rep in range(a.repeats):
         runs["titanrl"].append(run_titanrl(a, model, jsonl, workdir, f"r{rep}"))
         runs["trl"].append(run_trl(a, model, trl_json, workdir))
-        print(f"repeat {rep + 1}/{a.repeats}: " + ", ".join(
-            f"{k} {v[-1]['step_s']:.3f} s/step, max RSS {v[-1]['max_rss_gb']:.2f} GiB" for k, v in runs.items()),
-            flush=True)
+        print(
+            f"repeat {rep + 1}/{a.repeats}: "
+            + ", ".join(
+                f"{k} {v[-1]['step_s']:.3f} s/step, max RSS {v[-1]['max_rss_gb']:.2f} GiB" for k, v in runs.items()
+            ),
+            flush=True,
+        )
     keys = ["step_s", "max_rss_gb", "sampled_peak_tree_rss_gb", "response_len"]
     summary = {k: summarize(v, keys) for k, v in runs.items()}
     summary["titanrl"]["phase_sum_s"] = statistics.median(r["phase_sum_s"] for r in runs["titanrl"])
-    ratios = {"step_time_titanrl_over_trl": summary["titanrl"]["step_s"] / summary["trl"]["step_s"],
-              "peak_rss_titanrl_over_trl": summary["titanrl"]["max_rss_gb"] / summary["trl"]["max_rss_gb"],
-              "peak_tree_rss_titanrl_over_trl": (summary["titanrl"]["sampled_peak_tree_rss_gb"]
-                                                 / summary["trl"]["sampled_peak_tree_rss_gb"])}
+    ratios = {
+        "step_time_titanrl_over_trl": summary["titanrl"]["step_s"] / summary["trl"]["step_s"],
+        "peak_rss_titanrl_over_trl": summary["titanrl"]["max_rss_gb"] / summary["trl"]["max_rss_gb"],
+        "peak_tree_rss_titanrl_over_trl": (
+            summary["titanrl"]["sampled_peak_tree_rss_gb"] / summary["trl"]["sampled_peak_tree_rss_gb"]
+        ),
+    }
     titan_ids = titanrl_prompt_ids(model, problems[:1])[0]
     trl_run = runs["trl"][0]
-    prompts = {"titanrl_mean_prompt_tokens": statistics.mean(len(x) for x in titanrl_prompt_ids(model, problems)),
-               "trl_mean_prompt_tokens_seen": trl_run["prompt_len"],
-               "first_prompt_ids_identical": titan_ids == trl_run["first_prompt_ids"]}
+    prompts = {
+        "titanrl_mean_prompt_tokens": statistics.mean(len(x) for x in titanrl_prompt_ids(model, problems)),
+        "trl_mean_prompt_tokens_seen": trl_run["prompt_len"],
+        "first_prompt_ids_identical": titan_ids == trl_run["first_prompt_ids"],
+    }
     for r in runs["trl"]:
         r.pop("first_prompt_ids")
-    return {"summary": summary, "ratios": ratios, "prompts": prompts, "runs": runs,
-            "trl_versions": trl_run["versions"], "params": n_params}
+    return {
+        "summary": summary,
+        "ratios": ratios,
+        "prompts": prompts,
+        "runs": runs,
+        "trl_versions": trl_run["versions"],
+        "params": n_params,
+    }
 
 
 def flavor_report(a, workdir: str, model_folder: str, problems: list[tuple[str, str]]) -> dict:
     """titanrl alone at the full flavor: peak RSS vs 4 float32 copies of the parameters."""
     import torch
 
-    from titanrl.models.model import Transformer
     from titanrl.models.flavors import get_model_args
+    from titanrl.models.model import Transformer
 
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Transformer(get_model_args(a.flavor)).parameters())
     jsonl, _ = write_prompts(workdir, problems)
     run = run_titanrl(a, model_folder, jsonl, workdir, a.flavor)
     copy_gb = n_params * 4 / 2**30
-    floor = {"params": n_params, "one_fp32_copy_gb": copy_gb, "floor_4_copies_gb": 4 * copy_gb,
-             "with_a_generator_copy_gb": 5 * copy_gb}
+    floor = {
+        "params": n_params,
+        "one_fp32_copy_gb": copy_gb,
+        "floor_4_copies_gb": 4 * copy_gb,
+        "with_a_generator_copy_gb": 5 * copy_gb,
+    }
     # Between steps (end of the weight sync) weights, last step's gradients and AdamW's moments are
     # resident: what is there beyond those 4 copies is the runtime, the generator's own weights if
     # it holds a copy, and allocator caches; the peak adds the training step's transients.
     resident = run["rss_at_phase_end_gb"]["sync"]
-    return {"run": run, "floor": floor, "peak_over_floor": run["max_rss_gb"] / (4 * copy_gb),
-            "resident_between_steps_gb": resident, "resident_beyond_floor_gb": resident - 4 * copy_gb,
-            "peak_beyond_resident_gb": run["max_rss_gb"] - resident}
+    return {
+        "run": run,
+        "floor": floor,
+        "peak_over_floor": run["max_rss_gb"] / (4 * copy_gb),
+        "resident_between_steps_gb": resident,
+        "resident_beyond_floor_gb": resident - 4 * copy_gb,
+        "peak_beyond_resident_gb": run["max_rss_gb"] - resident,
+    }
 
 
 def parse_args() -> argparse.Namespace:
@@ -526,15 +638,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--beta2", type=float, default=0.99)
     p.add_argument("--reward-workers", type=int, default=1, help="titanrl reward worker processes")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="full activation checkpointing on both sides (TRL's GRPOConfig default; off here)")
-    p.add_argument("--titanrl-override", action="append", default=[],
-                   help="extra titanrl CLI override, e.g. --titanrl-override=--training.logprob_chunk_tokens=256")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="full activation checkpointing on both sides (TRL's GRPOConfig default; off here)",
+    )
+    p.add_argument(
+        "--titanrl-override",
+        action="append",
+        default=[],
+        help="extra titanrl CLI override, e.g. --titanrl-override=--training.logprob_chunk_tokens=256",
+    )
     p.add_argument("--bpe-vocab", type=int, default=4000, help="BPE tokens trained before padding to 151,936")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    defaults = {"batch_size": 4, "group_size": 4 if a.flavor else 8, "max_new_tokens": 64 if a.flavor else 32,
-                "steps": 3 if a.flavor else 4}
+    defaults = {
+        "batch_size": 4,
+        "group_size": 4 if a.flavor else 8,
+        "max_new_tokens": 64 if a.flavor else 32,
+        "steps": 3 if a.flavor else 4,
+    }
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -559,34 +682,74 @@ def main() -> None:
     problems = make_problems(max(256, a.batch_size * a.steps + 1), seed=0)
     corpus = [SYSTEM_PROMPT, INSTRUCTION, *(q for q, _ in make_problems(2000, seed=1))]
     write_tokenizer(folder, corpus, a.bpe_vocab)
-    optimizer = {"name": "AdamW, fused (titanrl's recipe; TRL's default adamw_torch_fused)", "lr": a.lr,
-                 "betas": [0.9, a.beta2], "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                 "lr_schedule": "constant"}
-    config = {"prompts_per_step": a.batch_size, "group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
-              "temperature": 1.0, "steps_per_run": a.steps, "steps_dropped": 1, "threads": a.threads,
-              "dtype": "float32", "optimizer": optimizer,
-              "loss": "token-mean (TRL loss_type='dapo'), clip 0.2 / 0.28, no KL (beta 0), 1 update per batch",
-              "activation_checkpointing": a.activation_checkpointing, "titanrl_reward_workers": a.reward_workers,
-              "titanrl_overrides": a.titanrl_override, "vocab_size": VOCAB_SIZE, "bpe_tokens": a.bpe_vocab}
+    optimizer = {
+        "name": "AdamW, fused (titanrl's recipe; TRL's default adamw_torch_fused)",
+        "lr": a.lr,
+        "betas": [0.9, a.beta2],
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "lr_schedule": "constant",
+    }
+    config = {
+        "prompts_per_step": a.batch_size,
+        "group_size": a.group_size,
+        "max_new_tokens": a.max_new_tokens,
+        "temperature": 1.0,
+        "steps_per_run": a.steps,
+        "steps_dropped": 1,
+        "threads": a.threads,
+        "dtype": "float32",
+        "optimizer": optimizer,
+        "loss": "token-mean (TRL loss_type='dapo'), clip 0.2 / 0.28, no KL (beta 0), 1 update per batch",
+        "activation_checkpointing": a.activation_checkpointing,
+        "titanrl_reward_workers": a.reward_workers,
+        "titanrl_overrides": a.titanrl_override,
+        "vocab_size": VOCAB_SIZE,
+        "bpe_tokens": a.bpe_vocab,
+    }
     report = {
-        "benchmark": ("GRPO at a real vocabulary: titanrl alone on a full flavor" if a.flavor
-                      else "GRPO at a real vocabulary: titanrl vs TRL GRPOTrainer (CPU)"),
-        "date": time.strftime("%Y-%m-%d"), "machine": machine(a.threads), "torch": torch.__version__,
-        "python": platform.python_version(), "titanrl_commit": commit,
+        "benchmark": (
+            "GRPO at a real vocabulary: titanrl alone on a full flavor"
+            if a.flavor
+            else "GRPO at a real vocabulary: titanrl vs TRL GRPOTrainer (CPU)"
+        ),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(a.threads),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "titanrl_commit": commit,
         "command": "python scripts/bench_real_vocab.py " + " ".join(sys.argv[1:]),
-        "peak_memory": ("max RSS of the trainer process from os.wait4 (the max, not the sum, over it and its reaped "
-                        "children); 'sampled_peak_tree_rss_gb' sums the sampled RSS of the whole process tree, "
-                        "titanrl's reward worker processes included"),
+        "peak_memory": (
+            "max RSS of the trainer process from os.wait4 (the max, not the sum, over it and its reaped "
+            "children); 'sampled_peak_tree_rss_gb' sums the sampled RSS of the whole process tree, "
+            "titanrl's reward worker processes included"
+        ),
     }
     if a.flavor:
         config["model"] = f"titanrl flavor {a.flavor}, random weights, vocabulary {VOCAB_SIZE}"
         report.update(config=config, **flavor_report(a, workdir, folder, problems))
-        print(json.dumps({k: report[k] for k in ("floor", "peak_over_floor", "resident_between_steps_gb",
-                                                "resident_beyond_floor_gb", "peak_beyond_resident_gb")}, indent=2))
+        print(
+            json.dumps(
+                {
+                    k: report[k]
+                    for k in (
+                        "floor",
+                        "peak_over_floor",
+                        "resident_between_steps_gb",
+                        "resident_beyond_floor_gb",
+                        "peak_beyond_resident_gb",
+                    )
+                },
+                indent=2,
+            )
+        )
     else:
         n_params = write_checkpoint(folder, a.n_layers, seed=0)
-        config["model"] = (f"Qwen2.5-0.5B width (dim 896, 14 heads, 2 KV heads, hidden 4864, qkv bias, tied "
-                           f"embeddings), {a.n_layers} layers, vocabulary {VOCAB_SIZE}, random weights")
+        config["model"] = (
+            f"Qwen2.5-0.5B width (dim 896, 14 heads, 2 KV heads, hidden 4864, qkv bias, tied "
+            f"embeddings), {a.n_layers} layers, vocabulary {VOCAB_SIZE}, random weights"
+        )
         result = compare(a, workdir, folder, n_params, problems)
         report.update(config=config, **result)
         print(json.dumps({k: result[k] for k in ("summary", "ratios", "prompts")}, indent=2))

@@ -28,7 +28,7 @@ sys.path.insert(0, REPO_ROOT)
 DEFAULT_VENV = os.path.expanduser("~/.cache/titanrl/trl_venv")
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789:=+-*,. "
 
-TRL_SCRIPT = r'''
+TRL_SCRIPT = r"""
 import json, sys, time
 import torch
 from datasets import Dataset
@@ -76,7 +76,7 @@ timer = Timer()
 trainer.add_callback(timer)
 trainer.train()
 json.dump({"step_s": timer.steps, "generate_score_s": gen_times}, open(cfg["result"], "w"))
-'''
+"""
 
 
 def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
@@ -100,11 +100,30 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
     os.makedirs(folder, exist_ok=True)
     tok.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
-                   "pad_token": "<pad>", "padding_side": "left", "model_max_length": 256}, f)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<bos>",
+                "eos_token": "<eos>",
+                "pad_token": "<pad>",
+                "padding_side": "left",
+                "model_max_length": 256,
+            },
+            f,
+        )
     # The debug flavor's shape (Qwen3, 4 layers, dim 256) with this vocabulary.
-    args = TransformerModelArgs(family="qwen3", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=768,
-                                vocab_size=64, qk_norm=True, tie_word_embeddings=True, max_seq_len=256)
+    args = TransformerModelArgs(
+        family="qwen3",
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=768,
+        vocab_size=64,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=256,
+    )
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()
@@ -126,14 +145,28 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
 def run_titanrl(a, model: str, jsonl: str, workdir: str, compiled: bool) -> dict:
     dump = tempfile.mkdtemp(dir=workdir)
     cmd = [
-        sys.executable, "-m", "titanrl.train", "--job.config_file", os.path.join(REPO_ROOT, "train_configs",
-                                                                               "grpo_reverse_debug.toml"),
-        f"--job.dump_folder={dump}", f"--model.hf_checkpoint={model}", f"--model.tokenizer={model}",
-        "--sft_warmup.steps=0", f"--training.steps={a.steps}", f"--training.batch_size={a.batch_size}",
-        f"--algorithm.group_size={a.group_size}", f"--generator.max_new_tokens={a.max_new_tokens}",
-        "--data.task=jsonl", f"--data.path={jsonl}", "--data.num_eval_samples=1", "--metrics.eval_freq=0",
-        f"--optimizer.lr={a.lr}", "--reward.num_workers=1", "--job.print_config=false",
-        f"--compile.enable={str(compiled).lower()}", f"--generator.compile={str(compiled).lower()}",
+        sys.executable,
+        "-m",
+        "titanrl.train",
+        "--job.config_file",
+        os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml"),
+        f"--job.dump_folder={dump}",
+        f"--model.hf_checkpoint={model}",
+        f"--model.tokenizer={model}",
+        "--sft_warmup.steps=0",
+        f"--training.steps={a.steps}",
+        f"--training.batch_size={a.batch_size}",
+        f"--algorithm.group_size={a.group_size}",
+        f"--generator.max_new_tokens={a.max_new_tokens}",
+        "--data.task=jsonl",
+        f"--data.path={jsonl}",
+        "--data.num_eval_samples=1",
+        "--metrics.eval_freq=0",
+        f"--optimizer.lr={a.lr}",
+        "--reward.num_workers=1",
+        "--job.print_config=false",
+        f"--compile.enable={str(compiled).lower()}",
+        f"--generator.compile={str(compiled).lower()}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
@@ -143,25 +176,46 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, compiled: bool) -> dict
     steps = [s for s in steps if s.get("phase") == "rl" and "reward_mean" in s][1:]  # drop warm-up step
     phases = ["sync", "generate", "reward", "logprob", "train"]
     per_phase = {p: statistics.median(s.get(f"time_{p}", 0.0) for s in steps) for p in phases}
-    return {"step_s": statistics.median(sum(s.get(f"time_{p}", 0.0) for p in phases) for s in steps),
-            "phases_s": per_phase, "response_len": statistics.mean(s["response_len"] for s in steps)}
+    return {
+        "step_s": statistics.median(sum(s.get(f"time_{p}", 0.0) for p in phases) for s in steps),
+        "phases_s": per_phase,
+        "response_len": statistics.mean(s["response_len"] for s in steps),
+    }
 
 
 def run_trl(a, model: str, workdir: str) -> dict:
     result = os.path.join(workdir, f"trl_{time.monotonic_ns()}.json")
-    cfg = {"model": model, "prompts": os.path.join(workdir, "prompts.json"), "workdir": workdir, "result": result,
-           "batch_size": a.batch_size, "group_size": a.group_size, "max_new_tokens": a.max_new_tokens,
-           "steps": a.steps, "lr": a.lr}
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "CUDA_VISIBLE_DEVICES": "", "WANDB_DISABLED": "true",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cfg = {
+        "model": model,
+        "prompts": os.path.join(workdir, "prompts.json"),
+        "workdir": workdir,
+        "result": result,
+        "batch_size": a.batch_size,
+        "group_size": a.group_size,
+        "max_new_tokens": a.max_new_tokens,
+        "steps": a.steps,
+        "lr": a.lr,
+    }
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(a.threads),
+        "CUDA_VISIBLE_DEVICES": "",
+        "WANDB_DISABLED": "true",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     proc = subprocess.run([a.trl_python, "-c", TRL_SCRIPT, json.dumps(cfg)], env=env, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"TRL run failed:\n{proc.stderr[-3000:]}")
     out = json.load(open(result))
     steps, gens = out["step_s"][1:], out["generate_score_s"][1:]
-    return {"step_s": statistics.median(steps),
-            "phases_s": {"generate+reward+logprob": statistics.median(gens),
-                         "train": statistics.median(s - g for s, g in zip(steps, gens))}}
+    return {
+        "step_s": statistics.median(steps),
+        "phases_s": {
+            "generate+reward+logprob": statistics.median(gens),
+            "train": statistics.median(s - g for s, g in zip(steps, gens)),
+        },
+    }
 
 
 def setup_trl(venv: str) -> None:
@@ -193,8 +247,11 @@ def main() -> None:
     a.trl_python = a.trl_python or os.path.join(a.venv, "bin", "python")
     if not os.path.exists(a.trl_python):
         raise SystemExit(f"no TRL venv at {a.venv}: run with --setup-trl first (or pass --trl-python)")
-    trl_version = subprocess.run([a.trl_python, "-c", "import trl, transformers; print(trl.__version__, "
-                                  "transformers.__version__)"], capture_output=True, text=True).stdout.split()
+    trl_version = subprocess.run(
+        [a.trl_python, "-c", "import trl, transformers; print(trl.__version__, transformers.__version__)"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     workdir = tempfile.mkdtemp(prefix="bench_rl_step_")
     model, jsonl = make_assets(workdir, n_prompts=a.batch_size * a.steps + 1, seed=0)
     runs: dict[str, list[dict]] = {"titanrl": [], "titanrl_compiled": [], "trl": []}
@@ -203,25 +260,42 @@ def main() -> None:
         if not a.skip_compiled:
             runs["titanrl_compiled"].append(run_titanrl(a, model, jsonl, workdir, compiled=True))
         runs["trl"].append(run_trl(a, model, workdir))
-        print(f"repeat {rep + 1}/{a.repeats}: " + ", ".join(
-            f"{k} {v[-1]['step_s']:.3f} s" for k, v in runs.items() if v), flush=True)
-    summary = {k: {"median_step_s": statistics.median(r["step_s"] for r in v),
-                   "median_phases_s": {ph: statistics.median(r["phases_s"][ph] for r in v) for ph in v[0]["phases_s"]}}
-               for k, v in runs.items() if v}
-    ratios = {f"trl_over_{k}": summary["trl"]["median_step_s"] / summary[k]["median_step_s"]
-              for k in summary if k != "trl"}
+        print(
+            f"repeat {rep + 1}/{a.repeats}: " + ", ".join(f"{k} {v[-1]['step_s']:.3f} s" for k, v in runs.items() if v),
+            flush=True,
+        )
+    summary = {
+        k: {
+            "median_step_s": statistics.median(r["step_s"] for r in v),
+            "median_phases_s": {ph: statistics.median(r["phases_s"][ph] for r in v) for ph in v[0]["phases_s"]},
+        }
+        for k, v in runs.items()
+        if v
+    }
+    ratios = {
+        f"trl_over_{k}": summary["trl"]["median_step_s"] / summary[k]["median_step_s"] for k in summary if k != "trl"
+    }
     import torch
 
     report = {
         "benchmark": "GRPO step time, titanrl vs TRL GRPOTrainer (CPU)",
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, {a.threads} threads",
-        "torch": torch.__version__, "trl": trl_version[0] if trl_version else "?",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {a.threads} threads",
+        "torch": torch.__version__,
+        "trl": trl_version[0] if trl_version else "?",
         "transformers (trl venv)": trl_version[1] if len(trl_version) > 1 else "?",
         "command": "python scripts/bench_rl_step.py " + " ".join(sys.argv[1:]),
-        "config": {"prompts_per_step": a.batch_size, "group_size": a.group_size,
-                   "max_new_tokens": a.max_new_tokens, "steps_per_run": a.steps, "repeats": a.repeats,
-                   "model": "Qwen3-shaped, 4 layers, dim 256, vocab 64, random weights"},
-        "summary": summary, "ratios": ratios, "runs": runs,
+        "config": {
+            "prompts_per_step": a.batch_size,
+            "group_size": a.group_size,
+            "max_new_tokens": a.max_new_tokens,
+            "steps_per_run": a.steps,
+            "repeats": a.repeats,
+            "model": "Qwen3-shaped, 4 layers, dim 256, vocab 64, random weights",
+        },
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
     }
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
     if a.out:

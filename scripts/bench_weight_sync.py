@@ -51,12 +51,26 @@ def worker(reps: int, out: str) -> None:
     for degrees in LAYOUTS[world]:
         dims = ParallelDims(*degrees, world_size=world)
         for name, (dim, n_layers, hidden) in SIZES.items():
-            args = TransformerModelArgs(family="qwen3", dim=dim, n_layers=n_layers, n_heads=8, n_kv_heads=4,
-                                        hidden_dim=hidden, vocab_size=512, qk_norm=True, max_seq_len=256)
-            trainer = build_model(args, dims, JobConfig(), torch.device("cpu"),
-                                  full_state_dict=init_full_state_dict(args, 0))
-            gen = Generator(args, GeneratorConfig(num_blocks=16), torch.device("cpu"),
-                            tp_mesh=dims.world_mesh["tp"] if dims.tp_enabled else None)
+            args = TransformerModelArgs(
+                family="qwen3",
+                dim=dim,
+                n_layers=n_layers,
+                n_heads=8,
+                n_kv_heads=4,
+                hidden_dim=hidden,
+                vocab_size=512,
+                qk_norm=True,
+                max_seq_len=256,
+            )
+            trainer = build_model(
+                args, dims, JobConfig(), torch.device("cpu"), full_state_dict=init_full_state_dict(args, 0)
+            )
+            gen = Generator(
+                args,
+                GeneratorConfig(num_blocks=16),
+                torch.device("cpu"),
+                tp_mesh=dims.world_mesh["tp"] if dims.tp_enabled else None,
+            )
             opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
             tokens = torch.randint(0, 512, (8 // dims.dp_size, 129))
 
@@ -69,11 +83,19 @@ def worker(reps: int, out: str) -> None:
             train_step()
             sync_s = _median_time(lambda: gen.load_weights(trainer), reps)
             step_s = _median_time(train_step, max(2, reps // 2))
-            rows.append({
-                "world": world, "dp_replicate": degrees[0], "dp_shard": degrees[1], "tp": degrees[2], "model": name,
-                "params_M": sum(p.numel() for p in gen.model.parameters()) / 1e6,  # DTensor numel is global
-                "sync_s": sync_s, "train_step_s": step_s, "sync_fraction_of_step": sync_s / (sync_s + step_s),
-            })
+            rows.append(
+                {
+                    "world": world,
+                    "dp_replicate": degrees[0],
+                    "dp_shard": degrees[1],
+                    "tp": degrees[2],
+                    "model": name,
+                    "params_M": sum(p.numel() for p in gen.model.parameters()) / 1e6,  # DTensor numel is global
+                    "sync_s": sync_s,
+                    "train_step_s": step_s,
+                    "sync_fraction_of_step": sync_s / (sync_s + step_s),
+                }
+            )
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -94,8 +116,19 @@ def main() -> None:
     rows = []
     for world in LAYOUTS:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                   os.path.abspath(__file__), "--worker", "--worker_out", tmp.name, "--reps", str(args.reps)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={world}",
+                os.path.abspath(__file__),
+                "--worker",
+                "--worker_out",
+                tmp.name,
+                "--reps",
+                str(args.reps),
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
             subprocess.run(cmd, check=True, env=env)
             rows += json.load(open(tmp.name))

@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(rest)
     if not os.path.exists(os.path.join(args.checkpoint, ".metadata")):
         raise SystemExit(f"'{args.checkpoint}' is not a complete titanrl checkpoint (no .metadata)")
-    model_args = read_hf_config(config.model.hf_checkpoint) if config.model.hf_checkpoint else get_model_args(
-        config.model.flavor)
+    model_args = (
+        read_hf_config(config.model.hf_checkpoint)
+        if config.model.hf_checkpoint
+        else get_model_args(config.model.flavor)
+    )
     if config.model.max_seq_len:
         model_args.max_seq_len = config.model.max_seq_len
     model = Transformer(model_args)

@@ -47,8 +47,14 @@ def main(argv: list[str] | None = None) -> None:
     gen.load_hf(args.hf_checkpoint)
 
     params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, n=args.n, seed=args.seed, stop_strings=args.stop,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        n=args.n,
+        seed=args.seed,
+        stop_strings=args.stop,
     )
     completions, stats = gen.generate([tokenizer.encode(p) for p in args.prompt], params)
     for c in completions:

@@ -105,8 +105,15 @@ def draw_panel(ax, title: str, keys: list[str], from_zero: bool, runs: dict[str,
             if key == "reward_mean":  # the spread of rewards within a batch, when logged
                 std_steps, std = series(rows, "reward_std")
                 if std_steps == steps and len(runs) == 1:
-                    ax.fill_between(steps, [m - s for m, s in zip(values, std)], [m + s for m, s in zip(values, std)],
-                                    color="C0", alpha=0.15, linewidth=0, label="± reward_std")
+                    ax.fill_between(
+                        steps,
+                        [m - s for m, s in zip(values, std)],
+                        [m + s for m, s in zip(values, std)],
+                        color="C0",
+                        alpha=0.15,
+                        linewidth=0,
+                        label="± reward_std",
+                    )
             lowest = min(lowest, *values)
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -125,7 +132,7 @@ def plot(runs: dict[str, list[dict]], panels: list[tuple[str, list[str], bool]],
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False, layout="constrained")
     for ax, panel in zip(axes.flat, panels):
         draw_panel(ax, *panel, runs)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.remove()
     fig.suptitle(title)
     fig.savefig(out, dpi=110)

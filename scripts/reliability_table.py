@@ -16,11 +16,22 @@ import tempfile
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ["tests/test_reliability.py", "tests/test_checkpoint.py", "tests/test_tasks_rewards.py",
-         "tests/test_train.py", "tests/test_config.py", "tests/test_generator.py", "tests/test_envs.py",
-         "tests/test_recipes.py", "tests/test_trainer.py", "tests/test_reward_isolation.py",
-         "tests/test_launch_hygiene.py", "tests/test_metrics.py", "tests/test_data_validation.py",
-         "tests/test_checkpoint_resharding.py"]
+FILES = [
+    "tests/test_reliability.py",
+    "tests/test_checkpoint.py",
+    "tests/test_tasks_rewards.py",
+    "tests/test_train.py",
+    "tests/test_config.py",
+    "tests/test_generator.py",
+    "tests/test_envs.py",
+    "tests/test_recipes.py",
+    "tests/test_trainer.py",
+    "tests/test_reward_isolation.py",
+    "tests/test_launch_hygiene.py",
+    "tests/test_metrics.py",
+    "tests/test_data_validation.py",
+    "tests/test_checkpoint_resharding.py",
+]
 START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 
 

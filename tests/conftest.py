@@ -23,8 +23,16 @@ def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
     `torchrun --standalone` with `nproc` ranks."""
     if nproc == 1:
         return [sys.executable, "-m", "titanrl.train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "titanrl.train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titanrl.train",
+        *args,
+    ]
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600) -> str:

@@ -7,10 +7,22 @@ import json
 import tokenizers
 
 SPECIAL = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
-    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-    "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
-    "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_CALLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
 ]
 CORPUS = [
     "You are a helpful assistant. What is the weather in Paris today?",
@@ -87,8 +99,12 @@ def train_bpe():
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS * 20, trainer=trainer)
     return tok
 
@@ -109,8 +125,18 @@ def write_qwen_layout_folder(tmp_path) -> None:
     vocab.update({f"<|reserved_{i}|>": i for i in range(151936) if i not in used})  # padding ids
     vocab.update(id_of)
     spec["model"]["vocab"] = vocab
-    spec["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                             "normalized": False, "special": True} for t, i in sorted(id_of.items(), key=lambda x: x[1])]
+    spec["added_tokens"] = [
+        {
+            "id": i,
+            "content": t,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for t, i in sorted(id_of.items(), key=lambda x: x[1])
+    ]
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(QWEN_CONFIG))
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 151936, "eos_token_id": 151645}))

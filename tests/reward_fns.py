@@ -76,8 +76,7 @@ def misbehaves(prompt: str, completion: str, metadata: dict):
         half = metadata["bytes"] // 2
         sys.stdout.write("p" * (half // 2))
         sys.stderr.write("e" * (half - half // 2))
-        subprocess.run([sys.executable, "-c", f"import os; os.write(1, b'c' * {metadata['bytes'] - half})"],
-                       check=True)
+        subprocess.run([sys.executable, "-c", f"import os; os.write(1, b'c' * {metadata['bytes'] - half})"], check=True)
         return 1.0
     if completion == "fork":
         pids = []

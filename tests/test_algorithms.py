@@ -22,8 +22,8 @@ from titanrl.algorithms.sapo import sapo_loss
 from titanrl.config import load_config
 from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
 
-
 # ---- RLOO ----
+
 
 def test_rloo_matches_leave_one_out_by_hand():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
@@ -51,6 +51,7 @@ def test_rloo_is_invariant_to_group_order(rewards, perm):
 
 
 # ---- ReMax ----
+
 
 @pytest.mark.parametrize("group_size", [1, 3])
 def test_remax_subtracts_each_prompts_greedy_reward(group_size):
@@ -83,7 +84,9 @@ def test_token_rewards_put_score_on_last_token_and_kl_everywhere():
 def test_token_rewards_place_per_turn_rewards_at_the_end_of_each_turn():
     # Row 0: two model turns (tokens 1-2 and 5), environment tokens 3-4 masked out.
     mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0], [1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]]).float()
-    r = token_rewards(torch.zeros(3), mask, torch.full_like(mask, 1.0), 0.1, turn_scores=[[0.5, 2.0], [1.0, 3.0], [4.0]])
+    r = token_rewards(
+        torch.zeros(3), mask, torch.full_like(mask, 1.0), 0.1, turn_scores=[[0.5, 2.0], [1.0, 3.0], [4.0]]
+    )
     assert r[0].tolist() == pytest.approx([0, -0.1, 0.4, 0, 0, 1.9, 0])
     assert r[1].tolist() == pytest.approx([-0.1, -0.1, -0.1, 3.9, 0, 0, 0])  # surplus on the last turn
     assert r[2].tolist() == [0.0] * 7  # no model token: nowhere to put it
@@ -131,6 +134,7 @@ def test_masked_whiten_ignores_padding():
 
 # ---- GAE and value loss ----
 
+
 def _gae_f64(rewards, values, mask, gamma, lam):
     """The textbook reverse loop over each row's masked-in tokens only."""
     adv_out, ret_out = [], []
@@ -153,7 +157,11 @@ def _gae_f64(rewards, values, mask, gamma, lam):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    st.integers(1, 4), st.integers(1, 7), st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1),
+    st.integers(1, 4),
+    st.integers(1, 7),
+    st.floats(0.5, 1.0),
+    st.floats(0.0, 1.0),
+    st.integers(0, 2**31 - 1),
 )
 def test_gae_matches_reverse_loop_reference(B, T, gamma, lam, seed):
     g = torch.Generator().manual_seed(seed)
@@ -190,6 +198,7 @@ def test_value_loss_clipping_by_hand():
 
 # ---- GSPO ----
 
+
 def test_gspo_loss_and_gradient_match_sequence_level_reference():
     g = torch.Generator().manual_seed(3)
     B, T = 3, 5
@@ -198,8 +207,9 @@ def test_gspo_loss_and_gradient_match_sequence_level_reference():
     old = lp.detach() + 0.01 * torch.randn(B, T, generator=g, dtype=torch.float64)
     adv = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
     lo, hi = 3e-3, 4e-3
-    out = gspo_loss(lp, old, adv, mask.double(), clip_low=lo, clip_high=hi, num_global_tokens=mask.sum().item(),
-                    num_global_seqs=B)
+    out = gspo_loss(
+        lp, old, adv, mask.double(), clip_low=lo, clip_high=hi, num_global_tokens=mask.sum().item(), num_global_seqs=B
+    )
     # Reference: the sequence-level objective written directly.
     lp_ref = lp.detach().clone().requires_grad_()
     terms = []
@@ -217,6 +227,7 @@ def test_gspo_loss_and_gradient_match_sequence_level_reference():
 
 # ---- TIS / MIS ----
 
+
 def test_importance_weights_truncate_and_mask():
     old = torch.log(torch.tensor([[1.0, 3.0, 0.2, 1.5]]))
     gen = torch.zeros(1, 4)
@@ -231,14 +242,25 @@ def test_importance_weights_truncate_and_mask():
 def test_tis_weights_scale_the_per_token_loss():
     lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     w = torch.tensor([[0.5, 2.0]])
-    out = clipped_pg_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), clip_low=0.2, clip_high=0.2,
-                          loss_agg="token-mean", num_global_tokens=2, num_global_seqs=1, is_weights_BT=w)
+    out = clipped_pg_loss(
+        lp,
+        lp.detach(),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        num_global_tokens=2,
+        num_global_seqs=1,
+        is_weights_BT=w,
+    )
     out.loss.backward()
     assert out.loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
     assert lp.grad.tolist() == [pytest.approx([-0.25, -1.0])]
 
 
 # ---- DAPO ----
+
 
 def test_informative_groups_and_overlong_penalty():
     r = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5])
@@ -250,6 +272,7 @@ def test_informative_groups_and_overlong_penalty():
 
 
 # ---- DPO and reward-model losses ----
+
 
 def test_dpo_loss_matches_float64_reference():
     g = torch.Generator().manual_seed(5)
@@ -295,8 +318,11 @@ def _random_case(seed, per_token_adv):
     lp = -torch.rand(4, 5, generator=g, dtype=torch.float64) * 2
     old = lp + 0.5 * torch.randn(4, 5, generator=g, dtype=torch.float64)
     ref = lp + 0.3 * torch.randn(4, 5, generator=g, dtype=torch.float64)
-    adv = torch.randn(4, 5, generator=g, dtype=torch.float64) if per_token_adv else \
-        torch.tensor([1.5, -0.7, 0.0, 2.0], dtype=torch.float64)
+    adv = (
+        torch.randn(4, 5, generator=g, dtype=torch.float64)
+        if per_token_adv
+        else torch.tensor([1.5, -0.7, 0.0, 2.0], dtype=torch.float64)
+    )
     is_w = 0.5 + 1.5 * torch.rand(4, 5, generator=g, dtype=torch.float64)
     return lp, old, ref, adv, is_w
 
@@ -326,9 +352,21 @@ def test_cispo_loss_and_gradient_match_float64_reference(agg, per_token_adv):
     lp0, old, ref, adv, is_w = _random_case(11, per_token_adv)
     lo, hi, beta = 0.2, 0.28, 0.1
     lp, lp_ref = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
-    out = cispo_loss(lp, old, adv, MASK.double(), clip_low=lo, clip_high=hi, loss_agg=agg,
-                     num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=ref, kl_coef=beta,
-                     kl_estimator="k3", is_weights_BT=is_w)
+    out = cispo_loss(
+        lp,
+        old,
+        adv,
+        MASK.double(),
+        clip_low=lo,
+        clip_high=hi,
+        loss_agg=agg,
+        num_global_tokens=MASK.sum().item(),
+        num_global_seqs=4,
+        ref_logprobs_BT=ref,
+        kl_coef=beta,
+        kl_estimator="k3",
+        is_weights_BT=is_w,
+    )
     _check_value_and_grad(out, _cispo_ref(lp_ref, old, adv, ref, is_w, MASK, agg, lo, hi, beta), lp, lp_ref)
     ratio = torch.exp(lp0 - old)
     assert out.clipped_tokens.item() == (((ratio < 1 - lo) | (ratio > 1 + hi)).double() * MASK).sum().item() > 0
@@ -353,17 +391,29 @@ def test_cispo_keeps_the_gradient_of_a_token_past_the_clip_and_caps_its_weight()
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(-3, 3), min_size=6, max_size=6),
-       st.lists(st.floats(-2, 2, allow_subnormal=False), min_size=6, max_size=6),
-       st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+@given(
+    st.lists(st.floats(-3, 3), min_size=6, max_size=6),
+    st.lists(st.floats(-2, 2, allow_subnormal=False), min_size=6, max_size=6),
+    st.floats(0.0, 2.0),
+    st.floats(0.0, 1.0),
+)
 def test_cispo_every_token_gets_its_clipped_weight_times_advantage(log_ratios, advs, lo, hi):
     """Property: d loss / d logp_t = -clip(r_t) A_t / N for every token, so no token with A_t != 0
     ever loses its gradient (the clipped weight is >= max(1 - eps_low, 0) and positive)."""
     log_r = torch.tensor([log_ratios], dtype=torch.float64)
     lp = torch.full((1, 6), -1.0, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([advs], dtype=torch.float64)
-    out = cispo_loss(lp, lp.detach() - log_r, adv, torch.ones(1, 6, dtype=torch.float64), clip_low=lo, clip_high=hi,
-                     loss_agg="token-mean", num_global_tokens=6, num_global_seqs=1)
+    out = cispo_loss(
+        lp,
+        lp.detach() - log_r,
+        adv,
+        torch.ones(1, 6, dtype=torch.float64),
+        clip_low=lo,
+        clip_high=hi,
+        loss_agg="token-mean",
+        num_global_tokens=6,
+        num_global_seqs=1,
+    )
     out.loss.backward()
     for t in range(6):
         weight = min(max(math.exp(log_ratios[t]), 1 - lo), 1 + hi)
@@ -389,9 +439,21 @@ def test_sapo_loss_and_gradient_match_float64_reference(agg, per_token_adv):
     lp0, old, ref, adv, is_w = _random_case(12, per_token_adv)
     tau_pos, tau_neg, beta = 0.7, 3.1, 0.1  # far apart, so that a swap of the two would show
     lp, lp_ref = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
-    out = sapo_loss(lp, old, adv, MASK.double(), tau_pos=tau_pos, tau_neg=tau_neg, loss_agg=agg,
-                    num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=ref, kl_coef=beta,
-                    kl_estimator="k3", is_weights_BT=is_w)
+    out = sapo_loss(
+        lp,
+        old,
+        adv,
+        MASK.double(),
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        loss_agg=agg,
+        num_global_tokens=MASK.sum().item(),
+        num_global_seqs=4,
+        ref_logprobs_BT=ref,
+        kl_coef=beta,
+        kl_estimator="k3",
+        is_weights_BT=is_w,
+    )
     _check_value_and_grad(out, _sapo_ref(lp_ref, old, adv, ref, is_w, MASK, agg, tau_pos, tau_neg, beta), lp, lp_ref)
     assert out.ratio_max.item() == pytest.approx((torch.exp(lp0 - old) * MASK).max().item())
 
@@ -399,9 +461,17 @@ def test_sapo_loss_and_gradient_match_float64_reference(agg, per_token_adv):
 def _sapo_token_grad(log_ratio, adv, tau_pos, tau_neg):
     """d loss / d logp of one token with ratio exp(log_ratio) and advantage adv."""
     lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
-    out = sapo_loss(lp, lp.detach() - log_ratio, torch.tensor([adv], dtype=torch.float64),
-                    torch.ones(1, 1, dtype=torch.float64), tau_pos=tau_pos, tau_neg=tau_neg, loss_agg="token-mean",
-                    num_global_tokens=1, num_global_seqs=1)
+    out = sapo_loss(
+        lp,
+        lp.detach() - log_ratio,
+        torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.float64),
+        tau_pos=tau_pos,
+        tau_neg=tau_neg,
+        loss_agg="token-mean",
+        num_global_tokens=1,
+        num_global_seqs=1,
+    )
     out.loss.backward()
     return lp.grad.item(), out
 
@@ -414,9 +484,17 @@ def test_sapo_on_policy_gradient_is_the_policy_gradient(tau_pos, tau_neg, adv):
     grad, _ = _sapo_token_grad(0.0, adv, tau_pos, tau_neg)
     assert grad == pytest.approx(-adv, rel=1e-12)
     lp = torch.tensor([[-1.0]], dtype=torch.float64, requires_grad=True)
-    clipped_pg_loss(lp, lp.detach(), torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
-                    clip_low=0.2, clip_high=0.2, loss_agg="token-mean", num_global_tokens=1,
-                    num_global_seqs=1).loss.backward()
+    clipped_pg_loss(
+        lp,
+        lp.detach(),
+        torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.float64),
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        num_global_tokens=1,
+        num_global_seqs=1,
+    ).loss.backward()
     assert grad == pytest.approx(lp.grad.item(), rel=1e-12)
 
 
@@ -447,14 +525,16 @@ def test_sapo_negative_advantages_decay_faster_with_a_larger_tau_neg(log_ratio, 
     r = math.exp(log_ratio)
     assert out_pos.loss.item() == pytest.approx(-4 / tau_pos / (1 + math.exp(-tau_pos * (r - 1))), rel=1e-12)
     assert out_neg.loss.item() == pytest.approx(4 / tau_neg / (1 + math.exp(-tau_neg * (r - 1))), rel=1e-12)
-    assert _sapo_token_grad(0.0, -1.0, tau_pos, tau_neg)[0] == pytest.approx(-_sapo_token_grad(0.0, 1.0, tau_pos,
-                                                                                               tau_neg)[0])
+    assert _sapo_token_grad(0.0, -1.0, tau_pos, tau_neg)[0] == pytest.approx(
+        -_sapo_token_grad(0.0, 1.0, tau_pos, tau_neg)[0]
+    )
 
 
 def test_cispo_and_sapo_are_registered_and_read_their_config():
     lp0, old, ref, adv, is_w = _random_case(13, False)
-    cfg = AlgorithmConfig(clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum",
-                          sapo_tau_pos=0.5, sapo_tau_neg=2.0)
+    cfg = AlgorithmConfig(
+        clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum", sapo_tau_pos=0.5, sapo_tau_neg=2.0
+    )
     kw = dict(num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=None, is_weights_BT=None)
     got = ALGORITHMS["cispo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
     want = _cispo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 1.0, 0.1, 0.0)

@@ -136,8 +136,9 @@ def test_exact_attention_gradient_is_ordinary_attention_gradient():
     q, k, v = (torch.randn(2, 9, h, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
     grad = torch.randn(2, 9, 4, 16, generator=g, dtype=torch.float64)
     exact = torch.autograd.grad(ExactCausalAttention().attend(0, q, k, v), (q, k, v), grad)
-    plain = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                           enable_gqa=True).transpose(1, 2)
+    plain = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     for a, b in zip(exact, torch.autograd.grad(plain, (q, k, v), grad)):
         torch.testing.assert_close(a, b)
 
@@ -146,8 +147,18 @@ def test_model_logits_of_a_sequence_do_not_depend_on_its_batch():
     """The whole model under the mode: a sequence's logits alone equal its logits in a right-padded
     batch of sequences of other lengths, and its last position's logits equal those of a decode
     step over its prefix (positions given, attention over the cache)."""
-    args = TransformerModelArgs(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                                vocab_size=50, qk_norm=True, tie_word_embeddings=True, max_seq_len=128)
+    args = TransformerModelArgs(
+        family="qwen3",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=96,
+        vocab_size=50,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=128,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -192,8 +203,9 @@ def test_packed_documents_get_the_bits_of_their_padded_rows():
     packed = attend_exact_spans(q, k, v, spans)
     rows = []
     for r, row in enumerate(spans):
-        docs = [ExactCausalAttention().attend(0, q[r : r + 1, a:b], k[r : r + 1, a:b], v[r : r + 1, a:b])[0]
-                for a, b in row]
+        docs = [
+            ExactCausalAttention().attend(0, q[r : r + 1, a:b], k[r : r + 1, a:b], v[r : r + 1, a:b])[0] for a, b in row
+        ]
         for (a, b), alone in zip(row, docs):
             assert torch.equal(packed[r, a:b], alone), (r, a, b)
         rows.append(torch.cat(docs))

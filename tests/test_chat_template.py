@@ -9,10 +9,10 @@ pytest.importorskip("jinja2")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from titanrl.models.chat_template import ChatTemplate, load_chat_template  # noqa: E402
-from titanrl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from real_vocab import QWEN_CONFIG, train_bpe, write_qwen_layout_folder  # noqa: E402
 
+from titanrl.models.chat_template import ChatTemplate, load_chat_template  # noqa: E402
+from titanrl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 
 # Llama 3.1 style: bos, header ids, a dated system header (strftime_now), tools as indented JSON.
 LLAMA3 = r"""{{- bos_token }}
@@ -112,38 +112,72 @@ MISTRAL = r"""{{- bos_token }}
 
 CONFIGS = {
     "qwen": QWEN_CONFIG,
-    "llama3": {"bos_token": "<|begin_of_text|>", "eos_token": {"__type": "AddedToken", "content": "<|eot_id|>", "lstrip": False,
-                                                     "normalized": False, "rstrip": False, "single_word": False,
-                                                     "special": True},
-               "chat_template": LLAMA3},
+    "llama3": {
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": {
+            "__type": "AddedToken",
+            "content": "<|eot_id|>",
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        },
+        "chat_template": LLAMA3,
+    },
     # The list form, as some tokenizer_config.json files hold several templates.
-    "mistral": {"bos_token": "<s>", "eos_token": "</s>",
-                "chat_template": [{"name": "default", "template": MISTRAL}, {"name": "rag", "template": "RAG"}]},
+    "mistral": {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "chat_template": [{"name": "default", "template": MISTRAL}, {"name": "rag", "template": "RAG"}],
+    },
 }
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Météo actuelle d'une ville ☀",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "City name"},
-            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two numbers",
-                                      "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Météo actuelle d'une ville ☀",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+        },
+    },
 ]
 CALL = {"id": "call0abc1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
 CONVERSATIONS = {
     "user_only": [{"role": "user", "content": "What is 6 times 7?"}],
-    "system": [{"role": "system", "content": "You are a terse math tutor."},
-               {"role": "user", "content": "What is 6 times 7? Café ☕"}],
-    "multi_turn": [{"role": "system", "content": "You are a helpful assistant."},
-                   {"role": "user", "content": "What is 6 times 7?"},
-                   {"role": "assistant", "content": "The answer is 42."},
-                   {"role": "user", "content": "And half of that?"}],
-    "tool_use": [{"role": "user", "content": "What is the weather in Paris today?"},
-                 {"role": "assistant", "content": None, "tool_calls": [CALL]},
-                 {"role": "tool", "tool_call_id": "call0abc1", "name": "get_weather", "content": '{"temperature": 21}'},
-                 {"role": "assistant", "content": "It is 21 degrees in Paris."},
-                 {"role": "user", "content": "Thanks! And in Lyon?"}],
+    "system": [
+        {"role": "system", "content": "You are a terse math tutor."},
+        {"role": "user", "content": "What is 6 times 7? Café ☕"},
+    ],
+    "multi_turn": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is 6 times 7?"},
+        {"role": "assistant", "content": "The answer is 42."},
+        {"role": "user", "content": "And half of that?"},
+    ],
+    "tool_use": [
+        {"role": "user", "content": "What is the weather in Paris today?"},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call0abc1", "name": "get_weather", "content": '{"temperature": 21}'},
+        {"role": "assistant", "content": "It is 21 degrees in Paris."},
+        {"role": "user", "content": "Thanks! And in Lyon?"},
+    ],
 }
 
 
@@ -184,7 +218,8 @@ def test_template_features_render_as_expected(folders):
     user = CONVERSATIONS["user_only"]
     assert qwen.render(user, add_generation_prompt=True) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is 6 times 7?<|im_end|>\n<|im_start|>assistant\n"
+    )
     with_tools = qwen.render(user, tools=TOOLS)
     assert "# Tools" in with_tools and json.dumps(TOOLS[0], ensure_ascii=False) in with_tools  # non-ASCII kept
     tool_turn = qwen.render(CONVERSATIONS["tool_use"])
@@ -267,8 +302,11 @@ def test_assistant_mask_chatml_multi_turn(folders):
     # Each assistant turn's span: what the model writes after the generation prompt, end-of-turn included.
     assert [text[a:b] for a, b in spans] == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n',
-        "It is 21 degrees in Paris.<|im_end|>\n", "Lyon: 19 degrees, sunny.<|im_end|>\n"]
+        "It is 21 degrees in Paris.<|im_end|>\n",
+        "Lyon: 19 degrees, sunny.<|im_end|>\n",
+    ]
     assert [ids[a:b] for a, b in _runs(mask)] == [tok.encode(text[a:b]) for a, b in spans]
+
     # Without offsets (a tokenizer that only encodes), prefix token lists give the same mask.
     class EncodeOnly:
         encode = staticmethod(tok.encode)
@@ -292,8 +330,10 @@ def test_assistant_mask_matches_transformers_generation_spans(folders):
 
 
 def test_assistant_mask_byte_tokenizer():
-    template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}</>\n{% endfor %}"
-                            "{% if add_generation_prompt %}<assistant>{% endif %}")
+    template = ChatTemplate(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</>\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     messages = [{"role": "user", "content": "hé"}, {"role": "assistant", "content": "ça va"}]
     ids, mask = template.assistant_mask(ByteTokenizer(), messages)
     masked = bytes(i for i, m in zip(ids, mask) if m).decode()
@@ -315,8 +355,9 @@ def test_real_vocabulary_size(tmp_path):
     for messages in CONVERSATIONS.values():
         for tools in (None, TOOLS):
             ids = template.encode(titan, messages, add_generation_prompt=True, tools=tools)
-            ref = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+            ref = hf.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
             assert ids == ref and max(ids) == 151645 and 151644 in ids
     ids, mask = template.assistant_mask(titan, CONVERSATIONS["multi_turn"][:3])
     assert ids[-2:] == titan.encode("<|im_end|>\n") and mask[-2:] == [1, 1]

@@ -5,17 +5,25 @@ import os
 import sys
 
 import pytest
-from safetensors.torch import load_file
-
 from conftest import REPO_ROOT, run_cmd, train_cmd
+from safetensors.torch import load_file
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 BASE = [
-    f"--job.config_file={CONFIG}", "--sft_warmup.steps=3", "--sft_warmup.batch_size=8",
-    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8", "--reward.num_workers=1", "--metrics.eval_freq=0",
-    "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=2",
-    "--checkpoint.export_hf=true", "--optimizer.lr=1e-3",
+    f"--job.config_file={CONFIG}",
+    "--sft_warmup.steps=3",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_latest_k=2",
+    "--checkpoint.export_hf=true",
+    "--optimizer.lr=1e-3",
 ]
 COMPARED = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "lr"]
 
@@ -128,8 +136,15 @@ def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted)
 
     step4 = uninterrupted / "checkpoint" / "step-4"
     out = tmp_path / "hf"
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "convert_to_hf.py"), "--checkpoint", str(step4),
-           "--out", str(out), f"--job.config_file={CONFIG}"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "scripts", "convert_to_hf.py"),
+        "--checkpoint",
+        str(step4),
+        "--out",
+        str(out),
+        f"--job.config_file={CONFIG}",
+    ]
     proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -156,8 +171,12 @@ def test_load_path_branches_a_run_from_a_given_checkpoint(tmp_path, uninterrupte
     assert bad.returncode == 2 and "is not a complete titanrl step-N checkpoint" in bad.stderr
 
 
-PARTIAL = ["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--generator.max_new_tokens=12",
-           "--rollout.max_step_tokens=40"]
+PARTIAL = [
+    "--rollout.partial=true",
+    "--algorithm.off_policy_correction=tis",
+    "--generator.max_new_tokens=12",
+    "--rollout.max_step_tokens=40",
+]
 PARTIAL_COMPARED = ["stale_token_frac", "version_lag_mean", "in_flight_groups", "paused_samples", "trained_groups"]
 
 

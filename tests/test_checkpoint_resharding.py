@@ -20,19 +20,25 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO_ROOT, run_cmd, run_torchrun, train_cmd
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from conftest import REPO_ROOT, run_cmd, train_cmd, run_torchrun
 from titanrl.components.checkpoint import CheckpointManager, CheckpointSaveError
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "sft_reverse_debug.toml")
 STEPS = 5
 # A checkpoint every step, all kept: any of them can be resumed from elsewhere.
 BASE = [
-    f"--job.config_file={CONFIG}", f"--training.steps={STEPS}", "--training.batch_size=8",
-    "--data.num_eval_samples=8", "--metrics.eval_freq=0", "--metrics.log_freq=1",
-    "--lr_scheduler.warmup_steps=1", "--checkpoint.interval=1", "--checkpoint.keep_latest_k=0",
+    f"--job.config_file={CONFIG}",
+    f"--training.steps={STEPS}",
+    "--training.batch_size=8",
+    "--data.num_eval_samples=8",
+    "--metrics.eval_freq=0",
+    "--metrics.log_freq=1",
+    "--lr_scheduler.warmup_steps=1",
+    "--checkpoint.interval=1",
+    "--checkpoint.keep_latest_k=0",
     "--checkpoint.export_hf=false",
 ]
 # Runs on 1, 2 and 4 ranks sum in different orders (FSDP's reduce-scatter, TP's all-reduce), so
@@ -87,8 +93,9 @@ def one_rank(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fsdp_two(one_rank, tmp_path_factory):
-    return _resume(tmp_path_factory.mktemp("fsdp_two"), one_rank / "checkpoint" / "step-2", 2,
-                   ["--parallelism.dp_shard=2"])
+    return _resume(
+        tmp_path_factory.mktemp("fsdp_two"), one_rank / "checkpoint" / "step-2", 2, ["--parallelism.dp_shard=2"]
+    )
 
 
 @pytest.mark.multirank
@@ -100,8 +107,7 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(one_rank, fsdp_two):
 @pytest.mark.multirank
 def test_one_rank_checkpoint_resumes_on_two_tp_ranks(one_rank, tmp_path):
     """Checkpoint saved on 1 rank, resumed on 2 ranks with tensor parallelism (tp=2) -> every later step's loss and gradient norm within 1e-5 relative of a run that never changed world size"""
-    _assert_close(_resume(tmp_path, one_rank / "checkpoint" / "step-2", 2, ["--parallelism.tp=2"]), one_rank,
-                  [3, 4, 5])
+    _assert_close(_resume(tmp_path, one_rank / "checkpoint" / "step-2", 2, ["--parallelism.tp=2"]), one_rank, [3, 4, 5])
 
 
 @pytest.mark.multirank
@@ -113,13 +119,17 @@ def test_two_rank_checkpoint_resumes_on_one_rank(one_rank, fsdp_two, tmp_path):
 @pytest.mark.multirank
 def test_one_rank_checkpoint_resumes_on_four_ranks_fsdp_and_tp(one_rank, tmp_path):
     """Checkpoint saved on 1 rank, resumed on 4 ranks (dp_shard=2 x tp=2) -> every later step within 1e-5 relative of a run that never changed world size"""
-    _assert_close(_resume(tmp_path, one_rank / "checkpoint" / "step-2", 4,
-                          ["--parallelism.dp_shard=2", "--parallelism.tp=2"]), one_rank, [3, 4, 5])
+    _assert_close(
+        _resume(tmp_path, one_rank / "checkpoint" / "step-2", 4, ["--parallelism.dp_shard=2", "--parallelism.tp=2"]),
+        one_rank,
+        [3, 4, 5],
+    )
 
 
 @pytest.mark.multirank
 def test_host_state_does_not_depend_on_rank_or_world_size(one_rank, fsdp_two):
     """Host state (data position, LR schedule) of a 2-rank checkpoint -> the same on both ranks and as a 1-rank run's at that step, so a rank that did not exist at save time resumes from rank 0's file"""
+
     def host(folder, rank):
         return torch.load(folder / "checkpoint" / "step-4" / f"host_rank{rank}.pt", weights_only=False)
 
@@ -170,8 +180,10 @@ def _save(manager, step, model, optimizer):
 
 
 def _snapshot(model, optimizer) -> dict:
-    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
-            "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}}
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "optimizer": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()},
+    }
 
 
 def _assert_restores(manager, step, want):
@@ -375,11 +387,13 @@ def _two_ranks(folder: str) -> None:
     manager.wait()
     (model_a, optim_a), (model_s, optim_s) = loaded(manager, 1), loaded(sync, 1)
     same = all(torch.equal(model_a[k], model_s[k]) for k in model_s) and all(
-        torch.equal(optim_a[p][k], optim_s[p][k]) for p in optim_s for k in optim_s[p])
+        torch.equal(optim_a[p][k], optim_s[p][k]) for p in optim_s for k in optim_s[p]
+    )
 
     errors = {}
     real_save, real_stream = torch.save, FileSystem.create_stream
     if rank == 1:
+
         def full_disk_save(obj, f, *a, **k):
             if isinstance(f, str) and os.path.basename(f).startswith("host_rank"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f)
@@ -405,9 +419,13 @@ def _two_ranks(folder: str) -> None:
     # tearing gloo down aborted a rank once in a while).
     group = weakref.ref(manager._async_group)
     manager.close()
-    result = {"async_equals_sync": same, "complete_steps": manager.complete_steps(),
-              "leftovers": [d for d in os.listdir(manager.folder) if d.startswith(".tmp")],
-              "async_group_freed": group() is None, **errors}
+    result = {
+        "async_equals_sync": same,
+        "complete_steps": manager.complete_steps(),
+        "leftovers": [d for d in os.listdir(manager.folder) if d.startswith(".tmp")],
+        "async_group_freed": group() is None,
+        **errors,
+    }
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

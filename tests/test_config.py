@@ -6,14 +6,13 @@ import os
 import typing
 
 import pytest
+from conftest import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanrl.algorithms import ALGORITHMS, validate_algorithm
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.manager import field_docs, parse_cli_args
-
-from conftest import REPO_ROOT
 
 
 def _write(tmp_path, text: str) -> str:
@@ -58,9 +57,14 @@ def test_typo_section_and_cli_key():
         (["--optimizer.name=adamw"], r"expected one of 'AdamW', 'Adam', 'SGD'\. Did you mean 'AdamW'"),
         (["--optimizer.lr=0"], r"\[optimizer\] lr must be > 0, got 0.0"),
         (["--parallelism.dp_shard=0"], r"dp_shard must be >= 1 or -1"),
-        (["--training.micro_batch_tokens=64", "--model.max_seq_len=128"], r"micro_batch_tokens \(64\) is below one sequence"),
-        (["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=x"],
-         r"selective_ac_option must be 'op' or a positive integer"),
+        (
+            ["--training.micro_batch_tokens=64", "--model.max_seq_len=128"],
+            r"micro_batch_tokens \(64\) is below one sequence",
+        ),
+        (
+            ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=x"],
+            r"selective_ac_option must be 'op' or a positive integer",
+        ),
         (["--data.task=jsonl"], r"task 'jsonl' needs data.path"),
         (["training.steps=3"], r"Unexpected argument 'training.steps=3'"),
         (["--steps=3"], r"must name a section and a key"),
@@ -69,8 +73,10 @@ def test_typo_section_and_cli_key():
         (["--critic.enable=true"], r"algorithm 'grpo' uses no critic; use 'ppo'"),
         (["--algorithm.name=gspo", "--algorithm.loss_agg=token-mean"], r"set loss_agg = 'seq-mean-token-mean'"),
         (["--algorithm.name=rloo", "--algorithm.group_size=1"], r"'rloo' needs group_size >= 2"),
-        (["--algorithm.name=ppo", "--critic.enable=true", "--algorithm.dynamic_sampling=true"],
-         r"dynamic_sampling .* not for 'ppo'"),
+        (
+            ["--algorithm.name=ppo", "--critic.enable=true", "--algorithm.dynamic_sampling=true"],
+            r"dynamic_sampling .* not for 'ppo'",
+        ),
         (["--algorithm.off_policy_correction=iss"], r"expected one of 'none', 'tis', 'mis'"),
         (["--algorithm.is_cap=0.5"], r"is_cap must be > 1"),
         (["--algorithm.lam=1.5"], r"lam must be in \[0, 1\]"),
@@ -81,15 +87,29 @@ def test_typo_section_and_cli_key():
         (["--env.max_turns=0"], r"\[env\] max_turns must be >= 1"),
         (["--dpo.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
         (["--rollout.partial=true"], r"set algorithm.off_policy_correction = 'tis'"),
-        (["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--algorithm.dynamic_sampling=true"],
-         r"partial = true and algorithm.dynamic_sampling cannot be combined"),
-        (["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--data.task=calculator",
-          "--env.name=calculator"], r"partial = true does not support multi-turn"),
+        (
+            ["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--algorithm.dynamic_sampling=true"],
+            r"partial = true and algorithm.dynamic_sampling cannot be combined",
+        ),
+        (
+            [
+                "--rollout.partial=true",
+                "--algorithm.off_policy_correction=tis",
+                "--data.task=calculator",
+                "--env.name=calculator",
+            ],
+            r"partial = true does not support multi-turn",
+        ),
         (["--rollout.oversample=0.5"], r"oversample must be >= 1"),
-        (["--rollout.mode=one_step"], r"set algorithm.off_policy_correction = 'tis' \(or 'mis'\), or rollout.staleness = 0"),
+        (
+            ["--rollout.mode=one_step"],
+            r"set algorithm.off_policy_correction = 'tis' \(or 'mis'\), or rollout.staleness = 0",
+        ),
         (["--rollout.mode=one_step", "--rollout.staleness=2"], r"staleness must be 0 or 1"),
-        (["--rollout.mode=one_step", "--rollout.staleness=0", "--parallelism.tp=2"],
-         r"'one_step' does not support parallelism.tp > 1 yet"),
+        (
+            ["--rollout.mode=one_step", "--rollout.staleness=0", "--parallelism.tp=2"],
+            r"'one_step' does not support parallelism.tp > 1 yet",
+        ),
     ],
 )
 def test_invalid_values_are_clear_errors(args, pattern):

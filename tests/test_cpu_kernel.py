@@ -12,8 +12,8 @@ import torch
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams, cpu_kernel
 from titanrl.generator.reference import greedy_reference, paged_decode_attention_reference
-from titanrl.models.logprobs import token_logprobs
 from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models.logprobs import token_logprobs
 
 CPU = torch.device("cpu")
 # Skipped only where it cannot run by design; on an AVX-512 machine with a compiler, a kernel
@@ -79,8 +79,16 @@ def test_kernel_matches_float64_reference(block, head_dim, G, R, dtype):
 
 
 ARGS = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=101,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=96,
 )
 
 
@@ -111,7 +119,8 @@ def test_generator_with_the_kernel_matches_full_recompute_reference(compile, top
     prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in (3, 17, 31, 9)]
     with torch.profiler.profile() as prof:
         completions, stats = gen.generate(
-            prompts, SamplingParams(max_new_tokens=40, temperature=0, n=2, num_top_logprobs=top_logprobs))
+            prompts, SamplingParams(max_new_tokens=40, temperature=0, n=2, num_top_logprobs=top_logprobs)
+        )
     assert _kernel_calls(prof) >= stats.decode_steps * ARGS.n_layers > 0  # every decode step, every layer
     assert stats.preemptions > 0
     for c in completions:
@@ -168,6 +177,7 @@ def test_auto_falls_back_and_an_explicit_request_says_why(tmp_path, monkeypatch)
     """'auto' uses the kernel only where it runs; asking for it where it cannot fails at start
     naming the cause. A missing compiler or an unwritable cache folder are causes too (a fresh
     cache folder forces a build)."""
+
     def use(dtype=torch.float32, **config):
         return cpu_kernel.use_for_decode(GeneratorConfig(**{"block_size": 16, **config}), CPU, dtype, 16)
 

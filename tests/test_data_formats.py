@@ -16,8 +16,10 @@ except ImportError:  # the 'data' extra: JSONL tests still run
     pa = pq = None
 needs_pyarrow = pytest.mark.skipif(pa is None, reason="needs pyarrow (extra 'data')")
 
-QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
-           "How many clips did Natalia sell altogether in April and May?"
+QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
@@ -57,9 +59,19 @@ def _dataset_folder(folder, rows, shards=2):
         with pa.ipc.new_stream(str(folder / name), table.schema) as writer:
             writer.write_table(table.slice(s * per_shard, per_shard))
         names.append(name)
-    (folder / "state.json").write_text(json.dumps({
-        "_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_format_columns": None,
-        "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}))
+    (folder / "state.json").write_text(
+        json.dumps(
+            {
+                "_data_files": [{"filename": n} for n in names],
+                "_fingerprint": "0",
+                "_format_columns": None,
+                "_format_kwargs": {},
+                "_format_type": None,
+                "_output_all_columns": False,
+                "_split": None,
+            }
+        )
+    )
     (folder / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": {}}))
     return str(folder)
 
@@ -77,8 +89,11 @@ def _check_verl(samples):
 
 @needs_pyarrow
 def test_verl_rows_load_from_jsonl_parquet_and_dataset_folder(tmp_path):
-    for path in (_jsonl(tmp_path / "gsm8k.jsonl", VERL_ROWS), _parquet(tmp_path / "gsm8k.parquet", VERL_ROWS),
-                 _dataset_folder(tmp_path / "gsm8k_ds", VERL_ROWS)):
+    for path in (
+        _jsonl(tmp_path / "gsm8k.jsonl", VERL_ROWS),
+        _parquet(tmp_path / "gsm8k.parquet", VERL_ROWS),
+        _dataset_folder(tmp_path / "gsm8k_ds", VERL_ROWS),
+    ):
         _check_verl(load_samples(path))
     assert [s.answer for s in load_jsonl(str(tmp_path / "gsm8k.parquet"))] == ["72", "42", "4"]  # recipes' call
     single = tmp_path / "gsm8k_ds" / "data-00000-of-00002.arrow"
@@ -97,8 +112,11 @@ def test_real_datasets_save_to_disk_folder(tmp_path):
 def test_text_and_message_prompts(tmp_path):
     rows = [
         {"prompt": "1+1=", "answer": 2, "level": 1},
-        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
-         "answer": "4", "solution": "2+2=4"},
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+            "answer": "4",
+            "solution": "2+2=4",
+        },
     ]
     text, chat = load_samples(_jsonl(tmp_path / "p.jsonl", rows))  # one file may mix both kinds
     assert (text.prompt, text.answer, text.solution, text.metadata) == ("1+1=", "2", "2", {"level": 1})
@@ -108,13 +126,21 @@ def test_text_and_message_prompts(tmp_path):
 
 @needs_pyarrow
 def test_message_prompts_from_parquet(tmp_path):
-    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
-             "answer": "4", "solution": "2+2=4"}]
+    rows = [
+        {
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="}],
+            "answer": "4",
+            "solution": "2+2=4",
+        }
+    ]
     # Parquet unifies columns: absent values come back as None and count as absent.
     chat_rows = [rows[0], {"prompt": [{"role": "user", "content": "3+3="}], "answer": "6", "level": 2}]
     first, second = load_samples(_parquet(tmp_path / "p.parquet", chat_rows))
-    assert (first.prompt, first.solution, first.metadata) == ("Be brief.\n\n2+2=", "2+2=4",
-                                                              {"level": None, "messages": rows[0]["prompt"]})
+    assert (first.prompt, first.solution, first.metadata) == (
+        "Be brief.\n\n2+2=",
+        "2+2=4",
+        {"level": None, "messages": rows[0]["prompt"]},
+    )
     assert (second.prompt, second.solution, second.metadata["level"]) == ("3+3=", "6", 2)
 
 
@@ -123,12 +149,24 @@ def test_custom_column_names(tmp_path):
     rows = [{"question": "What is 3*3?", "label": 9, "worked": "3*3=9", "extra_info": {"q": "nested?"}}]
     path = _parquet(tmp_path / "custom.parquet", rows)
     [s] = load_samples(path, prompt_key="question", answer_key="label", solution_key="worked")
-    assert (s.prompt, s.answer, s.solution, s.metadata) == ("What is 3*3?", "9", "3*3=9", {"extra_info": {"q": "nested?"}})
+    assert (s.prompt, s.answer, s.solution, s.metadata) == (
+        "What is 3*3?",
+        "9",
+        "3*3=9",
+        {"extra_info": {"q": "nested?"}},
+    )
     [s] = load_samples(path, prompt_key="extra_info.q", answer_key="label")  # a dotted path into a nested column
     assert s.prompt == "nested?" and s.metadata["question"] == "What is 3*3?"
     # From the [data] section; a custom answer key does not fall back to verl's ground_truth.
-    config = load_config(["--data.task=jsonl", f"--data.path={path}", "--data.prompt_key=question",
-                          "--data.answer_key=label", "--data.solution_key=worked"])
+    config = load_config(
+        [
+            "--data.task=jsonl",
+            f"--data.path={path}",
+            "--data.prompt_key=question",
+            "--data.answer_key=label",
+            "--data.solution_key=worked",
+        ]
+    )
     assert samples_from_config(config.data)[0].solution == "3*3=9"
     verl = _jsonl(tmp_path / "verl.jsonl", VERL_ROWS)
     with pytest.raises(ValueError, match=r"verl.jsonl:1: 'label' must be a string or a number, got nothing"):
@@ -142,17 +180,23 @@ def test_long_prompts_drop_or_error(tmp_path, capsys):
     path = _parquet(tmp_path / "long.parquet", rows)
     kept = load_samples(path, max_prompt_chars=10)
     assert [s.answer for s in kept] == ["1"]
-    assert f"{path}: dropped 2 of 3 rows whose prompt is longer than data.max_prompt_chars (10" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"long.parquet row 1: the prompt has 50 characters, more than "
-                                         r"data.max_prompt_chars \(10\)"):
+    assert (
+        f"{path}: dropped 2 of 3 rows whose prompt is longer than data.max_prompt_chars (10" in capsys.readouterr().out
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"long.parquet row 1: the prompt has 50 characters, more than "
+        r"data.max_prompt_chars \(10\)",
+    ):
         load_samples(path, max_prompt_chars=10, on_long_prompt="error")
     assert len(load_samples(path, max_prompt_chars=0)) == 3  # 0 = no limit
     with pytest.raises(ValueError, match="has no rows left after dropping 3"):
         load_samples(path, max_prompt_chars=2)
     # Messages count by their joined text; from the [data] section.
     verl = _jsonl(tmp_path / "verl.jsonl", VERL_ROWS)
-    config = load_config(["--data.task=jsonl", f"--data.path={verl}", "--data.max_prompt_chars=100",
-                          "--data.on_long_prompt=error"])
+    config = load_config(
+        ["--data.task=jsonl", f"--data.path={verl}", "--data.max_prompt_chars=100", "--data.on_long_prompt=error"]
+    )
     with pytest.raises(ValueError, match=r"verl.jsonl:1: the prompt has \d+ characters"):
         samples_from_config(config.data)
     with pytest.raises(ValueError, match="max_prompt_chars must be >= 0"):
@@ -217,8 +261,11 @@ def test_missing_pyarrow_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     path = tmp_path / "p.parquet"
     path.write_bytes(b"PAR1")
-    with pytest.raises(ValueError, match=r"needs the 'pyarrow' package \(optional extra 'data'\): "
-                                         r'pip install -e "\.\[data\]"'):
+    with pytest.raises(
+        ValueError,
+        match=r"needs the 'pyarrow' package \(optional extra 'data'\): "
+        r'pip install -e "\.\[data\]"',
+    ):
         load_samples(str(path))
     assert len(load_samples(_jsonl(tmp_path / "v.jsonl", VERL_ROWS))) == 3  # JSONL needs no pyarrow
 

@@ -68,8 +68,9 @@ def test_non_utf8_jsonl_names_file_line_and_fix(tmp_path):
 def test_non_utf8_preference_file_names_file_line(tmp_path):
     """Non-UTF-8 byte in a DPO / reward-model preference file -> ValueError naming path:line"""
     path = tmp_path / "pairs.jsonl"
-    path.write_bytes(b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n'
-                     b'{"prompt": "p", "chosen": "\xff", "rejected": "b"}\n')
+    path.write_bytes(
+        b'{"prompt": "p", "chosen": "a", "rejected": "b"}\n{"prompt": "p", "chosen": "\xff", "rejected": "b"}\n'
+    )
     with pytest.raises(ValueError, match=r"pairs.jsonl:2: not valid UTF-8: byte 0xff"):
         load_preferences(str(path))
 
@@ -78,9 +79,9 @@ def test_bad_json_line_names_file_line_and_column(tmp_path):
     """Invalid JSON line (cut short, a bare key, a JSON array file) -> ValueError naming path:line, the column and the fix"""
     cases = {
         '{"prompt": "p", "answer": 1': r"bad.jsonl:2: not valid JSON \(Expecting ',' delimiter at the end of the line: "
-                                       r"is it cut short, or one object written over several lines\?\)",
+        r"is it cut short, or one object written over several lines\?\)",
         '{"prompt": "p", answer: 1}': r"bad.jsonl:2: not valid JSON \(Expecting property name enclosed in double "
-                                      r"quotes at column 17\)",
+        r"quotes at column 17\)",
     }
     for line, pattern in cases.items():
         path = _jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": 0}', line])
@@ -88,7 +89,9 @@ def test_bad_json_line_names_file_line_and_column(tmp_path):
             load_samples(path)
     array = tmp_path / "rows.json"  # a JSON array file, not JSON Lines
     array.write_text('[\n  {"prompt": "p", "answer": 1}\n]\n')
-    with pytest.raises(ValueError, match=r"rows.json:1: .* looks like one JSON array, not JSON Lines .* jq -c '\.\[\]'"):
+    with pytest.raises(
+        ValueError, match=r"rows.json:1: .* looks like one JSON array, not JSON Lines .* jq -c '\.\[\]'"
+    ):
         load_samples(str(array))
 
 
@@ -101,18 +104,20 @@ def test_malformed_fields_name_file_line_and_field(tmp_path):
         '{"prompt": "p"}': r"bad.jsonl:2: 'answer' must be a string or a number, got nothing",
         '{"prompt": "p", "answer": NaN}': r"bad.jsonl:2: 'answer' is nan, not a finite number",
         '{"prompt": "p", "answer": {"x": "' + "y" * 500 + '"}}': r"bad.jsonl:2: 'answer' must be a string or a number, "
-                                                                r"got dict \{'x': 'y+\.\.\.$",
+        r"got dict \{'x': 'y+\.\.\.$",
         '{"prompt": "ab\\ud83d", "answer": 1}': r"bad.jsonl:2: 'prompt' has an unpaired surrogate '\\ud83d' at "
-                                               r"character 3",
+        r"character 3",
         '{"prompt": [{"role": "user", "content": 5}], "answer": 1}': r"bad.jsonl:2: 'prompt' message 0 needs a "
-                                                                      r"'content' string, got int 5",
+        r"'content' string, got int 5",
     }
     for line, pattern in cases.items():
         path = _jsonl(tmp_path / "bad.jsonl", ['{"prompt": "ok", "answer": 0}', line])
         with pytest.raises(ValueError, match=pattern):
             load_samples(path)
-    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"},
-                                              {"prompt": "p", "chosen": ["a"], "rejected": "b"}])
+    pairs = _jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": ["a"], "rejected": "b"}],
+    )
     with pytest.raises(ValueError, match=r"pairs.jsonl:2: missing or empty 'chosen': got list \['a'\]"):
         load_preferences(pairs)
 
@@ -150,28 +155,49 @@ def test_100k_char_prompt_is_named_before_any_step(tmp_path, capsys):
     train_rows, held_out = held_out_split(load_samples(path), 2)
     kept, eval_kept = fit_prompts(_config(path, "--generator.max_new_tokens=8"), 256, encode, train_rows, held_out)
     assert len(kept) == 3 and eval_kept == held_out
-    assert (f"dropped 1 of 6 rows whose encoded prompt is over 248 tokens (model.max_seq_len 256 - "
-            f"generator.max_new_tokens 8): {path}:5 (100001 tokens)") in capsys.readouterr().out
-    with pytest.raises(ValueError, match=rf"prompts.jsonl:5: the encoded prompt has 100001 tokens, more than the 248 "
-                                         rf"that fit \(model.max_seq_len 256 - generator.max_new_tokens 8\); shorten"):
-        fit_prompts(_config(path, "--data.on_long_prompt=error", "--generator.max_new_tokens=8"), 256, encode,
-                    train_rows, held_out)
+    assert (
+        f"dropped 1 of 6 rows whose encoded prompt is over 248 tokens (model.max_seq_len 256 - "
+        f"generator.max_new_tokens 8): {path}:5 (100001 tokens)"
+    ) in capsys.readouterr().out
+    with pytest.raises(
+        ValueError,
+        match=r"prompts.jsonl:5: the encoded prompt has 100001 tokens, more than the 248 "
+        r"that fit \(model.max_seq_len 256 - generator.max_new_tokens 8\); shorten",
+    ):
+        fit_prompts(
+            _config(path, "--data.on_long_prompt=error", "--generator.max_new_tokens=8"),
+            256,
+            encode,
+            train_rows,
+            held_out,
+        )
     # data.max_prompt_chars drops it at load, by characters, naming it too.
     assert len(load_samples(path, max_prompt_chars=4000)) == 5
     assert f"(4000 characters): {path}:5 (100000 characters)" in capsys.readouterr().out
 
 
-@pytest.mark.skipif("fit_prompts" not in inspect.getsource(rl),
-                    reason="the fit_prompts hook is not in titanrl/recipes/rl.py yet")
+@pytest.mark.skipif(
+    "fit_prompts" not in inspect.getsource(rl), reason="the fit_prompts hook is not in titanrl/recipes/rl.py yet"
+)
 def test_overlong_prompt_fails_the_job_before_step_1(tmp_path):
     """100k-character prompt in a job's data.path, data.on_long_prompt='error' -> the job fails before step 1 naming file:line"""
     rows = [{"prompt": f"rev:{w}=", "answer": w[::-1]} for w in ["ab", "abc", "bca", "cab", "ba", "cb"]]
     path = _jsonl(tmp_path / "prompts.jsonl", [*rows[:5], {"prompt": "x" * 100_000, "answer": "y"}, rows[5]])
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
     with pytest.raises(ValueError, match=r"prompts.jsonl:6: the encoded prompt has 100001 tokens"):
-        train.main([f"--job.config_file={config}", f"--job.dump_folder={tmp_path / 'run'}", "--data.task=jsonl",
-                    f"--data.path={path}", "--data.on_long_prompt=error", "--data.num_eval_samples=2",
-                    "--sft_warmup.steps=0", "--training.batch_size=2", "--reward.num_workers=1"])
+        train.main(
+            [
+                f"--job.config_file={config}",
+                f"--job.dump_folder={tmp_path / 'run'}",
+                "--data.task=jsonl",
+                f"--data.path={path}",
+                "--data.on_long_prompt=error",
+                "--data.num_eval_samples=2",
+                "--sft_warmup.steps=0",
+                "--training.batch_size=2",
+                "--reward.num_workers=1",
+            ]
+        )
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # no step (not even the step-0 eval) ran
 
@@ -199,22 +225,32 @@ def test_token_overlong_prompt_at_real_vocabulary_with_chat_template(tmp_path, q
     assert f"whose encoded prompt is over {room} tokens (model.max_seq_len {max_seq_len} - " in out
     assert ", ".join(over) in out
     config = _config(path, *chat, "--data.on_long_prompt=error")
-    with pytest.raises(ValueError, match=rf"chat.jsonl:3: the encoded prompt has {longest} tokens, more than the "
-                                         rf"{room} that fit .* \(2 rows are over: .*chat.jsonl:3 .*chat.jsonl:6"):
+    with pytest.raises(
+        ValueError,
+        match=rf"chat.jsonl:3: the encoded prompt has {longest} tokens, more than the "
+        rf"{room} that fit .* \(2 rows are over: .*chat.jsonl:3 .*chat.jsonl:6",
+    ):
         fit_prompts(config, max_seq_len, encode, samples, [])
 
 
 def test_rows_that_cannot_fit_sft_or_preference_context(tmp_path, capsys):
     """SFT row (prompt + solution) or preference pair (prompt + longer answer) over model.max_seq_len -> named by file:line at start-up"""
     encode = PromptEncoder(ByteTokenizer())
-    sft = _jsonl(tmp_path / "sft.jsonl", [{"prompt": "q", "answer": "a"}, {"prompt": "q", "answer": "a" * 300},
-                                          {"prompt": "q", "answer": "b"}])
+    sft = _jsonl(
+        tmp_path / "sft.jsonl",
+        [{"prompt": "q", "answer": "a"}, {"prompt": "q", "answer": "a" * 300}, {"prompt": "q", "answer": "b"}],
+    )
     train_rows, held_out = held_out_split(load_samples(sft), 1)
-    with pytest.raises(ValueError, match=r"sft.jsonl:2: the encoded prompt \+ solution has 303 tokens, more than "
-                                         r"the 256 that fit \(model.max_seq_len 256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"sft.jsonl:2: the encoded prompt \+ solution has 303 tokens, more than "
+        r"the 256 that fit \(model.max_seq_len 256\)",
+    ):
         fit_demonstrations(_config(sft, "--data.on_long_prompt=error"), 256, encode, train_rows, held_out)
-    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
-                                              {"prompt": "q", "chosen": "a", "rejected": "b" * 300}])
+    pairs = _jsonl(
+        tmp_path / "pairs.jsonl",
+        [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": "a", "rejected": "b" * 300}],
+    )
     kept, held = fit_pairs(_config(pairs), 256, encode, load_preferences(pairs), [])
     assert len(kept) == 1 and f"{pairs}:2 (303 tokens)" in capsys.readouterr().out
     # RL with an SFT warm-up: the warm-up's prompt + solution must fit too.
@@ -224,8 +260,10 @@ def test_rows_that_cannot_fit_sft_or_preference_context(tmp_path, capsys):
 
 def test_dropping_every_row_or_a_template_error_is_a_clear_error(tmp_path):
     """Every training (or held-out) row over the token room, or a chat template rejecting a row -> ValueError naming the cause and the row"""
-    path = _jsonl(tmp_path / "long.jsonl", [{"prompt": "y" * 50, "answer": 1}, {"prompt": "x" * 300, "answer": 1},
-                                            {"prompt": "ab", "answer": 1}])
+    path = _jsonl(
+        tmp_path / "long.jsonl",
+        [{"prompt": "y" * 50, "answer": 1}, {"prompt": "x" * 300, "answer": 1}, {"prompt": "ab", "answer": 1}],
+    )
     encode = PromptEncoder(ByteTokenizer())
     medium, long, short = load_samples(path)
     with pytest.raises(ValueError, match=r"no training rows are left after dropping the 1 whose encoded prompt"):

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_cmd, train_cmd
 from tensordict import TensorDict
 
-from conftest import REPO_ROOT, run_cmd, train_cmd
 from titanrl.algorithms import ALGORITHMS
 from titanrl.components import distillation
 from titanrl.components.distillation import (
@@ -58,8 +58,9 @@ def test_reverse_kl_advantage_and_mixing_match_float64_loops(per_token_task):
     task = torch.randn(B, T, generator=g) if per_token_task else torch.randn(B, generator=g)
     distill = distillation_advantages(student, teacher, mask)
     got = mix_advantages(task, distill, mask, coef=0.7, task_reward_coef=0.3)
-    want = _loop_mixed_advantages(student.double().tolist(), teacher.double().tolist(), mask.tolist(),
-                                  task.double().tolist(), 0.7, 0.3)
+    want = _loop_mixed_advantages(
+        student.double().tolist(), teacher.double().tolist(), mask.tolist(), task.double().tolist(), 0.7, 0.3
+    )
     assert got.shape == (B, T)
     torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=TOL)
     # Pure distillation (the recipe's default): the task term is gone, the sign favours the teacher's tokens.
@@ -69,15 +70,22 @@ def test_reverse_kl_advantage_and_mixing_match_float64_loops(per_token_task):
 
 def _batch(student_lp, teacher_lp, mask, old=None):
     B, T = mask.shape
-    fields = {"tokens": torch.zeros(B, T + 1, dtype=torch.long), "loss_mask": mask, "gen_logprobs": student_lp,
-              "teacher_logprobs": teacher_lp, "length": torch.full((B,), T + 1)}
+    fields = {
+        "tokens": torch.zeros(B, T + 1, dtype=torch.long),
+        "loss_mask": mask,
+        "gen_logprobs": student_lp,
+        "teacher_logprobs": teacher_lp,
+        "length": torch.full((B,), T + 1),
+    }
     if old is not None:
         fields["old_logprobs"] = old
     return TensorDict(fields, batch_size=[B])
 
 
 def test_distiller_advantages_use_the_trainers_logprobs_when_present_and_count_statistics():
-    config = load_config([f"--job.config_file={CONFIG}", "--distillation.task_reward_coef=0.5", "--distillation.coef=2"])
+    config = load_config(
+        [f"--job.config_file={CONFIG}", "--distillation.task_reward_coef=0.5", "--distillation.coef=2"]
+    )
     distiller = Distiller(config, teacher=None)
     mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     gen, teacher, old = torch.full((2, 3), -1.0), torch.full((2, 3), -0.25), torch.full((2, 3), -2.0)
@@ -117,8 +125,12 @@ def _loop_kl(logits_p, logits_q):
 
 def _jsd_inputs(N=9, D=6, E=10, V=13, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(N, D, generator=g, dtype=dtype), torch.randn(V, D, generator=g, dtype=dtype),
-            torch.randn(N, E, generator=g, dtype=dtype), torch.randn(V, E, generator=g, dtype=dtype))
+    return (
+        torch.randn(N, D, generator=g, dtype=dtype),
+        torch.randn(V, D, generator=g, dtype=dtype),
+        torch.randn(N, E, generator=g, dtype=dtype),
+        torch.randn(V, E, generator=g, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 100])
@@ -137,8 +149,9 @@ def test_chunked_jsd_gradient_matches_finite_differences(beta):
     h_s, w_s, h_t, w_t = _jsd_inputs(N=5, D=3, E=4, V=7)
     h_s.requires_grad_(True)
     w_s.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda h, w: chunked_jsd(h, w, h_t, w_t, beta, 2), (h_s, w_s), eps=1e-6,
-                                    atol=1e-7, rtol=1e-5)
+    assert torch.autograd.gradcheck(
+        lambda h, w: chunked_jsd(h, w, h_t, w_t, beta, 2), (h_s, w_s), eps=1e-6, atol=1e-7, rtol=1e-5
+    )
 
 
 def test_chunked_jsd_limits_are_forward_and_reverse_kl():
@@ -151,10 +164,12 @@ def test_chunked_jsd_limits_are_forward_and_reverse_kl():
     eps = 1e-8
     forward = chunked_jsd(h_s, w_s, h_t, w_t, eps, 4) / eps
     reverse = chunked_jsd(h_s, w_s, h_t, w_t, 1 - eps, 4) / eps
-    torch.testing.assert_close(forward, torch.tensor(_loop_kl(logits_t, logits_s), dtype=torch.float64), rtol=1e-5,
-                               atol=0)
-    torch.testing.assert_close(reverse, torch.tensor(_loop_kl(logits_s, logits_t), dtype=torch.float64), rtol=1e-5,
-                               atol=0)
+    torch.testing.assert_close(
+        forward, torch.tensor(_loop_kl(logits_t, logits_s), dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(
+        reverse, torch.tensor(_loop_kl(logits_s, logits_t), dtype=torch.float64), rtol=1e-5, atol=0
+    )
 
 
 MEMORY_SCRIPT = r"""
@@ -183,8 +198,9 @@ def test_chunked_jsd_memory_at_real_vocabulary():
     # Every allocation over 128 kB its own mapping, returned on free: without it glibc's heap keeps
     # freed chunk buffers (its mmap threshold grows with them) and RSS measures fragmentation.
     env = {**ENV, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], env=env, capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], env=env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     print(result)
@@ -196,9 +212,18 @@ def test_chunked_jsd_memory_at_real_vocabulary():
 
 
 def _write_hf(folder, vocab_size=264, dim=64, n_layers=2, seed=0):
-    args = TransformerModelArgs(family="qwen3", dim=dim, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                                hidden_dim=2 * dim, vocab_size=vocab_size, qk_norm=True, tie_word_embeddings=True,
-                                max_seq_len=128)
+    args = TransformerModelArgs(
+        family="qwen3",
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=2 * dim,
+        vocab_size=vocab_size,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=128,
+    )
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()
@@ -207,9 +232,13 @@ def _write_hf(folder, vocab_size=264, dim=64, n_layers=2, seed=0):
 
 
 def _trainer_stub(config, world_size=1):
-    return SimpleNamespace(config=config, model_args=TransformerModelArgs(vocab_size=264, max_seq_len=256),
-                           dims=SimpleNamespace(world_size=world_size), model=torch.nn.Linear(1, 1),
-                           device=torch.device("cpu"))
+    return SimpleNamespace(
+        config=config,
+        model_args=TransformerModelArgs(vocab_size=264, max_seq_len=256),
+        dims=SimpleNamespace(world_size=world_size),
+        model=torch.nn.Linear(1, 1),
+        device=torch.device("cpu"),
+    )
 
 
 def test_teacher_with_another_vocabulary_is_rejected(tmp_path, monkeypatch):
@@ -224,8 +253,13 @@ def test_teacher_with_another_vocabulary_is_rejected(tmp_path, monkeypatch):
     monkeypatch.setattr(distillation, "build_model", lambda args, *a, **k: built.append(args) or torch.nn.Linear(1, 1))
     build_teacher(padded, _trainer_stub(config))
     assert built[0].vocab_size == 300
-    jsd = load_config([f"--job.config_file={CONFIG}", f"--distillation.teacher_hf_checkpoint={padded}",
-                       "--distillation.divergence=jsd"])
+    jsd = load_config(
+        [
+            f"--job.config_file={CONFIG}",
+            f"--distillation.teacher_hf_checkpoint={padded}",
+            "--distillation.divergence=jsd",
+        ]
+    )
     with pytest.raises(ValueError, match=r"vocab_size 300, the student 264.*divergence = 'reverse_kl'"):
         build_teacher(padded, _trainer_stub(jsd))
 
@@ -238,8 +272,16 @@ def test_only_algorithms_whose_loss_takes_per_token_advantages_are_accepted():
         if cls.token_advantages:
             check_distillation(config, algorithm, _trainer_stub(config))
             lp = torch.randn(B, T)
-            out = algorithm.loss(lp, lp, torch.randn(B, T), torch.ones(B, T), num_global_tokens=B * T,
-                                 num_global_seqs=B, ref_logprobs_BT=lp, is_weights_BT=None)
+            out = algorithm.loss(
+                lp,
+                lp,
+                torch.randn(B, T),
+                torch.ones(B, T),
+                num_global_tokens=B * T,
+                num_global_seqs=B,
+                ref_logprobs_BT=lp,
+                is_weights_BT=None,
+            )
             assert torch.isfinite(out.loss)
         else:
             with pytest.raises(ValueError, match="per-token advantages"):
@@ -253,9 +295,16 @@ def test_only_algorithms_whose_loss_takes_per_token_advantages_are_accepted():
 
 # ---- short RL runs with a teacher ----
 
-SMALL = ["--training.steps=2", "--training.batch_size=4", "--algorithm.group_size=4", "--data.num_eval_samples=8",
-         "--reward.num_workers=1", "--metrics.eval_freq=0", "--checkpoint.enable=false",
-         "--generator.num_blocks=256"]
+SMALL = [
+    "--training.steps=2",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--checkpoint.enable=false",
+    "--generator.num_blocks=256",
+]
 
 
 @pytest.fixture(scope="module")
@@ -272,8 +321,14 @@ def _steps(folder):
 
 def test_rl_run_with_a_teacher_logs_finite_distillation_metrics(models, tmp_path):
     student, teacher = models
-    args = [f"--job.config_file={CONFIG}", f"--job.dump_folder={tmp_path}", f"--model.hf_checkpoint={student}",
-            f"--distillation.teacher_hf_checkpoint={teacher}", "--distillation.task_reward_coef=1.0", *SMALL]
+    args = [
+        f"--job.config_file={CONFIG}",
+        f"--job.dump_folder={tmp_path}",
+        f"--model.hf_checkpoint={student}",
+        f"--distillation.teacher_hf_checkpoint={teacher}",
+        "--distillation.task_reward_coef=1.0",
+        *SMALL,
+    ]
     proc = run_cmd(train_cmd(args), ENV, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _steps(tmp_path)
@@ -289,9 +344,15 @@ def test_rl_run_with_a_teacher_logs_finite_distillation_metrics(models, tmp_path
 
 def test_rl_run_with_the_jsd_loss(models, tmp_path):
     student, teacher = models
-    args = [f"--job.config_file={CONFIG}", f"--job.dump_folder={tmp_path}", f"--model.hf_checkpoint={student}",
-            f"--distillation.teacher_hf_checkpoint={teacher}", "--distillation.divergence=jsd",
-            "--training.packing=on", *SMALL]
+    args = [
+        f"--job.config_file={CONFIG}",
+        f"--job.dump_folder={tmp_path}",
+        f"--model.hf_checkpoint={student}",
+        f"--distillation.teacher_hf_checkpoint={teacher}",
+        "--distillation.divergence=jsd",
+        "--training.packing=on",
+        *SMALL,
+    ]
     proc = run_cmd(train_cmd(args), ENV, timeout_s=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _steps(tmp_path)

@@ -12,6 +12,7 @@ pytest.importorskip("tokenizers")
 
 from real_vocab import write_qwen_layout_folder  # noqa: E402
 from test_envs import ScriptedModel  # noqa: E402
+
 from titanrl.config.rl_sections import Env  # noqa: E402
 from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
 from titanrl.data.batch import build_sequence_batch  # noqa: E402
@@ -23,8 +24,17 @@ from titanrl.models import TransformerModelArgs  # noqa: E402
 from titanrl.models.chat_template import ChatTemplate  # noqa: E402
 from titanrl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 
-ARGS = TransformerModelArgs(family="qwen3", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
-                            vocab_size=151936, qk_norm=True, max_seq_len=512)
+ARGS = TransformerModelArgs(
+    family="qwen3",
+    dim=16,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    hidden_dim=32,
+    vocab_size=151936,
+    qk_norm=True,
+    max_seq_len=512,
+)
 PROMPT = "What is 6 times 7?"
 OBSERVATION = "<result>ok</result>"  # tests/env_fns.py's EchoEnv, at every step but the last
 # Turn 1 ends on max tokens (its token count is max_new_tokens), turns 2 and 3 on eos (<|im_end|>).
@@ -58,8 +68,15 @@ def _run_episode(folder: str, role: str, system_prompt: str):
     gen.model = ScriptedModel(expected, ARGS.vocab_size)
     pool = EnvPool("env_fns:EchoEnv", {"turns": 3}, num_workers=1)
     try:
-        rollout = MultiTurnRollout(pool, tok, max_turns=4, max_total_tokens=400, failure_reward=-1.0,
-                                   prompt_encoder=encoder, observation_role=role)
+        rollout = MultiTurnRollout(
+            pool,
+            tok,
+            max_turns=4,
+            max_total_tokens=400,
+            failure_reward=-1.0,
+            prompt_encoder=encoder,
+            observation_role=role,
+        )
         (prompt,) = rollout.start([{"prompt": PROMPT, "answer": "", "metadata": {}}], 1)
         gen.wake()
         params = SamplingParams(max_new_tokens=len(tok.encode(TURNS[0])), temperature=0.0)
@@ -100,8 +117,11 @@ def test_episode_is_the_templates_conversation_and_only_the_model_is_trained(fol
     assert ids == expected
     ours = [0] * len(prompt) + model_mask
     assert all(a >= o for a, o in zip(assistant, ours))
-    assert [tok.decode([t]) if t != tok.eos_id else "<|im_end|>" for t, a, o in zip(ids, assistant, ours + [0])
-            if a and not o] == ["<|im_end|>", "\n", "\n", "\n"]
+    assert [
+        tok.decode([t]) if t != tok.eos_id else "<|im_end|>"
+        for t, a, o in zip(ids, assistant, ours + [0])
+        if a and not o
+    ] == ["<|im_end|>", "\n", "\n", "\n"]
 
 
 def test_conversation_matches_transformers_apply_chat_template(folder):
@@ -116,8 +136,11 @@ def test_conversation_matches_transformers_apply_chat_template(folder):
 
 
 def test_templates_that_rewrite_earlier_turns_are_rejected():
-    counting = ChatTemplate("{{ messages | length }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
-                            "{% if add_generation_prompt %}>{% endif %}", source="counting")
+    counting = ChatTemplate(
+        "{{ messages | length }}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}",
+        source="counting",
+    )
     chat = ChatTurns(PromptEncoder(ByteTokenizer(), counting), "user")
     chat.start([(0, 0)], "hi")
     with pytest.raises(ValueError, match="counting does not render the conversation consistently"):
@@ -145,12 +168,12 @@ def test_without_a_template_observations_stay_raw_tokens():
     gen.model = ScriptedModel(script, BYTE_ARGS.vocab_size)
     pool = EnvPool("calculator", num_workers=1)
     try:
-        rollout = MultiTurnRollout(pool, tok, 4, 250, -1.0, prompt_encoder=PromptEncoder(tok),
-                                   observation_role="tool")
+        rollout = MultiTurnRollout(pool, tok, 4, 250, -1.0, prompt_encoder=PromptEncoder(tok), observation_role="tool")
         prompts = rollout.start([{"prompt": prompt, "answer": "148", "metadata": {}}], 1)
         gen.wake()
-        (c,), _ = gen.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0,
-                                                       stop_strings=["</tool>"]), turns=rollout)
+        (c,), _ = gen.generate(
+            prompts, SamplingParams(max_new_tokens=32, temperature=0.0, stop_strings=["</tool>"]), turns=rollout
+        )
     finally:
         pool.close()
     assert prompts == [[tok.bos_id, *tok.encode(prompt)]]

@@ -4,7 +4,6 @@ failing environments isolated per episode."""
 
 import math
 
-import pytest
 import torch
 from torch import nn
 
@@ -18,8 +17,17 @@ from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.tokenizer import ByteTokenizer
 
-ARGS = TransformerModelArgs(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
-                            vocab_size=264, qk_norm=True, max_seq_len=256)
+ARGS = TransformerModelArgs(
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=128,
+    vocab_size=264,
+    qk_norm=True,
+    max_seq_len=256,
+)
 TOK = ByteTokenizer()
 
 
@@ -113,8 +121,9 @@ def test_scripted_model_drives_a_calculator_episode_exactly():
         rollout = _rollout(pool)
         prompts = rollout.start([{"prompt": prompt, "answer": "148", "metadata": {}}], 1, _encode_prompt)
         gen.wake()
-        completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=32, temperature=0.0,
-                                                                  stop_strings=["</tool>"]), turns=rollout)
+        completions, stats = gen.generate(
+            prompts, SamplingParams(max_new_tokens=32, temperature=0.0, stop_strings=["</tool>"]), turns=rollout
+        )
     finally:
         pool.close()
     (c,) = completions
@@ -158,8 +167,9 @@ def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
         rollout = _rollout(pool)
         prompts = rollout.start([{"prompt": t, "answer": "", "metadata": {}} for t in texts], 2, _encode_prompt)
         gen.wake()
-        completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0.0, n=2),
-                                          turns=rollout)
+        completions, stats = gen.generate(
+            prompts, SamplingParams(max_new_tokens=5, temperature=0.0, n=2), turns=rollout
+        )
     finally:
         pool.close()
     obs = TOK.encode("<result>ok</result>")

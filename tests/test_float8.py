@@ -13,9 +13,9 @@ import os
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_torchrun
 from torch import nn
 
-from conftest import REPO_ROOT, run_torchrun
 from titanrl.components.float8 import (
     convert_to_float8,
     has_float8_all_gather,
@@ -25,11 +25,27 @@ from titanrl.config.adapt_sections import Float8
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.model import Transformer
 
-BLOCK_LINEARS = ["attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
+BLOCK_LINEARS = [
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.w1",
+    "feed_forward.w2",
+    "feed_forward.w3",
+]
 # Untied, so the output head is a Linear of its own that must stay in high precision.
-ARGS = TransformerModelArgs(family="qwen2", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
-                            vocab_size=128, qkv_bias=True, max_seq_len=32)
+ARGS = TransformerModelArgs(
+    family="qwen2",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=128,
+    vocab_size=128,
+    qkv_bias=True,
+    max_seq_len=32,
+)
 # Relative error (Frobenius) of a float8 matmul vs float32: e4m3 keeps 3 mantissa bits (rounding
 # error <= 2^-4 per element), e5m2 gradients 2 bits; errors partly average out over K terms.
 FLOAT8_REL_TOL = 0.15
@@ -81,8 +97,9 @@ def _converted(config: Float8) -> Transformer:
 
 
 def test_dims_not_multiple_of_16_stay_high_precision(caplog):
-    args = TransformerModelArgs(family="qwen3", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=120,
-                                vocab_size=128, max_seq_len=32)
+    args = TransformerModelArgs(
+        family="qwen3", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=120, vocab_size=128, max_seq_len=32
+    )
     model = _meta_model(args)
     with caplog.at_level("INFO", logger="titanrl.components.float8"):
         converted = convert_to_float8(model, Float8(enable=True))
@@ -155,12 +172,22 @@ def test_rl_run_with_float8_one_rank(tmp_path, caplog):
 
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
     with caplog.at_level("INFO", logger="titanrl.components.float8"):
-        train.main([
-            f"--job.config_file={config}", f"--job.dump_folder={tmp_path}", "--float8.enable=true",
-            "--training.steps=2", "--sft_warmup.steps=1", "--sft_warmup.batch_size=8", "--training.batch_size=4",
-            "--algorithm.group_size=4", "--generator.max_new_tokens=6", "--data.num_eval_samples=8",
-            "--reward.num_workers=1", "--metrics.eval_freq=0",
-        ])
+        train.main(
+            [
+                f"--job.config_file={config}",
+                f"--job.dump_folder={tmp_path}",
+                "--float8.enable=true",
+                "--training.steps=2",
+                "--sft_warmup.steps=1",
+                "--sft_warmup.batch_size=8",
+                "--training.batch_size=4",
+                "--algorithm.group_size=4",
+                "--generator.max_new_tokens=6",
+                "--data.num_eval_samples=8",
+                "--reward.num_workers=1",
+                "--metrics.eval_freq=0",
+            ]
+        )
     # The debug flavor's 4 blocks x 7 projections, all multiples of 16, in the policy.
     assert "float8: 28 linears converted" in caplog.text, caplog.text
     with open(tmp_path / "metrics.jsonl") as f:
@@ -216,15 +243,21 @@ def _train_tiny(float8: Float8 | None, dp_shard: int, world_size: int, precomput
     # A forward-only use (the reference's) must leave every weight readable (sharded, not float8).
     with torch.no_grad():
         model(inputs_BT)
-    readable = all(not isinstance(p.to_local() if hasattr(p, "to_local") else p, _float8_training_tensor_cls())
-                   for p in model.parameters())
+    readable = all(
+        not isinstance(p.to_local() if hasattr(p, "to_local") else p, _float8_training_tensor_cls())
+        for p in model.parameters()
+    )
     generator_model = Transformer(ARGS)
     copy_trainer_weights(generator_model, model)
     want = full_state_dict(model)
     got = generator_model.state_dict()
     sync_err = max((got[k] - want[k].float()).abs().max().item() for k in want)
-    return {"losses": losses, "sync_err": sync_err, "readable_after_forward": readable,
-            "has_float8_all_gather": has_float8_all_gather(model)}
+    return {
+        "losses": losses,
+        "sync_err": sync_err,
+        "readable_after_forward": readable,
+        "has_float8_all_gather": has_float8_all_gather(model),
+    }
 
 
 WORKER_CASES = {
@@ -244,8 +277,10 @@ def _worker_main() -> None:
     parser.add_argument("--out", required=True)
     out = parser.parse_args().out
     rank, world_size = init_distributed()
-    results = {name: _train_tiny(make(), world_size, world_size, precompute=name.endswith("precompute"))
-               for name, make in WORKER_CASES.items()}
+    results = {
+        name: _train_tiny(make(), world_size, world_size, precompute=name.endswith("precompute"))
+        for name, make in WORKER_CASES.items()
+    }
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
@@ -276,7 +311,8 @@ def test_fsdp2_float8_trains_like_high_precision(fsdp_results, case):
 def test_fsdp2_float8_all_gather_matches_per_weight_scales(fsdp_results):
     # One all-reduce for all scales after each step == one all-reduce per weight at the gather.
     assert fsdp_results["float8_all_gather_precompute"]["losses"] == pytest.approx(
-        fsdp_results["float8_all_gather"]["losses"], abs=1e-6)
+        fsdp_results["float8_all_gather"]["losses"], abs=1e-6
+    )
     assert fsdp_results["float8_all_gather"]["losses"] == pytest.approx(fsdp_results["float8"]["losses"], abs=1e-6)
 
 

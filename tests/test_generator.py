@@ -18,8 +18,16 @@ from titanrl.generator.sequence import Seq
 from titanrl.models import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=101,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=96,
 )
 
 
@@ -119,7 +127,9 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batching():
     prompts = _prompts([6, 13])
     a, _ = _generator(model, block_size=4, num_blocks=128).generate(prompts, params)
     b, _ = _generator(model, block_size=4, num_blocks=10).generate(prompts, params)  # preempting
-    c, _ = _generator(model, block_size=4, num_blocks=128).generate(prompts, SamplingParams(**{**params.__dict__, "seed": 12}))
+    c, _ = _generator(model, block_size=4, num_blocks=128).generate(
+        prompts, SamplingParams(**{**params.__dict__, "seed": 12})
+    )
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
     assert len({tuple(x.token_ids) for x in a}) > 1  # samples of a group differ
@@ -175,8 +185,9 @@ def test_stop_conditions():
     first = ref.index(ref[3])
     assert c.token_ids == ref[: first + 1] and c.finish_reason == "stop"
     for eos_id, extra in [(ref[2], ()), (None, (ref[9], ref[2]))]:  # several EOS ids stop alike
-        gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"), eos_id=eos_id,
-                        extra_eos_ids=extra)
+        gen = Generator(
+            ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"), eos_id=eos_id, extra_eos_ids=extra
+        )
         gen.load_weights(model)
         (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=10, temperature=0))
         assert c.token_ids == ref[: ref.index(ref[2]) + 1] and c.finish_reason == "stop"
@@ -185,8 +196,17 @@ def test_stop_conditions():
 def test_prefill_projects_only_the_sampled_rows_at_real_vocabulary():
     """At a 151,936-token vocabulary the output layer sees one row per prefilled sequence (its
     last token), never every prompt token; greedy output still equals the reference."""
-    args = TransformerModelArgs(family="qwen2", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
-                                vocab_size=151_936, tie_word_embeddings=True, max_seq_len=160)
+    args = TransformerModelArgs(
+        family="qwen2",
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=64,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+        max_seq_len=160,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -302,14 +322,21 @@ def test_bad_input_is_a_clear_error(prompts, params, pattern):
 def test_pool_too_small_names_needed_size():
     """KV pool too small for one sequence -> ValueError naming the blocks and bytes needed"""
     gen = _generator(_trainer_model(), block_size=4, num_blocks=3)
-    with pytest.raises(ValueError, match=r"has 3 blocks of 4 tokens, but prompt 0 with max_new_tokens=8 needs 4 blocks \(\d+ bytes\)"):
+    with pytest.raises(
+        ValueError, match=r"has 3 blocks of 4 tokens, but prompt 0 with max_new_tokens=8 needs 4 blocks \(\d+ bytes\)"
+    ):
         gen.generate([[1, 2, 3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))
 
 
 # ---- allocator properties ----
 
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "fork", "free", "register", "lookup"]), st.integers(0, 50)), max_size=200))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["alloc", "fork", "free", "register", "lookup"]), st.integers(0, 50)), max_size=200
+    )
+)
 def test_block_allocator_never_leaks_or_double_frees(ops):
     alloc = BlockAllocator(num_blocks=8)
     held: list[int] = []  # one entry per reference we own
@@ -354,7 +381,9 @@ def test_random_workloads_leave_no_block_behind(seed):
     g = torch.Generator().manual_seed(seed)
     gen = _generator(model, block_size=4, num_blocks=int(torch.randint(10, 40, (1,), generator=g)))
     lengths = torch.randint(1, 20, (6,), generator=g).tolist()
-    completions, stats = gen.generate(_prompts(lengths, seed), SamplingParams(max_new_tokens=15, temperature=1.0, n=3, seed=seed))
+    completions, stats = gen.generate(
+        _prompts(lengths, seed), SamplingParams(max_new_tokens=15, temperature=1.0, n=3, seed=seed)
+    )
     assert len(completions) == 18
     gen.allocator.check_invariants()
     assert all(rc == 0 for rc in gen.allocator.ref_count)
@@ -510,8 +539,9 @@ def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
     before = k_pages.clone()
     # The in-place path reads K pages transposed ([page, head, dim, slot]).
     k_stored = k_pages.permute(0, 2, 3, 1).contiguous() if fused else k_pages
-    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11,
-                          k_transposed=fused).attend(0, q, k, v)
+    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11, k_transposed=fused).attend(
+        0, q, k, v
+    )
     if fused:
         k_pages = k_stored.permute(0, 3, 1, 2)
     assert torch.equal(k_pages[1, 1], k[0, 0]) and torch.equal(v_pages[8, 0], v[0, 1])  # positions 9, 4
@@ -548,7 +578,7 @@ def test_decode_pass_tables_hold_only_the_pages_a_step_can_reach():
         reach = 9 + step
         assert t.shape[1] == min(7, max(2, reach // 4 + 1))
         assert t.shape[1] * 4 > min(reach, 7 * 4 - 1)  # the deepest position is covered
-        assert t.is_contiguous() and torch.equal(t, table_NM[:, :t.shape[1]])
+        assert t.is_contiguous() and torch.equal(t, table_NM[:, : t.shape[1]])
     assert tables.at(0) is tables.at(2)  # one copy per width
 
 
@@ -563,8 +593,9 @@ def test_reserve_ahead_halves_the_steps_until_the_free_blocks_cover_them(free, s
     params = SamplingParams(max_new_tokens=64)
     sched = Scheduler(pool, allocator, config, [[1] * 8], [0], params, max_seq_len=96, vocab_size=100)
     # Four samples of 8 tokens (two full blocks each); the next token is fed at position 7.
-    batch = [Seq(0, j, [1] * 8, 4, params, key=j, block_table=[allocator.allocate() for _ in range(2)])
-             for j in range(4)]
+    batch = [
+        Seq(0, j, [1] * 8, 4, params, key=j, block_table=[allocator.allocate() for _ in range(2)]) for j in range(4)
+    ]
     got, left = sched.reserve_ahead(batch, 32)
     assert (got, left) == (steps, [60] * 4)
     # Positions 7 .. 6 + steps are written: blocks up to (6 + steps) // B.
@@ -581,8 +612,9 @@ def test_decode_passes_match_step_by_step_scheduling():
     params = SamplingParams(max_new_tokens=21, temperature=1.0, n=3, seed=4, stop_token_ids=[7, 19])
     runs = []
     for steps in (1, 32):
-        completions, stats = _generator(model, block_size=4, num_blocks=256,
-                                        decode_steps_per_schedule=steps).generate(prompts, params)
+        completions, stats = _generator(model, block_size=4, num_blocks=256, decode_steps_per_schedule=steps).generate(
+            prompts, params
+        )
         runs.append((completions, stats))
     (a, sa), (b, sb) = runs
     assert [c.token_ids for c in a] == [c.token_ids for c in b]

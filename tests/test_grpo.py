@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.algorithms.common import aggregate, kl_estimate
-from titanrl.algorithms.common import clipped_pg_loss
+from titanrl.algorithms.common import aggregate, clipped_pg_loss, kl_estimate
 from titanrl.algorithms.grpo import group_advantages
 from titanrl.data.batch import build_sequence_batch, split_batch
 
@@ -80,11 +79,32 @@ def test_grpo_loss_matches_float64_reference(agg, est):
     adv = torch.tensor([1.0, -0.5, 2.0, -1.5])
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0]]).float()
     lo, hi, beta = 0.2, 0.28, 0.05
-    out = clipped_pg_loss(lp, old, adv, mask, clip_low=lo, clip_high=hi, loss_agg=agg,
-                    num_global_tokens=mask.sum().item(), num_global_seqs=B,
-                    ref_logprobs_BT=ref, kl_coef=beta, kl_estimator=est)
-    expected = _reference_loss_f64(lp.double().tolist(), old.double().tolist(), adv.tolist(), mask.tolist(),
-                                   lo, hi, agg, ref.double().tolist(), beta, est)
+    out = clipped_pg_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        clip_low=lo,
+        clip_high=hi,
+        loss_agg=agg,
+        num_global_tokens=mask.sum().item(),
+        num_global_seqs=B,
+        ref_logprobs_BT=ref,
+        kl_coef=beta,
+        kl_estimator=est,
+    )
+    expected = _reference_loss_f64(
+        lp.double().tolist(),
+        old.double().tolist(),
+        adv.tolist(),
+        mask.tolist(),
+        lo,
+        hi,
+        agg,
+        ref.double().tolist(),
+        beta,
+        est,
+    )
     assert out.loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert 0 < out.clipped_tokens.item() < mask.sum().item()
 
@@ -93,13 +113,31 @@ def test_clip_higher_is_asymmetric():
     lp = torch.log(torch.tensor([[1.25, 0.75]]))  # ratios 1.25 and 0.75 against old = 0
     old = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
-    pos = clipped_pg_loss(lp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.28, loss_agg="token-mean",
-                    num_global_tokens=2, num_global_seqs=1)
+    pos = clipped_pg_loss(
+        lp,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        loss_agg="token-mean",
+        num_global_tokens=2,
+        num_global_seqs=1,
+    )
     # A > 0: ratio 1.25 is inside the high clip (1.28) so unclipped; 0.75 -> max(-0.75, -0.8) = -0.75.
     assert pos.loss.item() == pytest.approx((-1.25 - 0.75) / 2)
     assert pos.clipped_tokens.item() == 0
-    sym = clipped_pg_loss(lp, old, torch.tensor([1.0]), mask, clip_low=0.2, clip_high=0.2, loss_agg="token-mean",
-                    num_global_tokens=2, num_global_seqs=1)
+    sym = clipped_pg_loss(
+        lp,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        num_global_tokens=2,
+        num_global_seqs=1,
+    )
     assert sym.loss.item() == pytest.approx((-1.2 - 0.75) / 2) and sym.clipped_tokens.item() == 1
 
 
@@ -107,8 +145,17 @@ def test_on_policy_gradient_is_reinforce():
     """With old = logprobs.detach(), ratio = 1 and d loss / d logprob = -A / N."""
     lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    out = clipped_pg_loss(lp, lp.detach(), torch.tensor([2.0]), mask, clip_low=0.2, clip_high=0.2,
-                    loss_agg="token-mean", num_global_tokens=2, num_global_seqs=1)
+    out = clipped_pg_loss(
+        lp,
+        lp.detach(),
+        torch.tensor([2.0]),
+        mask,
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token-mean",
+        num_global_tokens=2,
+        num_global_seqs=1,
+    )
     out.loss.backward()
     assert lp.grad.tolist() == [[-1.0, -1.0, 0.0]]
     assert out.ratio_max.item() == 1.0
@@ -124,8 +171,12 @@ def test_split_accumulation_equals_whole_batch():
     for agg in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]:
         whole = clipped_pg_loss(lp, lp.detach(), adv, mask, loss_agg=agg, **kw).loss
         (g_whole,) = torch.autograd.grad(whole, lp)
-        parts = sum(clipped_pg_loss(lp[i : i + 2], lp[i : i + 2].detach(), adv[i : i + 2], mask[i : i + 2],
-                              loss_agg=agg, **kw).loss for i in (0, 2))
+        parts = sum(
+            clipped_pg_loss(
+                lp[i : i + 2], lp[i : i + 2].detach(), adv[i : i + 2], mask[i : i + 2], loss_agg=agg, **kw
+            ).loss
+            for i in (0, 2)
+        )
         (g_parts,) = torch.autograd.grad(parts, lp)
         torch.testing.assert_close(g_parts, g_whole)
 

@@ -21,16 +21,27 @@ TOL = 1e-4  # max |logit diff| allowed in fp32
 
 def _tiny_hf_model(family: str, tie: bool):
     common = dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tie, rms_norm_eps=1e-6,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
     )
     if family == "llama":
         cfg = transformers.LlamaConfig(
             **common,
-            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 16},
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
         )
         model = transformers.LlamaForCausalLM(cfg)
     elif family == "qwen2":
@@ -38,7 +49,9 @@ def _tiny_hf_model(family: str, tie: bool):
         model = transformers.Qwen2ForCausalLM(cfg)
     else:
         # head_dim != hidden/heads exercises Qwen3's explicit head_dim.
-        cfg = transformers.Qwen3Config(**common, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg = transformers.Qwen3Config(
+            **common, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6}
+        )
         model = transformers.Qwen3ForCausalLM(cfg)
     torch.manual_seed(0)
     # Random (non-default) norms and biases so that a mis-mapped weight changes the logits.
@@ -66,8 +79,14 @@ def _titan_from_folder(folder: str) -> Transformer:
 
 @pytest.mark.parametrize(
     "family,tie,sharded",
-    [("llama", False, False), ("llama", True, True), ("qwen2", True, False), ("qwen2", False, True),
-     ("qwen3", False, False), ("qwen3", True, True)],
+    [
+        ("llama", False, False),
+        ("llama", True, True),
+        ("qwen2", True, False),
+        ("qwen2", False, True),
+        ("qwen3", False, False),
+        ("qwen3", True, True),
+    ],
 )
 def test_hf_roundtrip_logits(tmp_path, family, tie, sharded):
     hf_model = _tiny_hf_model(family, tie)
@@ -135,9 +154,17 @@ def test_sequence_classification_reward_model_matches_transformers(tmp_path, fam
     real token (right padding) equals transformers' pooled logit; export reloads in transformers."""
     from titanrl.models.scalar_head import sequence_scores
 
-    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  num_labels=1, pad_token_id=0)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_labels=1,
+        pad_token_id=0,
+    )
     if family == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
         hf = transformers.Qwen2ForSequenceClassification(cfg)

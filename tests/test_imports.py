@@ -59,17 +59,23 @@ def test_every_module_imports_on_its_own():
     names = [module_name(p) for p in package_files()]
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_EACH, json.dumps(names)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"the import checker itself failed:\n{proc.stdout}\n{proc.stderr}"
-    results = json.loads(lines[-1][len("RESULTS "):])
+    results = json.loads(lines[-1][len("RESULTS ") :])
     assert sorted(results) == sorted(names)
     skipped = {n: why for n, (status, why) in results.items() if status == "skipped"}
     failed = {n: why for n, (status, why) in results.items() if status == "failed"}
     if skipped:
-        warnings.warn("modules not import-checked (optional extra not installed): "
-                      + "; ".join(f"{n} ({why})" for n, why in sorted(skipped.items())), stacklevel=1)
+        warnings.warn(
+            "modules not import-checked (optional extra not installed): "
+            + "; ".join(f"{n} ({why})" for n, why in sorted(skipped.items())),
+            stacklevel=1,
+        )
     assert not failed, f"{len(failed)} module(s) do not import on their own:\n\n" + "\n".join(
         f"== {n}\n{why}" for n, why in sorted(failed.items())
     )
@@ -170,8 +176,9 @@ def test_private_import_checker_catches_what_it_should(tmp_path, monkeypatch):
         (pkg / sub / "mod.py").write_text("_x = 1\ny = 2\n")
     (pkg / "__init__.py").write_text("")
     user = pkg / "a" / "user.py"
-    user.write_text(textwrap.dedent(
-        """
+    user.write_text(
+        textwrap.dedent(
+            """
         from titanrl.a.mod import _x as ok_same_package
         from titanrl.b.mod import _x
         from titanrl.b.mod import y, __doc__
@@ -181,7 +188,8 @@ def test_private_import_checker_catches_what_it_should(tmp_path, monkeypatch):
         from titanrl.b import mod
         titanrl.b.mod._x, bm._x, mod._x, bm.y, titanrl.a.mod._x
         """
-    ))
+        )
+    )
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     found = private_cross_imports(user)
     lines = sorted(int(f.split(":")[1]) for f in found)

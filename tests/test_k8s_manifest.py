@@ -5,9 +5,9 @@ import os
 import re
 
 import yaml  # PyYAML: a dependency of wandb, which titanrl depends on
+from conftest import REPO_ROOT
 from torch.distributed.run import get_args_parser
 
-from conftest import REPO_ROOT
 from titanrl.cli import split_args
 from titanrl.config import load_config
 
@@ -15,8 +15,13 @@ MANIFEST = os.path.join(REPO_ROOT, "scripts", "k8s", "titanrl-pytorchjob.yaml")
 # What the training operator (v1.7+) puts in every pod's environment, with this job's values:
 # pkg/controller.v1/pytorch/envvar.go and master.go.
 OPERATOR_ENV = {
-    "MASTER_ADDR": "titanrl-grpo-gsm8k-master-0", "MASTER_PORT": "23456", "PET_NNODES": "2",
-    "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "0", "WORLD_SIZE": "16", "RANK": "0",
+    "MASTER_ADDR": "titanrl-grpo-gsm8k-master-0",
+    "MASTER_PORT": "23456",
+    "PET_NNODES": "2",
+    "PET_NPROC_PER_NODE": "8",
+    "PET_NODE_RANK": "0",
+    "WORLD_SIZE": "16",
+    "RANK": "0",
 }
 
 
@@ -62,8 +67,11 @@ def test_manifest_is_a_two_node_pytorchjob_that_restarts_and_checkpoints_on_sigt
         assert {"name": "pytorchjob-port", "containerPort": int(OPERATOR_ENV["MASTER_PORT"])} in container["ports"]
         assert container["resources"]["limits"]["nvidia.com/gpu"] == int(job["spec"]["nprocPerNode"])
         volumes = {v["name"]: v for v in pod["volumes"]}
-        mounts = [m for m in container["volumeMounts"]
-                  if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]]
+        mounts = [
+            m
+            for m in container["volumeMounts"]
+            if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]
+        ]
         assert len(mounts) == 1, name
         cli = get_args_parser().parse_args(_argv(container)[1:])
         config = load_config(_overrides(cli.training_script_args))

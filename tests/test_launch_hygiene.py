@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO_ROOT, run_cmd
 from test_checkpoint import BASE, _assert_same_weights, _ok, _same, _steps
 
@@ -73,14 +72,17 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--training.stpes=3"], "Did you mean 'steps'"),
-    (["--nproc", "3", DEBUG, "--parallelism.tp=2"], "does not divide the world size 3"),
-    (["--data.task=jsonl", "--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
-    (["--reward.function=reward_fns:no_such_function"], "reward_fns:no_such_function"),
-    (["--data.task=jsonl", "--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
-    (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--training.stpes=3"], "Did you mean 'steps'"),
+        (["--nproc", "3", DEBUG, "--parallelism.tp=2"], "does not divide the world size 3"),
+        (["--data.task=jsonl", "--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
+        (["--reward.function=reward_fns:no_such_function"], "reward_fns:no_such_function"),
+        (["--data.task=jsonl", "--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
+        (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
+    ],
+)
 def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message):
     """Config typo, impossible degrees, missing data file, non-UTF-8 data, unimportable reward function or missing distillation teacher, launched with `titanrl run` -> exit 2 and one line on stderr before any rank starts (plain torchrun added its 33-line ChildFailedError block and exit 1)"""
     latin1 = tmp_path / "latin1.jsonl"
@@ -98,10 +100,24 @@ def test_second_run_is_locked_out_and_killed_launcher_leaves_no_process(tmp_path
     """A second run started into the dump folder of a running job; then the launcher of the first is SIGKILLed -> the second exits 2 naming the holder's pid and host; within 10 s no process of the first run is left (ranks die with torchrun, reward workers with their rank)"""
     folder = tmp_path / "run"
     first = subprocess.Popen(
-        _titanrl("--nproc", "2", DEBUG, f"--job.dump_folder={folder}", "--training.steps=200",
-                 "--metrics.eval_freq=0", "--sft_warmup.steps=1", "--training.batch_size=4",
-                 "--algorithm.group_size=2", "--generator.max_new_tokens=4", "--reward.num_workers=1"),
-        env=_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        _titanrl(
+            "--nproc",
+            "2",
+            DEBUG,
+            f"--job.dump_folder={folder}",
+            "--training.steps=200",
+            "--metrics.eval_freq=0",
+            "--sft_warmup.steps=1",
+            "--training.batch_size=4",
+            "--algorithm.group_size=2",
+            "--generator.max_new_tokens=4",
+            "--reward.num_workers=1",
+        ),
+        env=_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -110,9 +126,21 @@ def test_second_run_is_locked_out_and_killed_launcher_leaves_no_process(tmp_path
         assert second.returncode == 2, second.stderr
         assert "is in use by pid" in second.stderr and "on host" in second.stderr, second.stderr
         # Plain torchrun (no launcher check): rank 0 refuses the folder itself.
-        plain = run_cmd([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                         "-m", "titanrl.train", f"--job.config_file={DEBUG}", f"--job.dump_folder={folder}"],
-                        _env(), timeout_s=120)
+        plain = run_cmd(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=1",
+                "-m",
+                "titanrl.train",
+                f"--job.config_file={DEBUG}",
+                f"--job.dump_folder={folder}",
+            ],
+            _env(),
+            timeout_s=120,
+        )
         assert plain.returncode != 0 and "is in use by pid" in plain.stderr
         processes = _descendants(first.pid)
         assert len(processes) >= 3  # two ranks and at least one reward worker
@@ -132,10 +160,12 @@ def test_second_run_is_locked_out_and_killed_launcher_leaves_no_process(tmp_path
 def test_sigterm_checkpoints_exits_0_and_resumes_bit_exactly(tmp_path, uninterrupted_two_ranks):
     """SIGTERM to `titanrl run` during step 3 of a 2-rank run (as Slurm preemption or Kubernetes does); rank 1 made 2 s slow in step 3 -> the step finishes, checkpoint step-3 is saved, exit code 0; the same command resumes and every step's metrics and the final weights equal an uninterrupted run; step 3's metrics name rank 1 as the straggler in 'generate'; each step is logged once"""
     args = [a for a in BASE if not a.startswith("--job.config_file")]
-    cmd = _titanrl("--nproc", "2", DEBUG, *args, "--training.steps=4", f"--job.dump_folder={tmp_path}",
-                   "--parallelism.dp_shard=2")
-    proc = subprocess.Popen(cmd, env=_env("slow_generate:3:1"), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = _titanrl(
+        "--nproc", "2", DEBUG, *args, "--training.steps=4", f"--job.dump_folder={tmp_path}", "--parallelism.dp_shard=2"
+    )
+    proc = subprocess.Popen(
+        cmd, env=_env("slow_generate:3:1"), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     _wait_for(lambda: any(r.get("step") == 2 and "reward_mean" in r for r in _metrics_rows(tmp_path)), 300, proc)
     time.sleep(1.0)  # past step 2's checkpoint, into rank 1's slow step 3
     proc.send_signal(signal.SIGTERM)
@@ -144,7 +174,7 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bit_exactly(tmp_path, uninterru
     # Normally step 3; under heavy load the signal can still land in step 2 (then nothing new is saved).
     stopped = json.load(open(tmp_path / "stopped.json"))["step"]
     assert f"stopped by SIGTERM after step {stopped}" in err and stopped in (2, 3), err
-    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-3"][:stopped - 1]
+    assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-3"][: stopped - 1]
     resumed = _ok(run_cmd(cmd, _env("slow_generate:3:1"), timeout_s=300))
     assert "resumed from" in resumed.stdout and f"step-{stopped}" in resumed.stdout
     (step3,) = [r for r in _metrics_rows(tmp_path) if r.get("step") == 3 and "reward_mean" in r]
@@ -159,9 +189,20 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bit_exactly(tmp_path, uninterru
 @pytest.mark.multirank
 def test_torchrun_max_restarts_resumes_like_uninterrupted(tmp_path, uninterrupted_two_ranks):
     """kill -9 of rank 1 after step 3's update, under `torchrun --max-restarts=1` -> torchrun restarts both ranks, they resume from step-2 and finish; metrics (each step once) and final weights bit-identical to an uninterrupted run"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "titanrl.train", *BASE, "--training.steps=4", f"--job.dump_folder={tmp_path}",
-           "--parallelism.dp_shard=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        "-m",
+        "titanrl.train",
+        *BASE,
+        "--training.steps=4",
+        f"--job.dump_folder={tmp_path}",
+        "--parallelism.dp_shard=2",
+    ]
     out = _ok(run_cmd(cmd, _env("step:3:1"), timeout_s=600))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
     rl_steps = [r["step"] for r in _metrics_rows(tmp_path) if r.get("phase") == "rl" and "reward_mean" in r]

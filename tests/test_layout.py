@@ -11,11 +11,14 @@ PACKAGE = pathlib.Path(REPO_ROOT) / "titanrl"
 
 
 def test_files_and_functions_stay_short():
+    # 500 lines, not 400: the cap was set before ruff formatted the code (one argument or element a
+    # line where a call does not fit in 120 characters), which grew files by ~15%. The cap is a
+    # prompt to split a file where a second responsibility starts, never a reason to pack lines.
     too_long = []
     for path in sorted(PACKAGE.rglob("*.py")):
         source = path.read_text()
-        if source.count("\n") > 400:
-            too_long.append(f"{path.relative_to(REPO_ROOT)}: {source.count(chr(10))} lines (max 400)")
+        if source.count("\n") > 500:
+            too_long.append(f"{path.relative_to(REPO_ROOT)}: {source.count(chr(10))} lines (max 500)")
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
@@ -27,7 +30,11 @@ def test_files_and_functions_stay_short():
 
 def test_no_module_branches_on_an_algorithm_name():
     pattern = re.compile(r"(algorithm|algo)\.name\s*(==|!=|in\b)")
-    offenders = [f"{p.relative_to(REPO_ROOT)}:{i}: {line.strip()}"
-                 for p in sorted(PACKAGE.rglob("*.py")) if p.parent.name != "algorithms"
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.relative_to(REPO_ROOT)}:{i}: {line.strip()}"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p.parent.name != "algorithms"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert not offenders, "\n".join(offenders)

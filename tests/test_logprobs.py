@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, run_torchrun
 
 from titanrl.models import Transformer, TransformerModelArgs
@@ -64,8 +63,18 @@ def test_values_and_gradients_match_the_full_logits_reference(V, chunk):
 def test_model_logprobs_equal_logits_path_and_chunking_does_not_matter():
     """`Transformer.logprobs` (chunked) equals token_logprobs of the full logits to float32
     rounding, whatever the chunk size; its parameter gradients agree too."""
-    args = TransformerModelArgs(family="qwen3", dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-                                vocab_size=300, qk_norm=True, tie_word_embeddings=True, max_seq_len=32)
+    args = TransformerModelArgs(
+        family="qwen3",
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=48,
+        vocab_size=300,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=32,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()

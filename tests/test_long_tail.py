@@ -11,8 +11,16 @@ from titanrl.generator import Generator, ResumedSample, SamplingParams
 from titanrl.models import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=101,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=96,
 )
 
 
@@ -29,8 +37,11 @@ def _prompts(lengths, seed=1):
 
 
 def _resumed(completions) -> list[ResumedSample]:
-    return [ResumedSample(c.prompt_index, c.sample_index, c.key, c.token_ids, c.logprobs)
-            for c in completions if c.finish_reason == "paused" and c.token_ids]
+    return [
+        ResumedSample(c.prompt_index, c.sample_index, c.key, c.token_ids, c.logprobs)
+        for c in completions
+        if c.finish_reason == "paused" and c.token_ids
+    ]
 
 
 def _teacher_forced(model: Transformer, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -50,25 +61,30 @@ def _pause_after(passes: int):
     return pause_when
 
 
-@pytest.mark.parametrize("tokens, logprobs, message", [
-    ([], [], "needs its tokens and their logprobs"),
-    ([3, 4], [-1.0], "needs its tokens and their logprobs"),
-    (list(range(90)), [-1.0] * 90, "already fills the model context"),
-])
+@pytest.mark.parametrize(
+    "tokens, logprobs, message",
+    [
+        ([], [], "needs its tokens and their logprobs"),
+        ([3, 4], [-1.0], "needs its tokens and their logprobs"),
+        (list(range(90)), [-1.0] * 90, "already fills the model context"),
+    ],
+)
 def test_a_malformed_resumed_sample_is_a_clear_error(tokens, logprobs, message):
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"))
     gen.load_weights(_model(0))
     with pytest.raises(ValueError, match=message):
-        gen.generate(_prompts([6]), SamplingParams(max_new_tokens=4, n=2),
-                     resume=[ResumedSample(0, 1, 7, tokens, logprobs)])
+        gen.generate(
+            _prompts([6]), SamplingParams(max_new_tokens=4, n=2), resume=[ResumedSample(0, 1, 7, tokens, logprobs)]
+        )
 
 
 def test_pause_and_resume_with_the_same_weights_is_the_uninterrupted_run():
     """Sampled at temperature 1: the resumed samples continue their random streams, so the
     tokens are those of one uninterrupted call (logprobs to float noise of a new batch)."""
     model = _model(0)
-    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4),
-                    torch.device("cpu"))
+    gen = Generator(
+        ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4), torch.device("cpu")
+    )
     gen.load_weights(model)
     prompts = _prompts([5, 9, 14])
     params = SamplingParams(max_new_tokens=40, temperature=1.0, n=3, seed=7)
@@ -90,8 +106,9 @@ def test_resumed_sample_behaviour_logprobs_are_those_of_the_weights_that_sampled
     """Paused under weights A, resumed under weights B: each token's logprob is the one of the
     weights that sampled it (teacher-forced forward of A for the first part, B for the rest)."""
     a, b = _model(0), _model(1)
-    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4),
-                    torch.device("cpu"))
+    gen = Generator(
+        ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4), torch.device("cpu")
+    )
     gen.load_weights(a)
     prompts = _prompts([6, 11])
     params = SamplingParams(max_new_tokens=30, temperature=1.0, n=2, seed=3)
@@ -119,8 +136,9 @@ def test_a_group_paused_before_its_prefill_comes_back_empty():
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256, max_num_seqs=2), torch.device("cpu"))
     gen.load_weights(model)
     prompts = _prompts([5, 9])
-    out, stats = gen.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0, n=2),
-                              pause_when=_pause_after(1))
+    out, stats = gen.generate(
+        prompts, SamplingParams(max_new_tokens=20, temperature=0, n=2), pause_when=_pause_after(1)
+    )
     assert [(c.prompt_index, c.sample_index) for c in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(c.finish_reason == "paused" for c in out)
     assert all(c.token_ids for c in out[:2]) and not any(c.token_ids for c in out[2:])
@@ -131,8 +149,9 @@ def test_a_group_paused_before_its_prefill_comes_back_empty():
 
 def test_on_finish_reports_each_sample_once_while_others_decode():
     model = _model(0)
-    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4),
-                    torch.device("cpu"))
+    gen = Generator(
+        ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4), torch.device("cpu")
+    )
     gen.load_weights(model)
     prompts = _prompts([5, 9, 14])
     # Stop ids give samples of different lengths.
@@ -140,8 +159,9 @@ def test_on_finish_reports_each_sample_once_while_others_decode():
     reports = []
     out, _ = gen.generate(prompts, params, on_finish=lambda cs: reports.append(cs))
     reported = [c for r in reports for c in r]
-    assert sorted((c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in reported) == \
-        [(c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in out]
+    assert sorted((c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in reported) == [
+        (c.prompt_index, c.sample_index, tuple(c.token_ids)) for c in out
+    ]
     first = next(i for i, r in enumerate(reports) if r)
     assert sum(len(r) for r in reports[: first + 1]) < len(out)  # the first finished before the last
     assert len({len(c.token_ids) for c in out}) > 3
@@ -155,11 +175,19 @@ def test_streaming_rewards_train_like_batch_scoring(tmp_path):
     from conftest import REPO_ROOT, run_cmd, train_cmd
 
     def run(folder, streaming):
-        args = [f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
-                "--sft_warmup.steps=3", "--sft_warmup.batch_size=8", "--training.batch_size=4",
-                "--algorithm.group_size=4", "--generator.max_new_tokens=10", "--data.num_eval_samples=8",
-                "--metrics.eval_freq=0", "--training.steps=3", f"--job.dump_folder={folder}",
-                f"--reward.streaming={str(streaming).lower()}"]
+        args = [
+            f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
+            "--sft_warmup.steps=3",
+            "--sft_warmup.batch_size=8",
+            "--training.batch_size=4",
+            "--algorithm.group_size=4",
+            "--generator.max_new_tokens=10",
+            "--data.num_eval_samples=8",
+            "--metrics.eval_freq=0",
+            "--training.steps=3",
+            f"--job.dump_folder={folder}",
+            f"--reward.streaming={str(streaming).lower()}",
+        ]
         proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
@@ -178,12 +206,22 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
 
     from conftest import REPO_ROOT, run_cmd, train_cmd
 
-    args = [f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
-            "--sft_warmup.steps=3", "--sft_warmup.batch_size=8", "--training.batch_size=4",
-            "--algorithm.group_size=4", "--generator.max_new_tokens=12", "--data.num_eval_samples=8",
-            "--metrics.eval_freq=0", "--training.steps=5", f"--job.dump_folder={tmp_path}",
-            "--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--rollout.max_step_tokens=40",
-            "--rollout.max_staleness=1"]
+    args = [
+        f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
+        "--sft_warmup.steps=3",
+        "--sft_warmup.batch_size=8",
+        "--training.batch_size=4",
+        "--algorithm.group_size=4",
+        "--generator.max_new_tokens=12",
+        "--data.num_eval_samples=8",
+        "--metrics.eval_freq=0",
+        "--training.steps=5",
+        f"--job.dump_folder={tmp_path}",
+        "--rollout.partial=true",
+        "--algorithm.off_policy_correction=tis",
+        "--rollout.max_step_tokens=40",
+        "--rollout.max_staleness=1",
+    ]
     proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -198,11 +236,20 @@ def _one_step_args(folder, *extra):
 
     from conftest import REPO_ROOT
 
-    return [f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
-            "--sft_warmup.steps=3", "--sft_warmup.batch_size=8", "--training.batch_size=4",
-            "--algorithm.group_size=4", "--generator.max_new_tokens=6", "--data.num_eval_samples=8",
-            "--reward.num_workers=1", "--metrics.eval_freq=0", "--training.steps=4", f"--job.dump_folder={folder}",
-            *extra]
+    return [
+        f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
+        "--sft_warmup.steps=3",
+        "--sft_warmup.batch_size=8",
+        "--training.batch_size=4",
+        "--algorithm.group_size=4",
+        "--generator.max_new_tokens=6",
+        "--data.num_eval_samples=8",
+        "--reward.num_workers=1",
+        "--metrics.eval_freq=0",
+        "--training.steps=4",
+        f"--job.dump_folder={folder}",
+        *extra,
+    ]
 
 
 def _rl_steps(folder) -> dict[int, dict]:
@@ -237,8 +284,16 @@ def test_one_step_with_staleness_0_on_1_plus_1_ranks_is_the_synchronous_run(tmp_
 @pytest.mark.multirank
 def test_one_step_on_2_plus_2_ranks_trains_one_version_behind(tmp_path):
     """rollout.mode = 'one_step' on 2 rollout + 2 trainer ranks (FSDP2 over the trainer half) with staleness 1 -> batch 1 is on the initial weights, every later batch exactly one version behind; the sampler/trainer mismatch that staleness causes is measured and corrected (tis)"""
-    _run_ok(_one_step_args(tmp_path, "--rollout.mode=one_step", "--rollout.rollout_ranks=2",
-                           "--algorithm.off_policy_correction=tis", "--parallelism.dp_shard=-1"), 4)
+    _run_ok(
+        _one_step_args(
+            tmp_path,
+            "--rollout.mode=one_step",
+            "--rollout.rollout_ranks=2",
+            "--algorithm.off_policy_correction=tis",
+            "--parallelism.dp_shard=-1",
+        ),
+        4,
+    )
     steps = _rl_steps(tmp_path)
     assert sorted(steps) == [1, 2, 3, 4]
     assert [steps[s]["version_lag_max"] for s in range(1, 5)] == [0, 1, 1, 1]
@@ -251,7 +306,8 @@ def test_one_step_world_must_split_in_two_halves(tmp_path):
 
     from conftest import run_cmd, train_cmd
 
-    args = _one_step_args(tmp_path, "--rollout.mode=one_step", "--rollout.rollout_ranks=2",
-                          "--algorithm.off_policy_correction=tis")
+    args = _one_step_args(
+        tmp_path, "--rollout.mode=one_step", "--rollout.rollout_ranks=2", "--algorithm.off_policy_correction=tis"
+    )
     proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2 and "needs 4 ranks (2 generate, 2 train), got 1" in proc.stderr

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO_ROOT, run_cmd
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import REPO_ROOT, run_cmd
 from titanrl import train
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.components.optimizer import build_optimizer
@@ -35,8 +35,17 @@ from titanrl.models.lora import (
 )
 from titanrl.models.model import Transformer
 
-ARGS = TransformerModelArgs(family="qwen2", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                            vocab_size=97, max_seq_len=64, qkv_bias=True)
+ARGS = TransformerModelArgs(
+    family="qwen2",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=97,
+    max_seq_len=64,
+    qkv_bias=True,
+)
 ALL = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
 
@@ -79,8 +88,12 @@ def test_fresh_adapters_leave_the_base_unchanged_and_only_they_train():
     tokens = torch.randint(0, ARGS.vocab_size, (2, 9))
     torch.testing.assert_close(adapted(tokens), plain(tokens), atol=0, rtol=0)  # B = 0 at start
     trainable = sorted(n for n, p in adapted.named_parameters() if p.requires_grad)
-    assert trainable == sorted(f"layers.{i}.{m}.{ab}.weight" for i in range(2)
-                               for m in ("attention.wq", "attention.wv", "feed_forward.w2") for ab in ("lora_a", "lora_b"))
+    assert trainable == sorted(
+        f"layers.{i}.{m}.{ab}.weight"
+        for i in range(2)
+        for m in ("attention.wq", "attention.wv", "feed_forward.w2")
+        for ab in ("lora_a", "lora_b")
+    )
     # A is initialised (Kaiming-uniform bound 1/sqrt(in)), identically for one seed.
     a = adapted.layers["0"].attention.wq.lora_a.weight
     assert 0 < a.abs().max() <= 1 / math.sqrt(ARGS.dim)
@@ -114,8 +127,15 @@ def test_optimizer_state_scales_with_adapter_size():
 def _target_shapes() -> list[tuple[int, int]]:
     a = ARGS
     q, kv = a.n_heads * (a.dim // a.n_heads), a.n_kv_heads * (a.dim // a.n_heads)
-    per_layer = [(q, a.dim), (kv, a.dim), (kv, a.dim), (a.dim, q), (a.hidden_dim, a.dim), (a.dim, a.hidden_dim),
-                 (a.hidden_dim, a.dim)]
+    per_layer = [
+        (q, a.dim),
+        (kv, a.dim),
+        (kv, a.dim),
+        (a.dim, q),
+        (a.hidden_dim, a.dim),
+        (a.dim, a.hidden_dim),
+        (a.hidden_dim, a.dim),
+    ]
     return per_layer * a.n_layers
 
 
@@ -164,8 +184,12 @@ def test_generator_serves_base_plus_adapter(mode):
 
     trainer = _lora_model(targets=["wq", "wo", "w1", "w2"])
     lora = LoRAConfig(enable=True, rank=4, alpha=8.0, target_modules=["wq", "wo", "w1", "w2"], generator=mode)
-    gen = Generator(ARGS, GeneratorConfig(num_blocks=64, block_size=8), torch.device("cpu"),
-                    lora=lora if mode == "runtime" else None)
+    gen = Generator(
+        ARGS,
+        GeneratorConfig(num_blocks=64, block_size=8),
+        torch.device("cpu"),
+        lora=lora if mode == "runtime" else None,
+    )
     assert gen.share_weights(trainer) == (mode == "runtime")  # merged weights are the generator's own
     prompts = [[1, 5, 9, 2], [3, 3, 7]]
     for change in range(2):
@@ -179,8 +203,8 @@ def test_generator_serves_base_plus_adapter(mode):
         for i, c in enumerate(completions):
             tokens = torch.tensor([prompts[i // 2] + c.token_ids])
             with torch.no_grad():
-                want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompts[i // 2]) - 1:]
-            want = want.gather(-1, tokens[0, len(prompts[i // 2]):, None])[:, 0]
+                want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompts[i // 2]) - 1 :]
+            want = want.gather(-1, tokens[0, len(prompts[i // 2]) :, None])[:, 0]
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0)
 
 
@@ -190,12 +214,21 @@ def test_peft_export_reloads_in_peft_and_transformers(tmp_path):
     model = _lora_model(targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     with adapters_disabled(model):
         export_hf(model, str(tmp_path / "base"), merge_lora=False)
-    export_peft_adapter(model, str(tmp_path / "adapter"), rank=4, alpha=8.0, dropout=0.0,
-                        base_model=str(tmp_path / "base"))
+    export_peft_adapter(
+        model, str(tmp_path / "adapter"), rank=4, alpha=8.0, dropout=0.0, base_model=str(tmp_path / "base")
+    )
     export_hf(model, str(tmp_path / "merged"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     keys = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in keys and len(keys) == 2 * 7 * 2
 
@@ -215,11 +248,22 @@ def test_peft_export_reloads_in_peft_and_transformers(tmp_path):
 # ---- GRPO with LoRA: 1 rank, 2 FSDP2 ranks, tp=2 ----
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = ["--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8", "--training.batch_size=4",
-         "--algorithm.group_size=4", "--generator.max_new_tokens=6", "--data.num_eval_samples=8",
-         "--reward.num_workers=1", "--metrics.eval_freq=0", "--checkpoint.export_hf=true",
-         "--lora.enable=true", "--lora.rank=4", "--lora.target_modules=wq,wv,wo,w2",
-         "--algorithm.kl_coef=0.05"]
+SMALL = [
+    "--training.steps=3",
+    "--sft_warmup.steps=4",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--checkpoint.export_hf=true",
+    "--lora.enable=true",
+    "--lora.rank=4",
+    "--lora.target_modules=wq,wv,wo,w2",
+    "--algorithm.kl_coef=0.05",
+]
 
 
 def _metrics(folder) -> list[dict]:
@@ -251,8 +295,9 @@ def test_lora_run_trains_adapters_only_and_exports(one_rank_lora):
     assert changed and all(k.split(".")[-2] in ("q_proj", "v_proj", "o_proj", "down_proj") for k in changed)
     # The base never trained: it is still the seeded initialisation, bit for bit.
     config = load_config([f"--job.config_file={CONFIG}"])
-    init = to_hf_state_dict(init_full_state_dict(get_model_args(config.model.flavor), config.job.seed),
-                            get_model_args(config.model.flavor))
+    init = to_hf_state_dict(
+        init_full_state_dict(get_model_args(config.model.flavor), config.job.seed), get_model_args(config.model.flavor)
+    )
     assert base.keys() == init.keys() and all(torch.equal(base[k], init[k]) for k in base)
 
 
@@ -263,25 +308,46 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(one_rank_lora, 
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:5]
     assert not any(k.startswith("reference.") for k in keys)  # the reference is the base: nothing to save
     # Resume from step-2 in a fresh folder: step 3 and the final adapters are the same bit for bit.
-    train.main([f"--job.config_file={CONFIG}", *SMALL, *CHECKPOINTS, f"--job.dump_folder={tmp_path}",
-                f"--checkpoint.load_path={step2}"])
+    train.main(
+        [
+            f"--job.config_file={CONFIG}",
+            *SMALL,
+            *CHECKPOINTS,
+            f"--job.dump_folder={tmp_path}",
+            f"--checkpoint.load_path={step2}",
+        ]
+    )
     got, want = _metrics(tmp_path)[-1], _metrics(one_rank_lora)[-1]
     assert got["step"] == want["step"] == 3
     assert {k: got[k] for k in ("reward_mean", "grad_norm", "kl", "entropy")} == {
-        k: want[k] for k in ("reward_mean", "grad_norm", "kl", "entropy")}
+        k: want[k] for k in ("reward_mean", "grad_norm", "kl", "entropy")
+    }
     a = load_file(os.path.join(tmp_path, "peft_adapter", "adapter_model.safetensors"))
     b = load_file(os.path.join(one_rank_lora, "peft_adapter", "adapter_model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [["--parallelism.dp_shard=2", "--lora.generator=runtime"],
-                                    # tp=2 with the merged generator: W + s B A on each TP shard
-                                    ["--parallelism.tp=2", "--parallelism.dp_shard=1"]])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.dp_shard=2", "--lora.generator=runtime"],
+        # tp=2 with the merged generator: W + s B A on each TP shard
+        ["--parallelism.tp=2", "--parallelism.dp_shard=1"],
+    ],
+)
 def test_two_rank_lora_matches_one_rank(tmp_path, one_rank_lora, layout):
     args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanrl.train",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "titanrl.train",
+        *args,
+    ]
     proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = _metrics(tmp_path), _metrics(one_rank_lora)
@@ -297,12 +363,15 @@ def test_two_rank_lora_matches_one_rank(tmp_path, one_rank_lora, layout):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"lora.target_modules": ["qkv_proj"]}, "unknown target module 'qkv_proj'"),
-    ({"lora.rank": 0}, "rank must be >= 1"),
-    ({"job.recipe": "reward_model"}, "score head must train"),
-    ({"float8.enable": True}, "cannot be combined"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"lora.target_modules": ["qkv_proj"]}, "unknown target module 'qkv_proj'"),
+        ({"lora.rank": 0}, "rank must be >= 1"),
+        ({"job.recipe": "reward_model"}, "score head must train"),
+        ({"float8.enable": True}, "cannot be combined"),
+    ],
+)
 def test_lora_config_errors_name_the_fix(overrides, message):
     config = JobConfig()
     config.lora.enable = True
@@ -323,8 +392,9 @@ def test_compiled_blocks_with_adapters_match_eager():
         for m in (eager, compiled):
             for module in m.modules():
                 if isinstance(module, LoRALinear):
-                    module.lora_b.weight.copy_(torch.linspace(-0.1, 0.1, module.lora_b.weight.numel()).view_as(
-                        module.lora_b.weight))
+                    module.lora_b.weight.copy_(
+                        torch.linspace(-0.1, 0.1, module.lora_b.weight.numel()).view_as(module.lora_b.weight)
+                    )
     tokens = torch.randint(0, ARGS.vocab_size, (2, 9))
     for m in (eager, compiled):
         m(tokens).float().pow(2).mean().backward()
@@ -375,8 +445,12 @@ def test_generator_loads_the_frozen_base_once_with_runtime_adapters(mode):
     trainer = _lora_model(targets=targets)
     freeze_base(trainer)
     lora = LoRAConfig(enable=True, rank=4, alpha=8.0, target_modules=targets, generator=mode)
-    gen = Generator(ARGS, GeneratorConfig(num_blocks=64, block_size=8), torch.device("cpu"),
-                    lora=lora if mode == "runtime" else None)  # no share_weights: the generator has its own copy
+    gen = Generator(
+        ARGS,
+        GeneratorConfig(num_blocks=64, block_size=8),
+        torch.device("cpu"),
+        lora=lora if mode == "runtime" else None,
+    )  # no share_weights: the generator has its own copy
     gen.load_weights(trainer)
     first_norm = gen.model.norm.weight.clone()
     with torch.no_grad():
@@ -385,15 +459,17 @@ def test_generator_loads_the_frozen_base_once_with_runtime_adapters(mode):
             if isinstance(module, LoRALinear):
                 module.lora_a.weight.add_(0.1)
     gen.load_weights(trainer)
-    torch.testing.assert_close(gen.model.norm.weight, first_norm if mode == "runtime" else trainer.norm.weight,
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        gen.model.norm.weight, first_norm if mode == "runtime" else trainer.norm.weight, atol=0, rtol=0
+    )
     if mode == "runtime":
         a_gen = gen.model.layers["0"].attention.wq.lora_a.weight
         torch.testing.assert_close(a_gen, trainer.layers["0"].attention.wq.lora_a.weight, atol=0, rtol=0)
     else:
         merged = merge_lora_state_dict(trainer.state_dict(), trainer)
-        torch.testing.assert_close(gen.model.layers["0"].attention.wq.weight, merged["layers.0.attention.wq.weight"],
-                                   atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            gen.model.layers["0"].attention.wq.weight, merged["layers.0.attention.wq.weight"], atol=1e-6, rtol=0
+        )
 
 
 @pytest.mark.parametrize("mode", ["runtime", "merged"])
@@ -406,8 +482,12 @@ def test_int8_generator_follows_the_adapters(mode):
     targets = ["wq", "wo", "w1", "w2"]
     trainer = _lora_model(targets=targets)
     lora = LoRAConfig(enable=True, rank=4, alpha=8.0, target_modules=targets, generator=mode)
-    gen = Generator(ARGS, GeneratorConfig(num_blocks=64, block_size=8, quantize="int8"), torch.device("cpu"),
-                    lora=lora if mode == "runtime" else None)
+    gen = Generator(
+        ARGS,
+        GeneratorConfig(num_blocks=64, block_size=8, quantize="int8"),
+        torch.device("cpu"),
+        lora=lora if mode == "runtime" else None,
+    )
     assert not gen.share_weights(trainer)
     prompt = [1, 5, 9, 2, 7]
     diffs = []
@@ -421,7 +501,7 @@ def test_int8_generator_follows_the_adapters(mode):
         (c,), _ = gen.generate([prompt], SamplingParams(max_new_tokens=6, temperature=1.0, n=1, seed=5))
         tokens = torch.tensor([prompt + c.token_ids])
         with torch.no_grad():
-            want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompt) - 1:]
-        want = want.gather(-1, tokens[0, len(prompt):, None])[:, 0]
+            want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompt) - 1 :]
+        want = want.gather(-1, tokens[0, len(prompt) :, None])[:, 0]
         diffs.append((torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max().item())
     assert all(1e-7 < d < 1e-2 for d in diffs), diffs  # int8 rounding (~1e-3); stale weights: ~0.1

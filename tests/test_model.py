@@ -10,8 +10,16 @@ from titanrl.distributed.parallelize import apply_ac, apply_compile
 from titanrl.models import Transformer, TransformerModelArgs, flavors, get_model_args
 
 TINY = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
-    qk_norm=True, tie_word_embeddings=False, max_seq_len=64,
+    family="qwen3",
+    dim=64,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=101,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    max_seq_len=64,
 )
 
 
@@ -24,8 +32,14 @@ def _model(args=TINY, seed=0) -> Transformer:
 
 # Published parameter counts (embeddings included), in millions.
 PUBLISHED_PARAMS_M = {
-    "qwen2.5-0.5b": 494, "qwen2.5-1.5b": 1544, "qwen2.5-7b": 7616, "qwen3-0.6b": 596,
-    "qwen3-1.7b": 1721, "qwen3-8b": 8191, "llama3.2-1b": 1236, "llama3.1-8b": 8030,
+    "qwen2.5-0.5b": 494,
+    "qwen2.5-1.5b": 1544,
+    "qwen2.5-7b": 7616,
+    "qwen3-0.6b": 596,
+    "qwen3-1.7b": 1721,
+    "qwen3-8b": 8191,
+    "llama3.2-1b": 1236,
+    "llama3.1-8b": 8030,
 }
 
 

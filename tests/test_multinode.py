@@ -9,14 +9,19 @@ import sys
 import tempfile
 
 import pytest
-
 from conftest import REPO_ROOT, run_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
-    f"--job.config_file={CONFIG}", "--training.steps=2", "--sft_warmup.steps=2",
-    "--sft_warmup.batch_size=8", "--training.batch_size=4", "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6", "--data.num_eval_samples=8", "--reward.num_workers=1",
+    f"--job.config_file={CONFIG}",
+    "--training.steps=2",
+    "--sft_warmup.steps=2",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
     "--metrics.eval_freq=0",
 ]
 
@@ -43,10 +48,23 @@ def test_two_localhost_nodes_match_one_rank(tmp_path):
     port = _free_port()
     launches = []
     for node_rank in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node_rank={node_rank}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               "--rdzv_id=titanrl-test", "-m", "titanrl.train", *SMALL, f"--job.dump_folder={nodes}",
-               "--parallelism.dp_replicate=2", "--parallelism.dp_shard=2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node_rank={node_rank}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=titanrl-test",
+            "-m",
+            "titanrl.train",
+            *SMALL,
+            f"--job.dump_folder={nodes}",
+            "--parallelism.dp_replicate=2",
+            "--parallelism.dp_shard=2",
+        ]
         log = tempfile.TemporaryFile("w+")
         launches.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=REPO_ROOT), log))
     for proc, log in launches:

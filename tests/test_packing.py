@@ -8,16 +8,21 @@ import random
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import REPO_ROOT
 from titanrl import train
 from titanrl.algorithms import get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batches
 from titanrl.data.packing import (
-    first_fit_decreasing, group_rows, layout_of, pack_layout, packed_micro_batches, plan_packed_micro_batches,
+    first_fit_decreasing,
+    group_rows,
+    layout_of,
+    pack_layout,
+    packed_micro_batches,
+    plan_packed_micro_batches,
     use_packing,
 )
 from titanrl.models.flavors import get_model_args
@@ -43,8 +48,9 @@ def _batch(seed, n=10, longest=60):
     """Long-tailed rows: short prompts, most responses short, some near `longest`."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 250) for _ in range(rng.randint(1, 8))] for _ in range(n)]
-    comps = [[rng.randrange(1, 250) for _ in range(longest if rng.random() < 0.2 else rng.randint(1, 12))]
-             for _ in range(n)]
+    comps = [
+        [rng.randrange(1, 250) for _ in range(longest if rng.random() < 0.2 else rng.randint(1, 12))] for _ in range(n)
+    ]
     lps = [[-rng.random() for _ in c] for c in comps]
     return build_sequence_batch(prompts, comps, 0, lps)
 
@@ -102,16 +108,21 @@ def test_packed_logprobs_and_values_match_padded(seed):
     assert (got[batch["loss_mask"] == 0] == 0).all()
     critic, mask = _model(num_labels=1), batch["loss_mask"]
     with torch.no_grad():
-        torch.testing.assert_close(forward_values(critic, batch, "on") * mask, forward_values(critic, batch) * mask,
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            forward_values(critic, batch, "on") * mask, forward_values(critic, batch) * mask, atol=ATOL, rtol=0
+        )
 
 
 def test_flex_attention_backend_matches_sdpa_mask():
     layout = layout_of(_batch(3), "on")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(layout.R, layout.S, h, 16, generator=g) for h in (4, 2, 2))
-    torch.testing.assert_close(DocumentFlexAttention(layout.doc_RS).attend(0, q, k, v),
-                               DocumentSDPA(layout.doc_RS).attend(0, q, k, v), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        DocumentFlexAttention(layout.doc_RS).attend(0, q, k, v),
+        DocumentSDPA(layout.doc_RS).attend(0, q, k, v),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_batch_invariant_packed_logprobs_are_bitwise_the_padded_ones():
@@ -128,9 +139,16 @@ def _grpo_step(model, algo, batch, mbs):
     num_tokens, num_seqs, total = batch["loss_mask"].sum().item(), float(batch.batch_size[0]), 0.0
     for mb in mbs:
         logprobs, _ = forward_logprobs(model, mb, False, 64)
-        out = algo.loss(logprobs, logprobs.detach(), mb["advantages"], mb["loss_mask"],
-                        num_global_tokens=num_tokens, num_global_seqs=num_seqs, ref_logprobs_BT=None,
-                        is_weights_BT=None)
+        out = algo.loss(
+            logprobs,
+            logprobs.detach(),
+            mb["advantages"],
+            mb["loss_mask"],
+            num_global_tokens=num_tokens,
+            num_global_seqs=num_seqs,
+            ref_logprobs_BT=None,
+            is_weights_BT=None,
+        )
         out.loss.backward()
         total += out.loss.item()
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -170,12 +188,26 @@ def varied_reward(prompt: str, completion: str, metadata: dict) -> float:
 
 
 def _rl_run(folder, packing, data):
-    train.main([f"--job.config_file={CONFIG}", "--training.steps=2", "--sft_warmup.steps=0",
-                "--reward.function=test_packing:varied_reward", "--data.task=jsonl", f"--data.path={data}",
-                "--training.batch_size=2", "--algorithm.group_size=4", "--generator.max_new_tokens=8",
-                "--data.num_eval_samples=2", "--reward.num_workers=1", "--metrics.eval_freq=0",
-                "--algorithm.kl_coef=0.05", "--algorithm.num_minibatches=2",  # reference + old logprobs
-                f"--training.packing={packing}", f"--job.dump_folder={folder}"])
+    train.main(
+        [
+            f"--job.config_file={CONFIG}",
+            "--training.steps=2",
+            "--sft_warmup.steps=0",
+            "--reward.function=test_packing:varied_reward",
+            "--data.task=jsonl",
+            f"--data.path={data}",
+            "--training.batch_size=2",
+            "--algorithm.group_size=4",
+            "--generator.max_new_tokens=8",
+            "--data.num_eval_samples=2",
+            "--reward.num_workers=1",
+            "--metrics.eval_freq=0",
+            "--algorithm.kl_coef=0.05",
+            "--algorithm.num_minibatches=2",  # reference + old logprobs
+            f"--training.packing={packing}",
+            f"--job.dump_folder={folder}",
+        ]
+    )
     with open(os.path.join(folder, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if r.get("phase") == "rl" and "reward_mean" in r]
 
@@ -184,8 +216,11 @@ def test_rl_recipe_with_packing_on_matches_off(tmp_path, monkeypatch):
     """Two GRPO steps (reference and old logprobs too) through the normal entry point: prompts
     of 5 to 95 characters, so that short samples share packed rows."""
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "x" * (5 + 37 * i % 90) + f"{i}+{i}=", "answer": 2 * i}) + "\n"
-                            for i in range(12)))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": "x" * (5 + 37 * i % 90) + f"{i}+{i}=", "answer": 2 * i}) + "\n" for i in range(12)
+        )
+    )
     packed_rows = []
     import titanrl.models.packing as packing
 
@@ -216,18 +251,36 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
     from conftest import run_cmd, train_cmd
 
     data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": "x" * (5 + 37 * i % 90) + f"{i}+{i}=", "answer": 2 * i}) + "\n"
-                            for i in range(12)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": "x" * (5 + 37 * i % 90) + f"{i}+{i}=", "answer": 2 * i}) + "\n" for i in range(12)
+        )
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]),
+    }
     runs = {}
     for mode in ("on", "off"):
         folder = tmp_path / mode
-        args = [f"--job.config_file={CONFIG}", "--training.steps=2", "--sft_warmup.steps=0",
-                "--reward.function=test_packing:varied_reward", "--data.task=jsonl", f"--data.path={data}",
-                "--training.batch_size=2", "--algorithm.group_size=4", "--generator.max_new_tokens=8",
-                "--data.num_eval_samples=2", "--reward.num_workers=1", "--metrics.eval_freq=0",
-                "--training.micro_batch_tokens=64", f"--training.packing={mode}", f"--job.dump_folder={folder}"]
+        args = [
+            f"--job.config_file={CONFIG}",
+            "--training.steps=2",
+            "--sft_warmup.steps=0",
+            "--reward.function=test_packing:varied_reward",
+            "--data.task=jsonl",
+            f"--data.path={data}",
+            "--training.batch_size=2",
+            "--algorithm.group_size=4",
+            "--generator.max_new_tokens=8",
+            "--data.num_eval_samples=2",
+            "--reward.num_workers=1",
+            "--metrics.eval_freq=0",
+            "--training.micro_batch_tokens=64",
+            f"--training.packing={mode}",
+            f"--job.dump_folder={folder}",
+        ]
         proc = run_cmd(train_cmd(args, nproc=2), env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
         with open(folder / "metrics.jsonl") as f:

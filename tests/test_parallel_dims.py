@@ -1,11 +1,9 @@
-import os
 
 import pytest
 import torch
+from conftest import run_torchrun
 
 from titanrl.distributed import ParallelDims, clip_grad_norm_
-
-from conftest import REPO_ROOT, run_torchrun
 
 
 def test_dp_shard_takes_the_rest():

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, run_torchrun
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))

@@ -8,7 +8,6 @@ import struct
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(REPO_ROOT, "scripts", "plot_metrics.py"))
@@ -19,8 +18,18 @@ TIMES = {"time_sync": 0.01, "time_generate": 0.3, "time_reward": 0.05, "time_log
 
 
 def rl_row(step: int, reward: float) -> dict:
-    row = {"step": step, "time": 1000.0 + step, "phase": "rl", "reward_mean": reward, "reward_std": 0.1,
-           "accuracy": reward / 2, "kl": 0.01 * step, "entropy": 0.7 - 0.01 * step, "response_len": 5.0, **TIMES}
+    row = {
+        "step": step,
+        "time": 1000.0 + step,
+        "phase": "rl",
+        "reward_mean": reward,
+        "reward_std": 0.1,
+        "accuracy": reward / 2,
+        "kl": 0.01 * step,
+        "entropy": 0.7 - 0.01 * step,
+        "response_len": 5.0,
+        **TIMES,
+    }
     if step % 4 == 0:
         row["eval_accuracy"] = reward / 3
     return row
@@ -55,8 +64,15 @@ def test_resumed_run_dedups_steps_skips_torn_line_and_plots(tmp_path, capsys):
     out = tmp_path / "curves.png"
     plot_metrics.main([str(metrics), "--out", str(out)])
     printed = capsys.readouterr().out
-    for panel in ("reward", "accuracy", "KL to reference", "entropy", "response length", "seconds per step",
-                  "SFT warm-up loss"):
+    for panel in (
+        "reward",
+        "accuracy",
+        "KL to reference",
+        "entropy",
+        "response length",
+        "seconds per step",
+        "SFT warm-up loss",
+    ):
         assert panel in printed
     assert "loss, " not in printed and "margin" not in printed  # no offline panels for an RL run
     data = out.read_bytes()
@@ -74,8 +90,17 @@ def test_offline_recipe_plots_loss_margin_and_pref_accuracy(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "time": 0.0, "phase": "dpo", "eval_margin": 0.0, "eval_pref_accuracy": 0.5}]
-    rows += [{"step": s, "time": float(s), "phase": "dpo", "loss": 0.7 - 0.05 * s, "margin": 0.1 * s,
-              "pref_accuracy": 0.5 + 0.05 * s} for s in range(1, 6)]
+    rows += [
+        {
+            "step": s,
+            "time": float(s),
+            "phase": "dpo",
+            "loss": 0.7 - 0.05 * s,
+            "margin": 0.1 * s,
+            "pref_accuracy": 0.5 + 0.05 * s,
+        }
+        for s in range(1, 6)
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "dpo.png"
     plot_metrics.main([str(metrics), "--out", str(out)])

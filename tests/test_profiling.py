@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from torch.profiler import ProfilerAction
 
-from conftest import REPO_ROOT
 from titanrl import train
 from titanrl.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, profiler_action
 from titanrl.config import load_config
@@ -18,13 +18,28 @@ from titanrl.config.sections import Profiling
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 TINY = [
-    f"--job.config_file={CONFIG}", "--sft_warmup.steps=0", "--training.batch_size=2", "--algorithm.group_size=2",
-    "--generator.max_new_tokens=4", "--data.num_eval_samples=2", "--reward.num_workers=1", "--metrics.eval_freq=0",
+    f"--job.config_file={CONFIG}",
+    "--sft_warmup.steps=0",
+    "--training.batch_size=2",
+    "--algorithm.group_size=2",
+    "--generator.max_new_tokens=4",
+    "--data.num_eval_samples=2",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
 ]
 # The phases of an RL step as PhaseTimer names them, the Trainer's evaluation of the last step,
 # and the generator's own ranges.
-PHASES = {"sync", "generate", "reward", "logprob", "train", "eval",
-          "generator/prefill", "generator/decode", "generator/sample"}
+PHASES = {
+    "sync",
+    "generate",
+    "reward",
+    "logprob",
+    "train",
+    "eval",
+    "generator/prefill",
+    "generator/decode",
+    "generator/sample",
+}
 
 
 def _annotations(trace_path: str) -> set[str]:
@@ -35,9 +50,17 @@ def _annotations(trace_path: str) -> set[str]:
 
 
 def test_profiled_rl_run_traces_every_phase_of_the_traced_step(tmp_path):
-    train.main([*TINY, "--training.steps=2", f"--job.dump_folder={tmp_path}", "--profiling.enable_profiling=true",
-                "--profiling.profile_freq=2", "--profiling.profiler_warmup=1",
-                "--profiling.enable_memory_snapshot=true"])
+    train.main(
+        [
+            *TINY,
+            "--training.steps=2",
+            f"--job.dump_folder={tmp_path}",
+            "--profiling.enable_profiling=true",
+            "--profiling.profile_freq=2",
+            "--profiling.profiler_warmup=1",
+            "--profiling.enable_memory_snapshot=true",
+        ]
+    )
     traces = tmp_path / "profile_traces"
     assert sorted(os.listdir(traces)) == ["iteration_2"]  # step 1 warms the profiler up, unrecorded
     assert sorted(os.listdir(traces / "iteration_2")) == ["rank0_trace.json"]
@@ -96,15 +119,18 @@ def test_out_of_memory_dumps_a_snapshot_and_raises(tmp_path):
         assert json.load(f)["step"] == 2
 
 
-@pytest.mark.parametrize("args, key", [
-    (["--profiling.profile_freq=0"], "profile_freq"),
-    (["--profiling.profiler_active=0"], "profiler_active"),
-    (["--profiling.profiler_warmup=-1"], "profiler_warmup"),
-    (["--profiling.enable_profiling=true", "--profiling.profile_freq=2"], "profiler_warmup"),
-    (["--profiling.save_traces_folder="], "save_traces_folder"),
-    (["--profiling.profile_freq=ten"], "profiling.profile_freq"),
-    (["--profiling.profile_frequency=2"], "profiling.profile_frequency"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--profiling.profile_freq=0"], "profile_freq"),
+        (["--profiling.profiler_active=0"], "profiler_active"),
+        (["--profiling.profiler_warmup=-1"], "profiler_warmup"),
+        (["--profiling.enable_profiling=true", "--profiling.profile_freq=2"], "profiler_warmup"),
+        (["--profiling.save_traces_folder="], "save_traces_folder"),
+        (["--profiling.profile_freq=ten"], "profiling.profile_freq"),
+        (["--profiling.profile_frequency=2"], "profiling.profile_frequency"),
+    ],
+)
 def test_bad_profiling_values_name_the_key(args, key):
     with pytest.raises(ValueError, match=key):
         load_config(args)

@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT
+
 from titanrl.config import load_config
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
@@ -20,8 +20,16 @@ from titanrl.generator.weight_sync import weight_bytes
 from titanrl.models import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=101,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=96,
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=96,
+    vocab_size=101,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=96,
 )
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
 
@@ -68,7 +76,7 @@ def test_int8_weights_are_int8_and_logits_match_the_dequantised_reference():
     gen = _generator(model, quantize="int8")
     quantised = {n for n, p in gen.model.named_parameters() if is_quantized(p)}
     assert len(quantised) == 7 * ARGS.n_layers and all(n.startswith("layers.") for n in quantised)
-    assert all(getattr(gen.model.get_parameter(n), "qdata").dtype == torch.int8 for n in quantised)
+    assert all(gen.model.get_parameter(n).qdata.dtype == torch.int8 for n in quantised)
     assert not is_quantized(gen.model.output.weight) and gen.model.output.weight.dtype == torch.float32
     tokens = torch.tensor([_prompts([40])[0]])
     with torch.no_grad():
@@ -142,12 +150,24 @@ def test_rl_step_with_int8_rollout_logs_the_mismatch_and_applies_tis(tmp_path):
     one, and losses and grad norms are finite."""
     from titanrl.trainer import Trainer
 
-    trainer = Trainer(load_config([
-        f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml", f"--job.dump_folder={tmp_path}",
-        "--training.steps=2", "--sft_warmup.steps=0", "--training.batch_size=4", "--algorithm.group_size=4",
-        "--generator.max_new_tokens=6", "--data.num_eval_samples=4", "--reward.num_workers=1",
-        "--metrics.eval_freq=0", "--generator.quantize=int8", "--algorithm.off_policy_correction=tis",
-    ]))
+    trainer = Trainer(
+        load_config(
+            [
+                f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml",
+                f"--job.dump_folder={tmp_path}",
+                "--training.steps=2",
+                "--sft_warmup.steps=0",
+                "--training.batch_size=4",
+                "--algorithm.group_size=4",
+                "--generator.max_new_tokens=6",
+                "--data.num_eval_samples=4",
+                "--reward.num_workers=1",
+                "--metrics.eval_freq=0",
+                "--generator.quantize=int8",
+                "--algorithm.off_policy_correction=tis",
+            ]
+        )
+    )
     seen = []
     loss = trainer.recipe.algorithm.loss
     trainer.recipe.algorithm.loss = lambda *a, **kw: seen.append((kw["is_weights_BT"], out := loss(*a, **kw))) or out
@@ -170,13 +190,26 @@ def test_int8_weight_memory_at_real_vocabulary():
     zero point per row; the tied embedding/head stays float32. Measured: 663.8 MB fp32 ->
     574.5 MB int8 (0.865x), the block projections 119.3 -> 29.9 MB (3.98x); with all 24 blocks
     (scripts/bench_quant_rollout.py, on the meta device) 1976.1 -> 904.2 MB (0.458x)."""
-    args = TransformerModelArgs(family="qwen2", dim=896, n_layers=2, n_heads=14, n_kv_heads=2, hidden_dim=4864,
-                                vocab_size=151_936, qkv_bias=True, tie_word_embeddings=True, max_seq_len=64)
+    args = TransformerModelArgs(
+        family="qwen2",
+        dim=896,
+        n_layers=2,
+        n_heads=14,
+        n_kv_heads=2,
+        hidden_dim=4864,
+        vocab_size=151_936,
+        qkv_bias=True,
+        tie_word_embeddings=True,
+        max_seq_len=64,
+    )
     config = dict(block_size=16, num_blocks=4)
     fp32 = Generator(args, GeneratorConfig(**config), torch.device("cpu"))
     fp32_bytes = weight_bytes(fp32.model)
-    projections = {n: p.shape for n, p in fp32.model.named_parameters()
-                   if n.endswith(".weight") and n.rsplit(".", 2)[-2] in BLOCK_PROJECTIONS}
+    projections = {
+        n: p.shape
+        for n, p in fp32.model.named_parameters()
+        if n.endswith(".weight") and n.rsplit(".", 2)[-2] in BLOCK_PROJECTIONS
+    }
     del fp32
     int8 = Generator(args, GeneratorConfig(quantize="int8", **config), torch.device("cpu"))
     int8_bytes = weight_bytes(int8.model)
@@ -184,7 +217,9 @@ def test_int8_weight_memory_at_real_vocabulary():
     proj_int8 = sum(r * c + r * (4 + 1) for r, c in projections.values())
     assert int8_bytes == fp32_bytes - proj_fp32 + proj_int8
     assert proj_fp32 / proj_int8 > 3.9 and int8_bytes < 0.9 * fp32_bytes
-    print(f"\nweights at vocab 151936: fp32 {fp32_bytes / 1e6:.1f} MB, int8 {int8_bytes / 1e6:.1f} MB "
-          f"({int8_bytes / fp32_bytes:.3f}x); block projections {proj_fp32 / 1e6:.1f} -> {proj_int8 / 1e6:.1f} MB")
+    print(
+        f"\nweights at vocab 151936: fp32 {fp32_bytes / 1e6:.1f} MB, int8 {int8_bytes / 1e6:.1f} MB "
+        f"({int8_bytes / fp32_bytes:.3f}x); block projections {proj_fp32 / 1e6:.1f} -> {proj_int8 / 1e6:.1f} MB"
+    )
     (c,), _ = int8.generate([[151644, 872, 198]], SamplingParams(max_new_tokens=2, temperature=0))
     assert len(c.token_ids) == 2

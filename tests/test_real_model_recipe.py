@@ -13,27 +13,39 @@ pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 pyarrow = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
-
 from conftest import REPO_ROOT  # noqa: E402
 from real_vocab import write_qwen_layout_folder  # noqa: E402
+
 from titanrl.config import load_config  # noqa: E402
 from titanrl.models import Transformer, TransformerModelArgs  # noqa: E402
 from titanrl.models.hf import export_hf  # noqa: E402
 from titanrl.trainer import Trainer  # noqa: E402
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_qwen2.5_0.5b_gsm8k.toml")
-QUESTIONS = [("Natalia sold 48 clips in April and half as many in May. How many in total?", "72"),
-             ("What is 6 times 7?", "42"), ("What is 10 plus 5?", "15"), ("Half of 84?", "42"),
-             ("What is 9 times 9?", "81"), ("What is 100 minus 1?", "99")]
+QUESTIONS = [
+    ("Natalia sold 48 clips in April and half as many in May. How many in total?", "72"),
+    ("What is 6 times 7?", "42"),
+    ("What is 10 plus 5?", "15"),
+    ("Half of 84?", "42"),
+    ("What is 9 times 9?", "81"),
+    ("What is 100 minus 1?", "99"),
+]
 
 
 def _verl_rows():
     """Rows as verl's examples/data_preprocess/gsm8k.py writes them."""
-    return [{"data_source": "openai/gsm8k",
-             "prompt": [{"role": "user", "content": q + " Let's think step by step and output the final answer "
-                                                       "after \"####\"."}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": a},
-             "extra_info": {"split": "train", "index": i}} for i, (q, a) in enumerate(QUESTIONS)]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [
+                {"role": "user", "content": q + ' Let\'s think step by step and output the final answer after "####".'}
+            ],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": a},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i, (q, a) in enumerate(QUESTIONS)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +54,19 @@ def assets(tmp_path_factory):
     tokenizer = root / "tokenizer"
     tokenizer.mkdir()
     write_qwen_layout_folder(tokenizer)
-    args = TransformerModelArgs(family="qwen2", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64,
-                                vocab_size=151_936, rope_theta=1e6, qkv_bias=True, tie_word_embeddings=True,
-                                max_seq_len=512)
+    args = TransformerModelArgs(
+        family="qwen2",
+        dim=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        hidden_dim=64,
+        vocab_size=151_936,
+        rope_theta=1e6,
+        qkv_bias=True,
+        tie_word_embeddings=True,
+        max_seq_len=512,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
@@ -56,13 +78,24 @@ def assets(tmp_path_factory):
 
 
 def _args(assets, folder):
-    return [f"--job.config_file={CONFIG}", f"--job.dump_folder={folder}",
-            f"--model.hf_checkpoint={assets / 'model'}", f"--model.tokenizer={assets / 'tokenizer'}",
-            f"--data.path={assets / 'train.parquet'}", "--model.max_seq_len=256",
-            "--training.steps=2", "--training.batch_size=2", "--algorithm.group_size=2",
-            "--generator.max_new_tokens=6", "--generator.num_blocks=64", "--data.num_eval_samples=2",
-            "--reward.num_workers=1", "--metrics.eval_freq=0", "--checkpoint.enable=false",
-            "--checkpoint.export_hf=false"]
+    return [
+        f"--job.config_file={CONFIG}",
+        f"--job.dump_folder={folder}",
+        f"--model.hf_checkpoint={assets / 'model'}",
+        f"--model.tokenizer={assets / 'tokenizer'}",
+        f"--data.path={assets / 'train.parquet'}",
+        "--model.max_seq_len=256",
+        "--training.steps=2",
+        "--training.batch_size=2",
+        "--algorithm.group_size=2",
+        "--generator.max_new_tokens=6",
+        "--generator.num_blocks=64",
+        "--data.num_eval_samples=2",
+        "--reward.num_workers=1",
+        "--metrics.eval_freq=0",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf=false",
+    ]
 
 
 def test_real_model_recipe_runs_on_cpu_at_real_vocabulary(assets, tmp_path):
@@ -76,7 +109,7 @@ def test_real_model_recipe_runs_on_cpu_at_real_vocabulary(assets, tmp_path):
     sample = trainer.recipe.eval_samples[0]
     ids = trainer.encode_prompt(sample.prompt, sample.metadata)
     generation_prompt = [151644, *trainer.tokenizer.encode("assistant\n")]
-    assert ids[0] == 151644 and ids[-len(generation_prompt):] == generation_prompt
+    assert ids[0] == 151644 and ids[-len(generation_prompt) :] == generation_prompt
     assert sample.answer == QUESTIONS[0][1] and sample.metadata["data_source"] == "openai/gsm8k"
     result = trainer.train()
     trainer.close()

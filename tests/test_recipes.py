@@ -11,14 +11,19 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, run_cmd
+
 from titanrl import train
 
 SMALL = [
-    "--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8",
-    "--training.batch_size=4", "--algorithm.group_size=4", "--data.num_eval_samples=8",
-    "--reward.num_workers=1", "--metrics.eval_freq=0",
+    "--training.steps=3",
+    "--sft_warmup.steps=4",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
 ]
 # Algorithm-specific metrics each recipe must log.
 RECIPES = {
@@ -35,8 +40,11 @@ RECIPES = {
 # The PPO recipe trains the critic alone for 5 steps; here for 1 (step 1 has no policy update).
 # RLOO also runs with truncated importance sampling, to exercise the off-policy correction.
 # ReMax runs with one sample per prompt, the setting its baseline is made for.
-EXTRA = {"ppo": ["--critic.warmup_steps=1"], "rloo": ["--algorithm.off_policy_correction=tis"],
-         "remax": ["--algorithm.group_size=1"]}
+EXTRA = {
+    "ppo": ["--critic.warmup_steps=1"],
+    "rloo": ["--algorithm.off_policy_correction=tis"],
+    "remax": ["--algorithm.group_size=1"],
+}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -51,8 +59,16 @@ def _train(recipe, folder, extra=(), nproc=1):
         with contextlib.redirect_stdout(io.StringIO()) as out:
             train.main(args)
         return subprocess.CompletedProcess(args, 0, out.getvalue(), "")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titanrl.train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "titanrl.train",
+        *args,
+    ]
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -94,17 +110,20 @@ def test_recipe_runs_and_logs_its_metrics(one_rank, recipe):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe,layout", [
-    ("ppo", ["--parallelism.dp_shard=2"]),
-    ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-    ("rloo", ["--parallelism.dp_shard=2"]),
-    ("remax", ["--parallelism.dp_shard=2"]),
-    # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
-    ("reinforce_pp", ["--parallelism.dp_shard=2"]),
-    # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
-    ("gspo", ["--parallelism.dp_shard=2", "--algorithm.num_minibatches=2"]),
-    ("dr_grpo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-])
+@pytest.mark.parametrize(
+    "recipe,layout",
+    [
+        ("ppo", ["--parallelism.dp_shard=2"]),
+        ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+        ("rloo", ["--parallelism.dp_shard=2"]),
+        ("remax", ["--parallelism.dp_shard=2"]),
+        # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
+        ("reinforce_pp", ["--parallelism.dp_shard=2"]),
+        # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
+        ("gspo", ["--parallelism.dp_shard=2", "--algorithm.num_minibatches=2"]),
+        ("dr_grpo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+    ],
+)
 def test_two_ranks_match_one_rank(tmp_path, one_rank, recipe, layout):
     _train(f"{recipe}_reverse_debug", tmp_path, [*SMALL, *EXTRA.get(recipe, []), *layout], nproc=2)
     got, want = _rl_steps(tmp_path), one_rank[recipe]
@@ -184,8 +203,11 @@ def test_calculator_recipe_runs_multi_turn_episodes(calculator_one_rank):
 def test_calculator_with_ppo_places_per_turn_rewards(tmp_path):
     """Token-level algorithms on multi-turn episodes: PPO's critic and GAE over turns whose
     environment tokens are masked (per-turn rewards at each turn's last token)."""
-    _train("grpo_calculator_debug", tmp_path, [*CALC, "--training.steps=2", "--algorithm.name=ppo",
-                                               "--critic.enable=true", "--sft_warmup.steps=30"])
+    _train(
+        "grpo_calculator_debug",
+        tmp_path,
+        [*CALC, "--training.steps=2", "--algorithm.name=ppo", "--critic.enable=true", "--sft_warmup.steps=30"],
+    )
     steps = _rl_steps(tmp_path)
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
@@ -210,8 +232,17 @@ OFFLINE = ["--data.num_eval_samples=32", "--metrics.log_freq=1"]
 @pytest.fixture(scope="module")
 def sft_export(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sft")
-    out = _train("sft_reverse_debug", folder, [*OFFLINE, "--training.steps=30", "--training.batch_size=32",
-                                                "--metrics.eval_freq=30", "--checkpoint.interval=30"])
+    out = _train(
+        "sft_reverse_debug",
+        folder,
+        [
+            *OFFLINE,
+            "--training.steps=30",
+            "--training.batch_size=32",
+            "--metrics.eval_freq=30",
+            "--checkpoint.interval=30",
+        ],
+    )
     first, last = (float(x) for x in out.stdout.split("eval_loss ")[1].split()[0:3:2])
     assert last < 0.6 * first, out.stdout[-2000:]
     assert os.path.exists(folder / "hf" / "model.safetensors")
@@ -224,23 +255,38 @@ def _offline_evals(folder, key="eval_margin") -> list[dict]:
 
 
 def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
-    _train("dpo_reverse_debug", tmp_path, [*OFFLINE, f"--model.hf_checkpoint={sft_export}",
-                                           "--training.steps=12", "--metrics.eval_freq=12"])
+    _train(
+        "dpo_reverse_debug",
+        tmp_path,
+        [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=12", "--metrics.eval_freq=12"],
+    )
     evals = _offline_evals(tmp_path)
     assert evals[0]["eval_margin"] == 0.0  # policy == reference at the start
     assert evals[-1]["eval_margin"] > 0.05 and evals[-1]["eval_pref_accuracy"] > 0.6, evals
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("recipe,key", [("dpo_reverse_debug", "eval_margin"), ("sft_reverse_debug", "eval_loss"),
-                                        ("reward_model_reverse_debug", "eval_margin")])
+@pytest.mark.parametrize(
+    "recipe,key",
+    [
+        ("dpo_reverse_debug", "eval_margin"),
+        ("sft_reverse_debug", "eval_loss"),
+        ("reward_model_reverse_debug", "eval_margin"),
+    ],
+)
 def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
-    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=4", "--metrics.eval_freq=4",
-            "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    args = [
+        *OFFLINE,
+        f"--model.hf_checkpoint={sft_export}",
+        "--training.steps=4",
+        "--metrics.eval_freq=4",
+        "--training.batch_size=16",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf=false",
+    ]
     _train(recipe, tmp_path / "one", args)
     # Two ranks also accumulate micro-batches: as many on each rank, pairs kept together.
-    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"],
-           nproc=2)
+    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"], nproc=2)
     one, two = (_offline_evals(tmp_path / d, key) for d in ("one", "two"))
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
@@ -252,8 +298,15 @@ def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
 def test_offline_micro_batches_match_one_batch(tmp_path, sft_export, recipe):
     """Gradient accumulation over micro-batches of training.micro_batch_tokens (pairs kept
     together) gives the same losses, gradient norms and evaluations as one forward per step."""
-    args = [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=3", "--metrics.eval_freq=3",
-            "--training.batch_size=16", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    args = [
+        *OFFLINE,
+        f"--model.hf_checkpoint={sft_export}",
+        "--training.steps=3",
+        "--metrics.eval_freq=3",
+        "--training.batch_size=16",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf=false",
+    ]
     _train(recipe, tmp_path / "one", args)
     _train(recipe, tmp_path / "micro", [*args, "--training.micro_batch_tokens=128"])
     one, micro = (_offline_evals(tmp_path / d, "loss") for d in ("one", "micro"))
@@ -263,8 +316,10 @@ def test_offline_micro_batches_match_one_batch(tmp_path, sft_export, recipe):
         for key in ["loss", "grad_norm", "margin", "pref_accuracy"]:
             if key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a, b)
-    evals = [_offline_evals(tmp_path / d, "eval_loss" if recipe.startswith("sft") else "eval_margin")
-             for d in ("one", "micro")]
+    evals = [
+        _offline_evals(tmp_path / d, "eval_loss" if recipe.startswith("sft") else "eval_margin")
+        for d in ("one", "micro")
+    ]
     assert len(evals[0]) == len(evals[1]) == 2
     for a, b in zip(*evals):
         for key in ["eval_loss", "eval_margin", "eval_pref_accuracy"]:
@@ -278,16 +333,33 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
     pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1]} for r in sft_rows]
     for name, rows in [("sft.jsonl", sft_rows), ("pairs.jsonl", pairs)]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    common = ["--data.task=jsonl", "--data.num_eval_samples=2", "--training.steps=3", "--training.batch_size=2",
-              "--metrics.eval_freq=3", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    common = [
+        "--data.task=jsonl",
+        "--data.num_eval_samples=2",
+        "--training.steps=3",
+        "--training.batch_size=2",
+        "--metrics.eval_freq=3",
+        "--checkpoint.enable=false",
+        "--checkpoint.export_hf=false",
+    ]
     _train("sft_reverse_debug", tmp_path / "sft", [*common, f"--data.path={tmp_path / 'sft.jsonl'}"])
     assert len(_offline_evals(tmp_path / "sft", "eval_loss")) == 2
-    _train("dpo_reverse_debug", tmp_path / "dpo", [*common, f"--data.path={tmp_path / 'pairs.jsonl'}",
-                                                   f"--model.hf_checkpoint={sft_export}"])
+    _train(
+        "dpo_reverse_debug",
+        tmp_path / "dpo",
+        [*common, f"--data.path={tmp_path / 'pairs.jsonl'}", f"--model.hf_checkpoint={sft_export}"],
+    )
     assert len(_offline_evals(tmp_path / "dpo")) == 2
     (tmp_path / "bad.jsonl").write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
-    cmd = [sys.executable, "-m", "titanrl.train", f"--job.config_file={_config('dpo_reverse_debug')}",
-           *common, f"--data.path={tmp_path / 'bad.jsonl'}", f"--job.dump_folder={tmp_path / 'bad'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanrl.train",
+        f"--job.config_file={_config('dpo_reverse_debug')}",
+        *common,
+        f"--data.path={tmp_path / 'bad.jsonl'}",
+        f"--job.dump_folder={tmp_path / 'bad'}",
+    ]
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 2 and "bad.jsonl:2: missing or empty 'rejected'" in proc.stderr, proc.stderr
 
@@ -296,8 +368,11 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
 def test_reward_model_trains_then_scores_rl_on_tp2(tmp_path, sft_export):
     """Bradley-Terry reward model from the SFT export, exported as *ForSequenceClassification,
     then used (weighted with the verifier) by GRPO on 1 rank and on tp=2 with equal scores."""
-    _train("reward_model_reverse_debug", tmp_path / "rm",
-           [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=20", "--metrics.eval_freq=20"])
+    _train(
+        "reward_model_reverse_debug",
+        tmp_path / "rm",
+        [*OFFLINE, f"--model.hf_checkpoint={sft_export}", "--training.steps=20", "--metrics.eval_freq=20"],
+    )
     evals = _offline_evals(tmp_path / "rm")
     assert evals[-1]["eval_pref_accuracy"] > 0.6 and evals[-1]["eval_margin"] > evals[0]["eval_margin"]
     config = json.load(open(tmp_path / "rm" / "hf" / "config.json"))

@@ -7,14 +7,20 @@ import os
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, run_cmd, train_cmd
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
-    f"--job.config_file={CONFIG}", "--sft_warmup.steps=2", "--sft_warmup.batch_size=8",
-    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8", "--reward.num_workers=1", "--metrics.eval_freq=0", "--training.steps=3",
+    f"--job.config_file={CONFIG}",
+    "--sft_warmup.steps=2",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--training.steps=3",
 ]
 
 
@@ -35,8 +41,11 @@ def _rl(folder):
 
 def test_nan_loss_update_is_skipped_and_counted(tmp_path):
     """NaN loss in one update -> that update is skipped and counted (skipped_updates), the run finishes, checkpoints stay finite"""
-    proc = _run(tmp_path, ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.export_hf=true"],
-                fault="nan_loss:2:0")
+    proc = _run(
+        tmp_path,
+        ["--checkpoint.enable=true", "--checkpoint.interval=1", "--checkpoint.export_hf=true"],
+        fault="nan_loss:2:0",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = _rl(tmp_path)
     assert [m["skipped_updates"] for m in steps] == [0, 1, 0]

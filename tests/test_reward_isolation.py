@@ -14,6 +14,7 @@ import time
 import pytest
 import reward_fns
 from conftest import REPO_ROOT, run_cmd
+
 from titanrl.rewards.runner import OUTPUT_KEEP_BYTES, RewardItem, RewardOutputLog, RewardRunner
 
 
@@ -65,8 +66,9 @@ def test_user_code_raising_base_exceptions_fails_only_that_sample():
 
 def test_worker_deaths_fail_only_their_sample():
     """Reward function calling os._exit, segfaulting, SIGKILLing its worker, or allocating past reward.memory_limit_mb -> that sample fails ('crash' with the exit code or signal, or 'memory'); a new worker takes over and the batch's other samples are scored"""
-    runner = RewardRunner(reward_fns.misbehaves, num_workers=1, timeout_s=30.0, failure_reward=-1.0,
-                          memory_limit_mb=256)
+    runner = RewardRunner(
+        reward_fns.misbehaves, num_workers=1, timeout_s=30.0, failure_reward=-1.0, memory_limit_mb=256
+    )
     try:
         out = runner(_items("ok", "exit", "ok", "segfault", "ok", "sigkill", "ok", "memory", "ok"))
         assert [r.failed for r in out] == [None, "crash", None, "crash", None, "crash", None, "memory", None]
@@ -163,7 +165,8 @@ def test_function_that_cannot_load_in_a_worker_is_a_clear_error(tmp_path, monkey
         "    print('no licence in this process')\n"
         "    raise ImportError('needs the trainer')\n"
         "def fn(prompt, completion, metadata):\n"
-        "    return 1.0\n")
+        "    return 1.0\n"
+    )
     monkeypatch.setenv("TRAINER_PID", str(os.getpid()))
     monkeypatch.syspath_prepend(str(tmp_path))
     import loads_only_here
@@ -181,12 +184,27 @@ CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 
 def test_reward_function_raising_system_exit_in_a_real_run(tmp_path):
     """User reward function doing `raise SystemExit` in a real run under torchrun -> the run finishes (exit 0); every sample fails ('error'), counted in reward_failures and eval_reward_failures; the traceback goes to reward_output.log, not the console"""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "titanrl.train",
-           f"--job.config_file={CONFIG}", f"--job.dump_folder={tmp_path}",
-           "--reward.function=reward_fns:raises_system_exit",
-           "--sft_warmup.steps=2", "--sft_warmup.batch_size=8", "--training.batch_size=4", "--algorithm.group_size=4",
-           "--generator.max_new_tokens=6", "--data.num_eval_samples=8", "--reward.num_workers=1",
-           "--metrics.eval_freq=0", "--training.steps=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "titanrl.train",
+        f"--job.config_file={CONFIG}",
+        f"--job.dump_folder={tmp_path}",
+        "--reward.function=reward_fns:raises_system_exit",
+        "--sft_warmup.steps=2",
+        "--sft_warmup.batch_size=8",
+        "--training.batch_size=4",
+        "--algorithm.group_size=4",
+        "--generator.max_new_tokens=6",
+        "--data.num_eval_samples=8",
+        "--reward.num_workers=1",
+        "--metrics.eval_freq=0",
+        "--training.steps=2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     env.pop("TITANRL_FAULT", None)
     proc = run_cmd(cmd, env)

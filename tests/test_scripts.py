@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import torch
-
 from conftest import REPO_ROOT
+
 from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf
@@ -15,14 +15,36 @@ from titanrl.models.tokenizer import ByteTokenizer
 
 
 def test_generate_cli_on_hf_folder(tmp_path):
-    args = TransformerModelArgs(family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96,
-                                vocab_size=264, qk_norm=True, tie_word_embeddings=True, max_seq_len=64)
+    args = TransformerModelArgs(
+        family="qwen3",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=96,
+        vocab_size=264,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=64,
+    )
     torch.manual_seed(0)
     model = Transformer(args)
     model.init_weights()
     export_hf(model, str(tmp_path))
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "generate.py"), "--hf_checkpoint", str(tmp_path),
-           "--prompt", "12+34=", "--prompt", "hello", "--max_new_tokens", "8", "--num_blocks", "32"]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "scripts", "generate.py"),
+        "--hf_checkpoint",
+        str(tmp_path),
+        "--prompt",
+        "12+34=",
+        "--prompt",
+        "hello",
+        "--max_new_tokens",
+        "8",
+        "--num_blocks",
+        "32",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=300).stdout
     lines = [json.loads(line) for line in out.strip().splitlines()]
     completions, stats = lines[:-1], lines[-1]["stats"]
@@ -41,8 +63,13 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
     import importlib.util
 
     out = tmp_path / "bench_gpu.json"
-    proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["dry_run"] is True and report["copy_bandwidth_gb_s"] > 0

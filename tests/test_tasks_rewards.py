@@ -62,6 +62,7 @@ def test_unknown_task_is_clear():
 
 # ---- reward isolation ----
 
+
 def _raises(prompt, completion, metadata):
     if completion == "boom":
         raise RuntimeError("user bug")
@@ -127,9 +128,15 @@ def test_reward_runner_isolates_failures():
 
 # ---- prompt data ----
 
+
 def test_jsonl_loader_and_errors(tmp_path):
     good = tmp_path / "good.jsonl"
-    good.write_text(json.dumps({"prompt": "1+1=", "answer": 2, "level": 1}) + "\n\n" + json.dumps({"prompt": "x", "answer": "y"}) + "\n")
+    good.write_text(
+        json.dumps({"prompt": "1+1=", "answer": 2, "level": 1})
+        + "\n\n"
+        + json.dumps({"prompt": "x", "answer": "y"})
+        + "\n"
+    )
     rows = load_jsonl(str(good))
     assert [(r.prompt, r.answer, r.metadata) for r in rows] == [("1+1=", "2", {"level": 1}), ("x", "y", {})]
     cases = {

@@ -24,7 +24,8 @@ def _train_tiny_hf_tokenizer(folder):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        vocab_size=300,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(["what is 12 plus 34? the answer is 46."] * 50, trainer=trainer)
@@ -42,7 +43,11 @@ def test_hf_tokenizer_json_loader(tmp_path):
     text = "what is 12 plus 34?"
     assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids
     assert tok.decode(tok.encode(text, add_bos=True) + [tok.eos_id]) == text
-    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (ref.token_to_id("<s>"), ref.token_to_id("</s>"), ref.token_to_id("<pad>"))
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (
+        ref.token_to_id("<s>"),
+        ref.token_to_id("</s>"),
+        ref.token_to_id("<pad>"),
+    )
     assert tok.vocab_size == ref.get_vocab_size()
 
 
@@ -51,8 +56,17 @@ def test_hf_tokenizer_vocab_size_covers_the_highest_id(tmp_path):
     id + 1, what the model's embedding needs, not the number of entries."""
     spec = json.loads(_train_tiny_hf_tokenizer(tmp_path).to_str())
     spec["model"]["vocab"]["<|im_end|>"] = 5000
-    spec["added_tokens"].append({"id": 5000, "content": "<|im_end|>", "single_word": False, "lstrip": False,
-                                 "rstrip": False, "normalized": False, "special": True})
+    spec["added_tokens"].append(
+        {
+            "id": 5000,
+            "content": "<|im_end|>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     tok = HFTokenizer(str(tmp_path))
     assert tok.vocab_size == 5001 and 5000 in tok.encode("ok <|im_end|>")

@@ -7,15 +7,21 @@ import os
 import sys
 
 import pytest
-
 from conftest import REPO_ROOT, run_cmd
+
 from titanrl import train
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SMALL = [
-    "--training.steps=3", "--sft_warmup.steps=4", "--sft_warmup.batch_size=8",
-    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8", "--reward.num_workers=1", "--metrics.eval_freq=0",
+    "--training.steps=3",
+    "--sft_warmup.steps=4",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
 ]
 
 
@@ -25,8 +31,15 @@ def _metrics(folder) -> list[dict]:
 
 
 def _run_single(folder, extra=()):
-    cmd = [sys.executable, "-m", "titanrl.train", f"--job.config_file={CONFIG}", *SMALL,
-           f"--job.dump_folder={folder}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanrl.train",
+        f"--job.config_file={CONFIG}",
+        *SMALL,
+        f"--job.dump_folder={folder}",
+        *extra,
+    ]
     # tests/ on the path so that 'reward_fns:...' imports, in the trainer and its reward workers.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     return run_cmd(cmd, env)
@@ -54,9 +67,28 @@ def test_single_rank_run_logs_every_metric(single_rank):
     stdout, metrics = single_rank
     steps = _rl_steps(metrics)
     assert [m["step"] for m in steps] == [1, 2, 3]
-    for key in ["reward_mean", "reward_std", "accuracy", "response_len", "kl", "entropy", "clip_frac",
-                "grad_norm", "lr", "tokens_per_s", "time_generate", "time_reward", "time_train", "time_sync",
-                "peak_mem_gb", "gen_logprob_diff", "ratio_max", "mem_generate_gb", "mem_train_gb", "mem_sync_gb"]:
+    for key in [
+        "reward_mean",
+        "reward_std",
+        "accuracy",
+        "response_len",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "time_generate",
+        "time_reward",
+        "time_train",
+        "time_sync",
+        "peak_mem_gb",
+        "gen_logprob_diff",
+        "ratio_max",
+        "mem_generate_gb",
+        "mem_train_gb",
+        "mem_sync_gb",
+    ]:
         assert key in steps[0], key
     # Time-slicing: the 2048-block KV pool is released before training; the generator's blocks
     # are touched only when used, so the resident memory during generation is not far above.
@@ -75,7 +107,16 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
     _, ref = single_rank
     args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanrl.train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "titanrl.train",
+        *args,
+    ]
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = _rl_steps(_metrics(tmp_path))
@@ -101,8 +142,17 @@ def test_kl_to_reference_starts_at_zero_then_grows(tmp_path):
 
 def test_off_policy_epochs_and_minibatches(tmp_path):
     """2 epochs x 2 mini-batches with micro-batches: later updates see ratios != 1 (old logprobs)."""
-    steps = _rl_steps(_train_in_process(tmp_path, ["--algorithm.ppo_epochs=2", "--algorithm.num_minibatches=2",
-                                                   "--optimizer.lr=3e-3", "--training.micro_batch_tokens=24"]))
+    steps = _rl_steps(
+        _train_in_process(
+            tmp_path,
+            [
+                "--algorithm.ppo_epochs=2",
+                "--algorithm.num_minibatches=2",
+                "--optimizer.lr=3e-3",
+                "--training.micro_batch_tokens=24",
+            ],
+        )
+    )
     assert len(steps) == 3 and any(m["ratio_max"] != 1.0 for m in steps)
 
 
@@ -138,8 +188,9 @@ def test_config_typo_fails_with_suggestion(tmp_path):
 
 def test_failing_user_reward_function_is_isolated_and_counted(tmp_path):
     """User reward function raising, returning NaN or hanging inside a real run -> the run finishes; failures counted in reward_failures"""
-    proc = _run_single(tmp_path, ["--reward.function=reward_fns:flaky", "--reward.timeout_s=2",
-                                  "--reward.failure_reward=-1.0"])
+    proc = _run_single(
+        tmp_path, ["--reward.function=reward_fns:flaky", "--reward.timeout_s=2", "--reward.failure_reward=-1.0"]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _rl_steps(_metrics(tmp_path))
     assert len(steps) == 3

@@ -11,8 +11,8 @@ import weakref
 
 import pytest
 import torch
-
 from conftest import REPO_ROOT, run_cmd
+
 from titanrl import train
 from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm
 from titanrl.components import launch
@@ -23,18 +23,36 @@ from titanrl.trainer import Trainer
 
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
 RL_SMALL = [
-    f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml", "--training.steps=2", "--sft_warmup.steps=0",
-    "--training.batch_size=4", "--algorithm.group_size=4", "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=4", "--reward.num_workers=1", "--metrics.eval_freq=0",
+    f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml",
+    "--training.steps=2",
+    "--sft_warmup.steps=0",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--generator.max_new_tokens=6",
+    "--data.num_eval_samples=4",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
 ]
-OFFLINE_SMALL = ["--training.steps=4", "--training.batch_size=8", "--data.num_eval_samples=8", "--metrics.eval_freq=0",
-                 "--metrics.log_freq=1", "--checkpoint.export_hf=false"]
+OFFLINE_SMALL = [
+    "--training.steps=4",
+    "--training.batch_size=8",
+    "--data.num_eval_samples=8",
+    "--metrics.eval_freq=0",
+    "--metrics.log_freq=1",
+    "--checkpoint.export_hf=false",
+]
 
 
 def _offline_args(recipe, folder, *extra):
     # DPO and the reward model start from the flavor (no exported SFT model needed in-process).
-    return [f"--job.config_file={CONFIGS}/{recipe}_reverse_debug.toml", f"--job.dump_folder={folder}",
-            "--model.hf_checkpoint=", "--model.flavor=debug", *OFFLINE_SMALL, *extra]
+    return [
+        f"--job.config_file={CONFIGS}/{recipe}_reverse_debug.toml",
+        f"--job.dump_folder={folder}",
+        "--model.hf_checkpoint=",
+        "--model.flavor=debug",
+        *OFFLINE_SMALL,
+        *extra,
+    ]
 
 
 def _rows(folder) -> list[dict]:
@@ -70,8 +88,16 @@ def test_bf16_on_one_rank_float32_master_weights_and_bitwise_generator_parity(tm
     mode sampler and trainer logprobs are bitwise equal. close() leaves no process group behind."""
     import torch.distributed as dist
 
-    trainer = Trainer(load_config([*RL_SMALL, f"--job.dump_folder={tmp_path}", "--training.mixed_precision_param=bfloat16",
-                                   "--generator.batch_invariant=true"]))
+    trainer = Trainer(
+        load_config(
+            [
+                *RL_SMALL,
+                f"--job.dump_folder={tmp_path}",
+                "--training.mixed_precision_param=bfloat16",
+                "--generator.batch_invariant=true",
+            ]
+        )
+    )
     metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
     assert metrics["gen_logprob_diff"] == 0.0 and metrics["mismatch_kl"] == 0.0 and metrics["ratio_max"] == 1.0
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
@@ -123,11 +149,17 @@ def test_first_dpo_step_has_zero_margin_and_loss_log_2(tmp_path):
 def test_offline_recipes_honour_checkpoint_load_path(tmp_path, recipe):
     """SFT / DPO run branched from a given checkpoint into a new folder (checkpoint.load_path) -> the branch's steps equal the original run's exactly"""
     first = tmp_path / "first"
-    train.main(_offline_args(recipe, first, "--checkpoint.enable=true", "--checkpoint.interval=2",
-                             "--checkpoint.keep_latest_k=0"))
+    train.main(
+        _offline_args(
+            recipe, first, "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"
+        )
+    )
     branch = tmp_path / "branch"
-    train.main(_offline_args(recipe, branch, "--checkpoint.enable=true",
-                             f"--checkpoint.load_path={first / 'checkpoint' / 'step-2'}"))
+    train.main(
+        _offline_args(
+            recipe, branch, "--checkpoint.enable=true", f"--checkpoint.load_path={first / 'checkpoint' / 'step-2'}"
+        )
+    )
     original = {r["step"]: r for r in _rows(first) if r["step"] > 2}
     branched = {r["step"]: r for r in _rows(branch)}
     assert sorted(branched) == [3, 4]
@@ -149,8 +181,11 @@ def test_offline_recipes_honour_on_nonfinite(tmp_path, monkeypatch, recipe):
 def test_offline_recipe_hang_is_reported_by_the_watchdog(tmp_path):
     """An SFT step that hangs -> the watchdog exits the rank (code 3) naming rank and phase."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_FAULT": "hang_train:2:0"}
-    proc = run_cmd([sys.executable, "-m", "titanrl.train", *_offline_args("sft", tmp_path),
-                    "--job.phase_timeout_s=10"], env, timeout_s=120)
+    proc = run_cmd(
+        [sys.executable, "-m", "titanrl.train", *_offline_args("sft", tmp_path), "--job.phase_timeout_s=10"],
+        env,
+        timeout_s=120,
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "titanrl watchdog: rank 0 stuck in phase 'train'" in proc.stderr
 
@@ -183,11 +218,25 @@ def test_plugin_algorithm_loads_validates_and_computes(monkeypatch):
 def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
     """algorithm.name = 'plugin_algorithms:MaxBaseline' (defined in tests/, not in titanrl) runs
     a 2-rank GRPO-style job: both ranks compute its advantages every step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_TEST_PLUGIN_LOG": str(tmp_path / "plugin"),
-           "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "titanrl.train",
-           *RL_SMALL, f"--job.dump_folder={tmp_path}", "--algorithm.name=plugin_algorithms:MaxBaseline",
-           "--parallelism.dp_shard=2"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TITANRL_TEST_PLUGIN_LOG": str(tmp_path / "plugin"),
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "titanrl.train",
+        *RL_SMALL,
+        f"--job.dump_folder={tmp_path}",
+        "--algorithm.name=plugin_algorithms:MaxBaseline",
+        "--parallelism.dp_shard=2",
+    ]
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):

@@ -31,7 +31,7 @@ def split_args(args: list[str]) -> tuple[list[str], str, list[str]]:
     """(torchrun options, config file, config overrides): the first *.toml argument splits them."""
     for i, arg in enumerate(args):
         if arg.endswith(".toml") and not arg.startswith("-"):
-            return torchrun_options(args[:i]), arg, args[i + 1:]
+            return torchrun_options(args[:i]), arg, args[i + 1 :]
     raise ValueError(f"no CONFIG.toml given; {USAGE}")
 
 
@@ -116,8 +116,12 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> i
         stopped = os.path.join(dump_folder, STOPPED_FILE)
         if os.path.exists(stopped) and os.path.getmtime(stopped) >= started:
             record = json.load(open(stopped))
-            print(f"titanrl: stopped by {record['signal']} after step {record['step']} "
-                  f"(checkpoint {record['checkpoint'] or 'off'})", file=sys.stderr, flush=True)
+            print(
+                f"titanrl: stopped by {record['signal']} after step {record['step']} "
+                f"(checkpoint {record['checkpoint'] or 'off'})",
+                file=sys.stderr,
+                flush=True,
+            )
             return 0
         print(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved", file=sys.stderr)
         return 128 + int(e.sigval)
@@ -125,8 +129,11 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> i
         rank, failure = e.get_first_failure()
         # A rank's user error (2) or the watchdog (3) has already printed its one line.
         if failure.exitcode not in (2, 3):
-            print(f"titanrl: rank {rank} failed with exit code {failure.exitcode} "
-                  "(its output is above)", file=sys.stderr, flush=True)
+            print(
+                f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)",
+                file=sys.stderr,
+                flush=True,
+            )
         return failure.exitcode if failure.exitcode in (2, 3) else 1
 
 

@@ -53,8 +53,9 @@ class Trainer:
         self.encode_prompt = PromptEncoder.from_config(config.data, config.model.tokenizer, self.tokenizer)
         self.watchdog = Watchdog(config.job.phase_timeout_s, self.rank)
         ckpt = config.checkpoint
-        self.checkpointer = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k,
-                                              ckpt.async_mode)
+        self.checkpointer = CheckpointManager(
+            os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k, ckpt.async_mode
+        )
         self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
         self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
         self.model = recipe_cls.build_model(self)
@@ -75,17 +76,24 @@ class Trainer:
             start, first_eval, last_eval = restored["step"] + 1, restored["first_eval"], restored["last_eval"]
         self.metrics.keep_through(start - 1)  # a resumed run redoes the steps after its checkpoint
         dump = cfg.job.dump_folder
-        with (maybe_enable_profiling(cfg.profiling, dump, start - 1) as profiler,
-              maybe_enable_memory_snapshot(cfg.profiling, dump, start - 1, self.device) as memory):
+        with (
+            maybe_enable_profiling(cfg.profiling, dump, start - 1) as profiler,
+            maybe_enable_memory_snapshot(cfg.profiling, dump, start - 1, self.device) as memory,
+        ):
             stopped, last_eval = self.run_steps(start, first_eval, last_eval, profiler, memory)
         if not stopped:
             self.finish_checkpoint()
             self._finish(first_eval, last_eval)
         return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
 
-    def run_steps(self, start: int, first_eval: dict[str, float], last_eval: dict[str, float],
-                  profiler: torch.profiler.profile | None,
-                  memory: MemorySnapshot | None) -> tuple[bool, dict[str, float]]:
+    def run_steps(
+        self,
+        start: int,
+        first_eval: dict[str, float],
+        last_eval: dict[str, float],
+        profiler: torch.profiler.profile | None,
+        memory: MemorySnapshot | None,
+    ) -> tuple[bool, dict[str, float]]:
         """Steps `start` .. training.steps, each evaluated, logged and checkpointed as configured;
         returns (stopped early by a signal, the last evaluation)."""
         cfg = self.config
@@ -137,8 +145,9 @@ class Trainer:
         if self.folder_lock is not None:
             self.folder_lock.close()
 
-    def _stop(self, signum: int, step: int, saved: bool, first_eval: dict[str, float],
-              last_eval: dict[str, float]) -> None:
+    def _stop(
+        self, signum: int, step: int, saved: bool, first_eval: dict[str, float], last_eval: dict[str, float]
+    ) -> None:
         """Preempted (SIGTERM / SIGUSR1): checkpoint this step if it was not just saved, then
         return so that the process exits 0 and a requeued job resumes from here."""
         if self.config.checkpoint.enable and not saved:
@@ -147,16 +156,25 @@ class Trainer:
         where = self.checkpointer.step_dir(step) if self.config.checkpoint.enable else ""
         if self.rank == 0:
             launch.write_stopped(self.config.job.dump_folder, signum, step, where)
-            print(f"titanrl: stopped by {signal.Signals(signum).name} after step {step}; " + (
-                f"checkpoint {where} saved, run the same command again to resume" if where else
-                "checkpoint.enable is off, so this run cannot resume"), flush=True)
+            print(
+                f"titanrl: stopped by {signal.Signals(signum).name} after step {step}; "
+                + (
+                    f"checkpoint {where} saved, run the same command again to resume"
+                    if where
+                    else "checkpoint.enable is off, so this run cannot resume"
+                ),
+                flush=True,
+            )
 
     def _banner(self) -> None:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is global
-            print(f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
-                  f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params) | "
-                  f"task {self.config.data.task}", flush=True)
+            print(
+                f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
+                f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params) | "
+                f"task {self.config.data.task}",
+                flush=True,
+            )
 
     def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
         if self.config.checkpoint.export_hf:
@@ -165,7 +183,9 @@ class Trainer:
                 export_lora(self.model, self.config)
         if self.rank == 0:
             # .get: a run resumed from an older checkpoint may not have had every eval metric at step 0
-            summary = ", ".join(f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval))
+            summary = ", ".join(
+                f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval)
+            )
             print(f"{self.recipe.name}: {summary}", flush=True)
 
     # ---- what recipes share inside a step ----
@@ -223,9 +243,14 @@ class Trainer:
 
     def save_checkpoint(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
         host = {
-            "step": step, "scheduler": self.lr_scheduler.state_dict(), "loader": self.recipe.loader.state_dict(),
-            "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-            "first_eval": first_eval, "last_eval": last_eval, "recipe": self.recipe.state_dict(),
+            "step": step,
+            "scheduler": self.lr_scheduler.state_dict(),
+            "loader": self.recipe.loader.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "py_rng": random.getstate(),
+            "first_eval": first_eval,
+            "last_eval": last_eval,
+            "recipe": self.recipe.state_dict(),
         }
         with phase(self.watchdog, "checkpoint"):
             self.checkpointer.save(step, *self.checkpoint_parts(), host)
@@ -247,8 +272,9 @@ class Trainer:
                 raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
             host = self.checkpointer.load(path, *self.checkpoint_parts())
         else:
-            restored = self.checkpointer.load_latest(*self.checkpoint_parts(),
-                                                     log=print if self.rank == 0 else lambda _: None)
+            restored = self.checkpointer.load_latest(
+                *self.checkpoint_parts(), log=print if self.rank == 0 else lambda _: None
+            )
             if restored is None:
                 return None
             host = restored[1]
@@ -261,4 +287,3 @@ class Trainer:
         if self.rank == 0:
             print(f"resumed from {path} (step {host['step']})", flush=True)
         return host
-

@@ -21,8 +21,16 @@ from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 
 ARGS = TransformerModelArgs(
-    family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=128,
-    qk_norm=True, tie_word_embeddings=True, max_seq_len=64,
+    family="qwen3",
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    hidden_dim=128,
+    vocab_size=128,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    max_seq_len=64,
 )
 LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "fsdp2_tp2": (1, 2, 2)}
 
@@ -45,8 +53,13 @@ def check(gen: Generator, trainer, prompts) -> dict:
         ids, lps = greedy_reference(ref_model, prompts[c.prompt_index], 12)
         mismatches += c.token_ids != ids
         max_lp_diff = max(max_lp_diff, max(abs(a - b) for a, b in zip(c.logprobs, lps)))
-    return {"n": len(completions), "mismatches": mismatches, "max_lp_diff": max_lp_diff,
-            "prefill_tokens": stats.prefill_tokens, "prompt_tokens": stats.prompt_tokens}
+    return {
+        "n": len(completions),
+        "mismatches": mismatches,
+        "max_lp_diff": max_lp_diff,
+        "prefill_tokens": stats.prefill_tokens,
+        "prompt_tokens": stats.prompt_tokens,
+    }
 
 
 def run_layout(layout: str, world_size: int) -> dict:
@@ -65,7 +78,9 @@ def run_layout(layout: str, world_size: int) -> dict:
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(dims.dp_rank))
     mask = torch.ones(2, 16)
     dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
-    sft_loss(token_logprobs(trainer(tokens[:, :-1]), tokens[:, 1:]), mask, global_token_count(mask, dp_group)).backward()
+    sft_loss(
+        token_logprobs(trainer(tokens[:, :-1]), tokens[:, 1:]), mask, global_token_count(mask, dp_group)
+    ).backward()
     opt.step()
     gen.load_weights(trainer)
     after = check(gen, trainer, prompts)

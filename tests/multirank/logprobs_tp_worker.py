@@ -24,7 +24,10 @@ D = 24
 # (V, B, T, chunk, layout of h): a toy vocabulary at chunk 1, 5 and > N, and the real one
 # (Qwen's 151,936) with a few rows; h sequence-sharded as training has it, replicated, or plain.
 CASES = [(194, 3, 11, chunk, "seq_sharded") for chunk in (1, 5, 1000)] + [
-    (194, 3, 11, 5, "replicated"), (194, 3, 11, 5, "plain"), (151_936, 1, 6, 4, "seq_sharded")]
+    (194, 3, 11, 5, "replicated"),
+    (194, 3, 11, 5, "plain"),
+    (151_936, 1, 6, 4, "seq_sharded"),
+]
 
 
 def _reference(h_BTD, w_VD, targets_BT):
@@ -51,7 +54,9 @@ def function_errors(mesh, V, B, T, chunk, h_layout, masked, dtype=torch.float64)
     if h_layout == "plain":
         h_in = h.to(dtype, copy=True).requires_grad_()
     else:
-        h_in = distribute_tensor(h.to(dtype), mesh, [Shard(1) if h_layout == "seq_sharded" else Replicate()]).requires_grad_()
+        h_in = distribute_tensor(
+            h.to(dtype), mesh, [Shard(1) if h_layout == "seq_sharded" else Replicate()]
+        ).requires_grad_()
     logprobs, entropy = vocab_parallel_token_logprobs(h_in, w_dt, targets, chunk, True, mask if masked else None)
     (logprobs * upstream).sum().backward()
     assert isinstance(w_dt.grad, DTensor) and tuple(w_dt.grad.placements) == (Shard(0),), w_dt.grad
@@ -61,8 +66,12 @@ def function_errors(mesh, V, B, T, chunk, h_layout, masked, dtype=torch.float64)
     h64, w64 = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref_logprobs, ref_entropy = _reference(h64, w64, targets)
     (ref_logprobs * mask * upstream).sum().backward()
-    pairs = {"logprobs": (logprobs, ref_logprobs * mask), "entropy": (entropy, ref_entropy * mask),
-             "grad_h": (_full(h_in.grad), h64.grad), "grad_w": (_full(w_dt.grad), w64.grad)}
+    pairs = {
+        "logprobs": (logprobs, ref_logprobs * mask),
+        "entropy": (entropy, ref_entropy * mask),
+        "grad_h": (_full(h_in.grad), h64.grad),
+        "grad_w": (_full(w_dt.grad), w64.grad),
+    }
     assert not entropy.requires_grad
     return {k: (a.double() - b.detach()).abs().max().item() for k, (a, b) in pairs.items()}
 
@@ -71,11 +80,13 @@ def empty_mask_ok(mesh) -> bool:
     """An all-zero mask projects no row: zeros, and a zero gradient (collectives on empty chunks)."""
     h = distribute_tensor(torch.randn(2, 4, D), mesh, [Shard(1)]).requires_grad_()
     w = distribute_tensor(torch.randn(10, D), mesh, [Shard(0)]).requires_grad_()
-    logprobs, entropy = vocab_parallel_token_logprobs(h, w, torch.zeros(2, 4, dtype=torch.long), 3, True,
-                                                      torch.zeros(2, 4))
+    logprobs, entropy = vocab_parallel_token_logprobs(
+        h, w, torch.zeros(2, 4, dtype=torch.long), 3, True, torch.zeros(2, 4)
+    )
     logprobs.sum().backward()
-    return bool((logprobs == 0).all() and (entropy == 0).all() and (_full(h.grad) == 0).all()
-                and (_full(w.grad) == 0).all())
+    return bool(
+        (logprobs == 0).all() and (entropy == 0).all() and (_full(h.grad) == 0).all() and (_full(w.grad) == 0).all()
+    )
 
 
 class _VocabSizedOutputs(TorchDispatchMode):
@@ -96,9 +107,19 @@ class _VocabSizedOutputs(TorchDispatchMode):
 def model_errors(mesh, family: str) -> dict:
     """A tiny float64 Transformer under `apply_tp` (sequence parallel, as training uses) against
     its 1-rank copy: logprobs, entropy and every parameter gradient; and no full-vocab tensor."""
-    args = TransformerModelArgs(family=family, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=48,
-                                vocab_size=250, qk_norm=family == "qwen3", qkv_bias=family == "qwen2",
-                                tie_word_embeddings=family == "qwen3", max_seq_len=32)
+    args = TransformerModelArgs(
+        family=family,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=48,
+        vocab_size=250,
+        qk_norm=family == "qwen3",
+        qkv_bias=family == "qwen2",
+        tie_word_embeddings=family == "qwen3",
+        max_seq_len=32,
+    )
     torch.manual_seed(0)
     ref = Transformer(args).double()
     ref.init_weights()
@@ -122,8 +143,10 @@ def model_errors(mesh, family: str) -> dict:
         grads = dict(ref.named_parameters())
         grad_err = max((_full(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
         results[f"chunk{chunk}/{'masked' if m is not None else 'all'}"] = {
-            "logprobs": (lp - lp_ref).abs().max().item(), "entropy": (ent - ent_ref).abs().max().item(),
-            "grads": grad_err}
+            "logprobs": (lp - lp_ref).abs().max().item(),
+            "entropy": (ent - ent_ref).abs().max().item(),
+            "grads": grad_err,
+        }
     # The detector does see gathered logits (the path this replaced).
     with _VocabSizedOutputs(args.vocab_size) as detector:
         del model.output.forward

@@ -6,7 +6,6 @@ sees the same global batch, split by dp rank.
 """
 
 import argparse
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -25,13 +24,28 @@ MAX_NORM = 0.5
 MODEL_ARGS = {
     # Qwen3-like: QK-norm, GQA, tied embeddings.
     "qwen3": TransformerModelArgs(
-        family="qwen3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
-        vocab_size=128, qk_norm=True, tie_word_embeddings=True, max_seq_len=32,
+        family="qwen3",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=128,
+        vocab_size=128,
+        qk_norm=True,
+        tie_word_embeddings=True,
+        max_seq_len=32,
     ),
     # Qwen2-like: q/k/v biases, untied output.
     "qwen2": TransformerModelArgs(
-        family="qwen2", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128,
-        vocab_size=128, qkv_bias=True, max_seq_len=32,
+        family="qwen2",
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=128,
+        vocab_size=128,
+        qkv_bias=True,
+        max_seq_len=32,
     ),
 }
 
@@ -72,7 +86,10 @@ def run_layout(family: str, layout: str | None, world_size: int) -> dict:
     parallel_dims = ParallelDims(dp_replicate, dp_shard, tp, world_size)
     model_args = MODEL_ARGS[family]
     model = build_model(
-        model_args, parallel_dims, job_config, torch.device("cpu"),
+        model_args,
+        parallel_dims,
+        job_config,
+        torch.device("cpu"),
         full_state_dict=init_full_state_dict(model_args, seed=0),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -33,9 +33,7 @@ def get_algorithm(name: str) -> type[Algorithm]:
     if ":" in name:
         cls = load_object(name, "algorithm.name")
         if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-            raise ValueError(
-                f"algorithm.name '{name}' is not a subclass of titanrl.algorithms.base.Algorithm"
-            )
+            raise ValueError(f"algorithm.name '{name}' is not a subclass of titanrl.algorithms.base.Algorithm")
         return cls
     if name not in ALGORITHMS:
         close = difflib.get_close_matches(name, list(ALGORITHMS), n=1)

@@ -127,10 +127,17 @@ class Algorithm:
         is in the reward; `is_weights_BT` are off-policy importance weights or None."""
         c = self.config
         return clipped_pg_loss(
-            logprobs_BT, old_logprobs_BT, advantages, mask_BT,
-            clip_low=c.clip_eps_low, clip_high=c.clip_eps_high, loss_agg=c.loss_agg,
-            num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages,
+            mask_BT,
+            clip_low=c.clip_eps_low,
+            clip_high=c.clip_eps_high,
+            loss_agg=c.loss_agg,
+            num_global_tokens=num_global_tokens,
+            num_global_seqs=num_global_seqs,
+            **self.kl_term(ref_logprobs_BT),
+            is_weights_BT=is_weights_BT,
         )
 
     def kl_term(self, ref_logprobs_BT: torch.Tensor | None) -> dict:

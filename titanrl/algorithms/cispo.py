@@ -55,8 +55,20 @@ def cispo_loss(
     advantages_BT = per_token(advantages, logprobs_BT)
     weight_BT, clipped_BT = cispo_weights(logprobs_BT, old_logprobs_BT, clip_low, clip_high)
     pg_BT = -weight_BT * advantages_BT * logprobs_BT
-    return _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
+    return _finish(
+        pg_BT,
+        clipped_BT,
+        logprobs_BT,
+        old_logprobs_BT,
+        mask_BT,
+        loss_agg,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        kl_coef,
+        kl_estimator,
+        is_weights_BT,
+    )
 
 
 class CISPO(GRPO):
@@ -64,11 +76,29 @@ class CISPO(GRPO):
 
     name = "cispo"
 
-    def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
-             ref_logprobs_BT, is_weights_BT) -> LossOutput:
+    def loss(
+        self,
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages,
+        mask_BT,
+        *,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        is_weights_BT,
+    ) -> LossOutput:
         c = self.config
         return cispo_loss(
-            logprobs_BT, old_logprobs_BT, advantages, mask_BT, clip_low=c.clip_eps_low, clip_high=c.clip_eps_high,
-            loss_agg=c.loss_agg, num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages,
+            mask_BT,
+            clip_low=c.clip_eps_low,
+            clip_high=c.clip_eps_high,
+            loss_agg=c.loss_agg,
+            num_global_tokens=num_global_tokens,
+            num_global_seqs=num_global_seqs,
+            **self.kl_term(ref_logprobs_BT),
+            is_weights_BT=is_weights_BT,
         )

@@ -71,8 +71,9 @@ def aggregate(
     return per_seq.sum() / num_global_seqs
 
 
-def masked_whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None = None,
-                  eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None = None, eps: float = 1e-8
+) -> torch.Tensor:
     """(x - mean) / std over the masked entries of the *global* batch (summed over `dp_group`),
     zero outside the mask. std is the population std (as OpenRLHF/verl whiten)."""
     stats = torch.stack([(values_BT * mask_BT).sum(), (values_BT**2 * mask_BT).sum(), mask_BT.sum()]).double()
@@ -85,8 +86,13 @@ def masked_whiten(values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist
     return (values_BT - mean) / (var**0.5 + eps) * mask_BT
 
 
-def token_rewards(scores_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None = None,
-                  kl_coef: float = 0.0, turn_scores: list[list[float]] | None = None) -> torch.Tensor:
+def token_rewards(
+    scores_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    turn_scores: list[list[float]] | None = None,
+) -> torch.Tensor:
     """Per-token rewards: -kl_coef * KL_t on every completion token, plus the sequence's score on
     its last completion token (the token-level KL-in-reward of PPO / REINFORCE++).
 
@@ -177,12 +183,36 @@ def clipped_pg_loss(
     """
     advantages_BT = per_token(advantages, logprobs_BT)
     pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high)
-    return _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
+    return _finish(
+        pg_BT,
+        clipped_BT,
+        logprobs_BT,
+        old_logprobs_BT,
+        mask_BT,
+        loss_agg,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        kl_coef,
+        kl_estimator,
+        is_weights_BT,
+    )
 
 
-def _finish(pg_BT, clipped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-            num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT) -> LossOutput:
+def _finish(
+    pg_BT,
+    clipped_BT,
+    logprobs_BT,
+    old_logprobs_BT,
+    mask_BT,
+    loss_agg,
+    num_global_tokens,
+    num_global_seqs,
+    ref_logprobs_BT,
+    kl_coef,
+    kl_estimator,
+    is_weights_BT,
+) -> LossOutput:
     """Weigh the policy term by the off-policy importance weights (when given), add the KL term,
     aggregate, and collect the statistics every policy loss reports."""
     if is_weights_BT is not None:

@@ -24,8 +24,12 @@ class DPOOutput:
 
 
 def dpo_loss(
-    policy_chosen_B: torch.Tensor, policy_rejected_B: torch.Tensor,
-    ref_chosen_B: torch.Tensor, ref_rejected_B: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+    policy_chosen_B: torch.Tensor,
+    policy_rejected_B: torch.Tensor,
+    ref_chosen_B: torch.Tensor,
+    ref_rejected_B: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
 ) -> DPOOutput:
     chosen = policy_chosen_B - ref_chosen_B
     rejected = policy_rejected_B - ref_rejected_B

@@ -43,8 +43,20 @@ def gspo_loss(
     pg_BT = torch.maximum(unclipped, clipped)
     # The ratio reported is the sequence ratio: pass a log ratio that reproduces it.
     old_for_stats_BT = logprobs_BT.detach() - log_ratio_BT.detach()
-    return _finish(pg_BT, clipped > unclipped, logprobs_BT, old_for_stats_BT, mask_BT, "seq-mean-token-mean",
-                   num_global_tokens, num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
+    return _finish(
+        pg_BT,
+        clipped > unclipped,
+        logprobs_BT,
+        old_for_stats_BT,
+        mask_BT,
+        "seq-mean-token-mean",
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        kl_coef,
+        kl_estimator,
+        is_weights_BT,
+    )
 
 
 class GSPO(Algorithm):
@@ -66,11 +78,28 @@ class GSPO(Algorithm):
         c = self.config
         return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, c.normalize_std))
 
-    def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
-             ref_logprobs_BT, is_weights_BT) -> LossOutput:
+    def loss(
+        self,
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages,
+        mask_BT,
+        *,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        is_weights_BT,
+    ) -> LossOutput:
         c = self.config
         return gspo_loss(
-            logprobs_BT, old_logprobs_BT, advantages, mask_BT, clip_low=c.clip_eps_low, clip_high=c.clip_eps_high,
-            num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages,
+            mask_BT,
+            clip_low=c.clip_eps_low,
+            clip_high=c.clip_eps_high,
+            num_global_tokens=num_global_tokens,
+            num_global_seqs=num_global_seqs,
+            **self.kl_term(ref_logprobs_BT),
+            is_weights_BT=is_weights_BT,
         )

@@ -42,8 +42,12 @@ def gae(
 
 
 def value_loss(
-    values_BT: torch.Tensor, old_values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor,
-    clip: float, num_global_tokens: float,
+    values_BT: torch.Tensor,
+    old_values_BT: torch.Tensor,
+    returns_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    clip: float,
+    num_global_tokens: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(local share of the token-mean clipped value loss, number of tokens whose clipped term won).
     `clip` <= 0 disables clipping."""

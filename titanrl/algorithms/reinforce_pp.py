@@ -29,8 +29,13 @@ def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: f
 
 
 def reinforce_pp_advantages(
-    scores_B: torch.Tensor, mask_BT: torch.Tensor, kl_BT: torch.Tensor | None, kl_coef: float, gamma: float,
-    dp_group: dist.ProcessGroup | None = None, turn_scores: list[list[float]] | None = None,
+    scores_B: torch.Tensor,
+    mask_BT: torch.Tensor,
+    kl_BT: torch.Tensor | None,
+    kl_coef: float,
+    gamma: float,
+    dp_group: dist.ProcessGroup | None = None,
+    turn_scores: list[list[float]] | None = None,
 ) -> torch.Tensor:
     rewards_BT = token_rewards(scores_B, mask_BT, kl_BT, kl_coef, turn_scores)
     return masked_whiten(discounted_returns(rewards_BT, mask_BT, gamma), mask_BT, dp_group)
@@ -42,5 +47,8 @@ class ReinforcePP(Algorithm):
 
     def advantages(self, inputs: AdvantageInputs) -> Advantages:
         c = self.config
-        return Advantages(reinforce_pp_advantages(inputs.rewards_N, inputs.mask_BT, inputs.kl_BT, c.kl_coef, c.gamma,
-                                                  inputs.dp_group, inputs.turn_scores))
+        return Advantages(
+            reinforce_pp_advantages(
+                inputs.rewards_N, inputs.mask_BT, inputs.kl_BT, c.kl_coef, c.gamma, inputs.dp_group, inputs.turn_scores
+            )
+        )

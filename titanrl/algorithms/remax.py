@@ -35,5 +35,6 @@ class ReMax(Algorithm):
 
     def advantages(self, inputs: AdvantageInputs) -> Advantages:
         assert inputs.baseline_rewards_P is not None, "ReMax needs the greedy baseline's rewards"
-        return Advantages(remax_advantages(self.sequence_rewards(inputs), inputs.baseline_rewards_P,
-                                           self.config.group_size))
+        return Advantages(
+            remax_advantages(self.sequence_rewards(inputs), inputs.baseline_rewards_P, self.config.group_size)
+        )

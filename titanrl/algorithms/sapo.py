@@ -24,8 +24,9 @@ from titanrl.algorithms.common import LossAgg, LossOutput, _finish, per_token
 from titanrl.algorithms.grpo import GRPO
 
 
-def sapo_gate(ratio_BT: torch.Tensor, advantages_BT: torch.Tensor, tau_pos: float, tau_neg: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def sapo_gate(
+    ratio_BT: torch.Tensor, advantages_BT: torch.Tensor, tau_pos: float, tau_neg: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """f(r_t) = sigmoid(tau_t (r_t - 1)) * 4 / tau_t, with tau_t chosen by the sign of A_t, and
     whether its gradient weight w_t = f'(r_t) = 4 sigmoid (1 - sigmoid) is below 1/2."""
     # Tensors of the ratio's dtype: python scalars would make a float32 tau even for float64 ratios.
@@ -60,8 +61,20 @@ def sapo_loss(
     advantages_BT = per_token(advantages, logprobs_BT)
     gate_BT, damped_BT = sapo_gate(torch.exp(logprobs_BT - old_logprobs_BT), advantages_BT, tau_pos, tau_neg)
     pg_BT = -gate_BT * advantages_BT
-    return _finish(pg_BT, damped_BT, logprobs_BT, old_logprobs_BT, mask_BT, loss_agg, num_global_tokens,
-                   num_global_seqs, ref_logprobs_BT, kl_coef, kl_estimator, is_weights_BT)
+    return _finish(
+        pg_BT,
+        damped_BT,
+        logprobs_BT,
+        old_logprobs_BT,
+        mask_BT,
+        loss_agg,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        kl_coef,
+        kl_estimator,
+        is_weights_BT,
+    )
 
 
 class SAPO(GRPO):
@@ -76,11 +89,29 @@ class SAPO(GRPO):
             if not getattr(config.algorithm, name) > 0:  # the gate divides by tau
                 raise ValueError(f"[algorithm] 'sapo' needs {name} > 0, got {getattr(config.algorithm, name)}")
 
-    def loss(self, logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, num_global_tokens, num_global_seqs,
-             ref_logprobs_BT, is_weights_BT) -> LossOutput:
+    def loss(
+        self,
+        logprobs_BT,
+        old_logprobs_BT,
+        advantages,
+        mask_BT,
+        *,
+        num_global_tokens,
+        num_global_seqs,
+        ref_logprobs_BT,
+        is_weights_BT,
+    ) -> LossOutput:
         c = self.config
         return sapo_loss(
-            logprobs_BT, old_logprobs_BT, advantages, mask_BT, tau_pos=c.sapo_tau_pos, tau_neg=c.sapo_tau_neg,
-            loss_agg=c.loss_agg, num_global_tokens=num_global_tokens, num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT), is_weights_BT=is_weights_BT,
+            logprobs_BT,
+            old_logprobs_BT,
+            advantages,
+            mask_BT,
+            tau_pos=c.sapo_tau_pos,
+            tau_neg=c.sapo_tau_neg,
+            loss_agg=c.loss_agg,
+            num_global_tokens=num_global_tokens,
+            num_global_seqs=num_global_seqs,
+            **self.kl_term(ref_logprobs_BT),
+            is_weights_BT=is_weights_BT,
         )

@@ -88,8 +88,9 @@ def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
         )
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world,
-                                  timedelta(seconds=timeout_s))
+    group = dist.ProcessGroupGloo(
+        dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world, timedelta(seconds=timeout_s)
+    )
     _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)
     if not _roles.rollout:  # LOCAL_RANK stays: it picks this process's own GPU
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(R)
@@ -97,6 +98,7 @@ def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
 
 
 # ---- transfers between the ranks of a pair ----
+
 
 def send_object(obj: Any, r: Roles) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
@@ -143,6 +145,7 @@ def receives_weights(step: int, start: int, staleness: int) -> bool:
 
 # ---- trainer side ----
 
+
 class RemoteRolloutCollector(RolloutCollector):
     """The trainer ranks' `RolloutCollector`: batches come from the paired rollout rank."""
 
@@ -175,8 +178,12 @@ class RemoteRolloutCollector(RolloutCollector):
         for f in dataclasses.fields(out["stats"]):
             setattr(stats, f.name, getattr(out["stats"], f.name))
         self.lengths, self.decode_steps = out["lengths"], out["decode_steps"]
-        self.last = {"lag": float(step - 1 - out["version"]), "wait_s": time.perf_counter() - began,
-                     "rollout_generate_s": out["seconds"].get("generate", 0.0), "rollout_idle_s": out["idle_s"]}
+        self.last = {
+            "lag": float(step - 1 - out["version"]),
+            "wait_s": time.perf_counter() - began,
+            "rollout_generate_s": out["seconds"].get("generate", 0.0),
+            "rollout_idle_s": out["idle_s"],
+        }
         return out["train"], out["generated"]
 
     def close(self) -> None:
@@ -195,12 +202,19 @@ class RemoteRolloutCollector(RolloutCollector):
     def metrics(self) -> dict[str, float]:
         s = self.last
         lag_max, gen_s, idle_s, wait_s = self.trainer.dp_max(
-            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]])
-        return {**super().metrics(), "version_lag_max": lag_max, "rollout_generate_s": gen_s,
-                "rollout_idle_s": idle_s, "trainer_wait_s": wait_s}
+            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]]
+        )
+        return {
+            **super().metrics(),
+            "version_lag_max": lag_max,
+            "rollout_generate_s": gen_s,
+            "rollout_idle_s": idle_s,
+            "trainer_wait_s": wait_s,
+        }
 
 
 # ---- rollout side ----
+
 
 @dataclass
 class _Shard:
@@ -246,8 +260,9 @@ class RolloutWorker:
         baseline = get_algorithm(cfg.algorithm.name)(cfg.algorithm).needs_baseline_rollout
         host = RolloutHost(cfg, _Shard(r.index, r.num_pairs), tokenizer, encode, device)
         self.collector = RolloutCollector(host, self.generator, self.rewards, None, None, baseline)
-        self.loader = build_prompt_loader(prompt_stream(train, task, cfg.job.seed), cfg.training.batch_size, r.index,
-                                          r.num_pairs)
+        self.loader = build_prompt_loader(
+            prompt_stream(train, task, cfg.job.seed), cfg.training.batch_size, r.index, r.num_pairs
+        )
         self.watchdog = Watchdog(cfg.job.phase_timeout_s, -1)
 
     def run(self) -> None:
@@ -275,9 +290,19 @@ class RolloutWorker:
                 stats, timer = RLStats(), PhaseTimer(self.watchdog, self.generator.device)
                 train, generated = self.collector.collect(batches, step, timer, stats)
                 began = time.perf_counter()
-                send_object({"train": train, "generated": generated, "stats": stats, "version": version,
-                             "lengths": self.collector.lengths, "decode_steps": self.collector.decode_steps,
-                             "seconds": dict(timer.seconds), "idle_s": idle}, r)
+                send_object(
+                    {
+                        "train": train,
+                        "generated": generated,
+                        "stats": stats,
+                        "version": version,
+                        "lengths": self.collector.lengths,
+                        "decode_steps": self.collector.decode_steps,
+                        "seconds": dict(timer.seconds),
+                        "idle_s": idle,
+                    },
+                    r,
+                )
                 # Waiting for the trainer to take the batch is idle too: reported with the next one.
                 idle = time.perf_counter() - began
         finally:

@@ -27,8 +27,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -58,8 +58,7 @@ def _barrier() -> None:
 
 
 class CheckpointManager:
-    def __init__(self, folder: str, keep_latest_k: int,
-                 async_mode: Literal["disabled", "async"] = "disabled") -> None:
+    def __init__(self, folder: str, keep_latest_k: int, async_mode: Literal["disabled", "async"] = "disabled") -> None:
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode must be 'disabled' or 'async', got {async_mode!r}")
         self.folder = folder
@@ -84,7 +83,10 @@ class CheckpointManager:
         return sorted(steps)
 
     def save(
-        self, step: int, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer],
+        self,
+        step: int,
+        models: dict[str, nn.Module],
+        optimizers: dict[str, torch.optim.Optimizer],
         host_state: dict[str, Any],
     ) -> str:
         """Collective. `optimizers` maps a model's name in `models` to its optimizer; `host_state`
@@ -208,8 +210,11 @@ class CheckpointManager:
             dist.all_reduce(failed)
         if failed.any():
             ranks = failed.nonzero().flatten().tolist()
-            self._fail(step, tmp, error or RuntimeError(f"rank(s) {ranks} failed to write their part (their own "
-                                                        "error names the cause)"))
+            self._fail(
+                step,
+                tmp,
+                error or RuntimeError(f"rank(s) {ranks} failed to write their part (their own error names the cause)"),
+            )
 
     def _fail(self, step: int, tmp: str, error: BaseException):
         """Every rank: drop the partial save (it would only fill the disk) and raise the cause."""
@@ -238,8 +243,10 @@ class CheckpointManager:
             # A truncated or corrupted checkpoint: fall back to an older one. (DCP wraps read
             # errors in CheckpointException, a BaseException.)
             except (Exception, CheckpointException) as e:
-                log(f"checkpoint {self.step_dir(step)} cannot be loaded ({type(e).__name__}: {e}); "
-                    "trying the previous one")
+                log(
+                    f"checkpoint {self.step_dir(step)} cannot be loaded ({type(e).__name__}: {e}); "
+                    "trying the previous one"
+                )
         return None
 
     def load(
@@ -294,11 +301,13 @@ def _save_error(folder: str, step: int, error: BaseException, complete: list[int
         free_text = f", {free / 2**30:.2f} GiB free now" if free is not None else ""
         return CheckpointSaveError(
             f"{where}: no free space left on the device ({os_error.strerror}{free_text}); free disk space or "
-            f"lower checkpoint.keep_latest_k, or point job.dump_folder at a larger disk ({latest})")
+            f"lower checkpoint.keep_latest_k, or point job.dump_folder at a larger disk ({latest})"
+        )
     if os_error is not None and os_error.errno in _NO_PERMISSION:
         return CheckpointSaveError(
             f"{where}: permission denied or read-only file system ({os_error.strerror}); make the folder "
-            f"writable for this user or point job.dump_folder / checkpoint.folder elsewhere ({latest})")
+            f"writable for this user or point job.dump_folder / checkpoint.folder elsewhere ({latest})"
+        )
     cause = os_error if os_error is not None else error
     return CheckpointSaveError(f"{where}: {type(cause).__name__}: {cause} ({latest})")
 

@@ -58,14 +58,16 @@ if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
-def distillation_advantages(student_logprobs_BT: torch.Tensor, teacher_logprobs_BT: torch.Tensor,
-                            mask_BT: torch.Tensor) -> torch.Tensor:
+def distillation_advantages(
+    student_logprobs_BT: torch.Tensor, teacher_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> torch.Tensor:
     """A^distill_t = -(log pi_s(y_t) - log pi_T(y_t)) on the loss mask, 0 elsewhere [B, T]."""
     return -(student_logprobs_BT - teacher_logprobs_BT) * mask_BT
 
 
-def mix_advantages(task_advantages: torch.Tensor, distill_BT: torch.Tensor, mask_BT: torch.Tensor, coef: float,
-                   task_reward_coef: float) -> torch.Tensor:
+def mix_advantages(
+    task_advantages: torch.Tensor, distill_BT: torch.Tensor, mask_BT: torch.Tensor, coef: float, task_reward_coef: float
+) -> torch.Tensor:
     """A_t = task_reward_coef * A^task_t + coef * A^distill_t [B, T]; A^task per sequence [B] is
     broadcast over the sequence's tokens."""
     task_BT = per_token(task_advantages, mask_BT)
@@ -102,8 +104,10 @@ class _ChunkedJSD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_s_ND, weight_s_VD, h_t_NE, weight_t_VE, beta: float, chunk: int):
         with torch.no_grad():
-            jsd = [jsd_rows(_log_probs(hs, weight_s_VD), _log_probs(ht, weight_t_VE), beta)
-                   for hs, ht in zip(h_s_ND.split(chunk), h_t_NE.split(chunk))]
+            jsd = [
+                jsd_rows(_log_probs(hs, weight_s_VD), _log_probs(ht, weight_t_VE), beta)
+                for hs, ht in zip(h_s_ND.split(chunk), h_t_NE.split(chunk))
+            ]
         ctx.save_for_backward(h_s_ND, weight_s_VD, h_t_NE, weight_t_VE)
         ctx.beta, ctx.chunk = beta, chunk
         return torch.cat(jsd) if jsd else h_s_ND.new_zeros(0, dtype=torch.float32)
@@ -127,8 +131,14 @@ class _ChunkedJSD(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
-def chunked_jsd(h_s_ND: torch.Tensor, weight_s_VD: torch.Tensor, h_t_NE: torch.Tensor, weight_t_VE: torch.Tensor,
-                beta: float, chunk: int) -> torch.Tensor:
+def chunked_jsd(
+    h_s_ND: torch.Tensor,
+    weight_s_VD: torch.Tensor,
+    h_t_NE: torch.Tensor,
+    weight_t_VE: torch.Tensor,
+    beta: float,
+    chunk: int,
+) -> torch.Tensor:
     """JSD_beta(p_T || p_s) [N] for N positions, differentiable in the student's inputs, with at
     most `chunk` x vocab logits of each model alive at once."""
     return _ChunkedJSD.apply(h_s_ND, weight_s_VD, h_t_NE.detach(), weight_t_VE.detach(), beta, chunk)
@@ -154,8 +164,10 @@ def build_teacher(folder: str, trainer: Trainer) -> Transformer:
     args = read_hf_config(folder)
     student = trainer.model_args
     if args.num_labels != 0:
-        raise ValueError(f"distillation.teacher_hf_checkpoint '{folder}' is a {args.num_labels}-label score model; "
-                         "the teacher must be a causal LM (*ForCausalLM)")
+        raise ValueError(
+            f"distillation.teacher_hf_checkpoint '{folder}' is a {args.num_labels}-label score model; "
+            "the teacher must be a causal LM (*ForCausalLM)"
+        )
     # Models of one tokenizer pad their vocabularies differently (Qwen2.5-7B 152,064, 0.5B 151,936):
     # sampled-token logprobs need only the student's ids; the full-vocabulary JSD needs equal sizes.
     jsd = trainer.config.distillation.divergence == "jsd"
@@ -168,8 +180,9 @@ def build_teacher(folder: str, trainer: Trainer) -> Transformer:
     # Positions beyond the teacher's own table would index past its RoPE cache; the student's
     # sequences are what it scores.
     args = replace(args, max_seq_len=max(args.max_seq_len, student.max_seq_len))
-    return build_model(args, trainer.dims, trainer.config, trainer.device, hf_checkpoint=folder,
-                       float8=False).requires_grad_(False)
+    return build_model(
+        args, trainer.dims, trainer.config, trainer.device, hf_checkpoint=folder, float8=False
+    ).requires_grad_(False)
 
 
 def check_distillation(config: JobConfig, algorithm: Algorithm, trainer: Trainer) -> None:
@@ -182,8 +195,10 @@ def check_distillation(config: JobConfig, algorithm: Algorithm, trainer: Trainer
             "distillation.teacher_hf_checkpoint"
         )
     if config.algorithm.dynamic_sampling:
-        raise ValueError("[distillation] algorithm.dynamic_sampling drops groups of equal task reward, which still "
-                         "carry the teacher's signal: set algorithm.dynamic_sampling = false")
+        raise ValueError(
+            "[distillation] algorithm.dynamic_sampling drops groups of equal task reward, which still "
+            "carry the teacher's signal: set algorithm.dynamic_sampling = false"
+        )
     sharded = trainer.dims.world_size > 1 or isinstance(trainer.model, FSDPModule)
     if config.distillation.divergence == "jsd" and sharded:
         raise ValueError(
@@ -226,8 +241,9 @@ class Distiller:
     def add_teacher_logprobs(self, batch: TensorDict) -> None:
         """batch["teacher_logprobs"] [B, T-1]: the teacher's log pi_T of each next token, as the
         reference's are computed (packed or padded, the loss mask's positions only)."""
-        batch["teacher_logprobs"], _ = forward_logprobs(self.teacher, batch, self.invariant, self.chunk,
-                                                        packing=self.packing)
+        batch["teacher_logprobs"], _ = forward_logprobs(
+            self.teacher, batch, self.invariant, self.chunk, packing=self.packing
+        )
 
     @torch.no_grad()
     def advantages(self, task_advantages: torch.Tensor, batch: TensorDict, stats: DistillStats) -> torch.Tensor:
@@ -242,8 +258,9 @@ class Distiller:
         coef = self.config.coef if self.config.divergence == "reverse_kl" else 0.0
         return mix_advantages(task_advantages, distill_BT, mask_BT, coef, self.config.task_reward_coef)
 
-    def loss(self, policy: Transformer, mb: TensorDict, num_global_tokens: float, stats: DistillStats
-             ) -> torch.Tensor | float:
+    def loss(
+        self, policy: Transformer, mb: TensorDict, num_global_tokens: float, stats: DistillStats
+    ) -> torch.Tensor | float:
         """coef * sum of JSD_t over the micro-batch's completion tokens / global completion tokens
         (token-mean over the global batch), or 0 unless divergence = 'jsd'."""
         if self.config.divergence != "jsd":
@@ -251,8 +268,9 @@ class Distiller:
         with torch.no_grad():
             h_t_NE = completion_hidden_states(self.teacher, mb)
         h_s_ND = completion_hidden_states(policy, mb)
-        jsd_N = chunked_jsd(h_s_ND, policy.output.weight, h_t_NE, self.teacher.output.weight, self.config.jsd_beta,
-                            self.chunk)
+        jsd_N = chunked_jsd(
+            h_s_ND, policy.output.weight, h_t_NE, self.teacher.output.weight, self.config.jsd_beta, self.chunk
+        )
         stats.jsd += jsd_N.detach().sum().item()
         stats.jsd_tokens += jsd_N.numel()
         return self.config.coef * jsd_N.sum() / num_global_tokens

@@ -113,7 +113,10 @@ def convert_to_float8(model: nn.Module, config: Float8Config, fsdp_sharded: bool
         )
     logger.info(
         "float8: %d linears converted (recipe=%s, fsdp_float8_all_gather=%s), %d kept in high precision%s",
-        len(converted), config.recipe, config.enable_fsdp_float8_all_gather, len(skipped),
+        len(converted),
+        config.recipe,
+        config.enable_fsdp_float8_all_gather,
+        len(skipped),
         f": {sorted(set(skipped.values()))}" if skipped else "",
     )
     return converted

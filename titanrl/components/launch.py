@@ -119,8 +119,11 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         del frame
         if not self.received:
-            print(f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         self.received = self.received or signum
 
     def agreed(self) -> int:

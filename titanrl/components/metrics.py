@@ -64,8 +64,11 @@ class MetricsLogger:
         if self.wandb_run is not None:
             self.wandb_run.log(metrics, step=step)
         labels = console if console is not None else {k: k for k in metrics}
-        parts = [f"{label} {_duration(record[k]) if k == 'eta_s' else _fmt(record[k])}"
-                 for k, label in labels.items() if k in record]
+        parts = [
+            f"{label} {_duration(record[k]) if k == 'eta_s' else _fmt(record[k])}"
+            for k, label in labels.items()
+            if k in record
+        ]
         print(f"step {step:>4} | " + " | ".join(parts), flush=True)
 
     def close(self) -> None:

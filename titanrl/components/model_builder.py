@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titanrl.components.float8 import convert_to_float8, has_float8_all_gather, reshard_float8_blocks_after_forward
+from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed.parallel_dims import ParallelDims
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.distributed.parallelize import parallelize_model
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import from_hf_state_dict, load_hf_weights, load_safetensors_folder, read_hf_config
@@ -87,8 +87,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
-def build_reference(policy: Transformer, dims: ParallelDims, config: JobConfig, device: torch.device
-                    ) -> Transformer | AdaptersOff:
+def build_reference(
+    policy: Transformer, dims: ParallelDims, config: JobConfig, device: torch.device
+) -> Transformer | AdaptersOff:
     """The frozen reference policy: a copy of `policy`'s weights, or for a LoRA policy the policy
     itself with its adapters off (the base model, no second copy of the weights)."""
     if has_lora(policy):
@@ -115,8 +116,9 @@ def policy_state_dict(policy: nn.Module) -> dict[str, torch.Tensor]:
     return merge_lora_state_dict(full_state_dict(policy), policy)
 
 
-def build_reward_model(folder: str, dims: ParallelDims, config: JobConfig, device: torch.device,
-                       policy_args: TransformerModelArgs) -> Transformer:
+def build_reward_model(
+    folder: str, dims: ParallelDims, config: JobConfig, device: torch.device, policy_args: TransformerModelArgs
+) -> Transformer:
     """A frozen one-label score model from an HF folder, checked against the policy's vocabulary."""
     args = read_hf_config(folder)
     if args.num_labels != 1:

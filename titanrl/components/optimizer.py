@@ -10,13 +10,19 @@ from titanrl.config.job_config import Optimizer as OptimizerConfig
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
     """One optimizer over all trainable parameters (plain, FSDP2 or TP DTensors alike)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[config.implementation]
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[
+        config.implementation
+    ]
     if config.name == "SGD":
         return torch.optim.SGD(params, lr=config.lr, weight_decay=config.weight_decay, **impl)
     cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[config.name]
     return cls(
-        params, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-        weight_decay=config.weight_decay, **impl,
+        params,
+        lr=config.lr,
+        betas=(config.beta1, config.beta2),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        **impl,
     )
 
 

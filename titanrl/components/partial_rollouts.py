@@ -80,7 +80,10 @@ class PartialRolloutCollector(RolloutCollector):
         params = self.sampling_params(step, 0)
         with timer("generate"):
             completions, gen_stats = self.generator.generate(
-                [g.prompt for g in groups], params, [g.prompt_id for g in groups], resume=_resumed(groups),
+                [g.prompt for g in groups],
+                params,
+                [g.prompt_id for g in groups],
+                resume=_resumed(groups),
                 pause_when=self._pause_when(groups, quota),
             )
         stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
@@ -90,8 +93,9 @@ class PartialRolloutCollector(RolloutCollector):
         self.in_flight = [g for g in groups if not g.complete]
         trained = self._rollouts(done)
         with timer("reward"):
-            results, rewards_N, rm_sum = self.score([g.sample for g in done], trained.prompts, trained.completions,
-                                                    None)
+            results, rewards_N, rm_sum = self.score(
+                [g.sample for g in done], trained.prompts, trained.completions, None
+            )
         stats.rm_score_sum += rm_sum
         trained.results, trained.rewards = results, rewards_N.tolist()
         self.last = {**self._staleness(done, version, gen_stats), "restarted_groups": float(restarted)}
@@ -101,8 +105,11 @@ class PartialRolloutCollector(RolloutCollector):
         """Restart (from the prompt, tokens discarded) the groups in flight whose oldest token is
         more than rollout.max_staleness versions behind `version`; returns how many."""
         bound = self.config.rollout.max_staleness
-        stale = [g for g in self.in_flight
-                 if bound and any(s.versions and version - s.versions[0] > bound for s in g.samples)]
+        stale = [
+            g
+            for g in self.in_flight
+            if bound and any(s.versions and version - s.versions[0] > bound for s in g.samples)
+        ]
         for g in stale:
             g.samples = []
         return len(stale)
@@ -112,8 +119,10 @@ class PartialRolloutCollector(RolloutCollector):
         loader hands rank r prompts r, r + dp, ... of each global batch)."""
         dims = self.trainer.dims
         first, self.drawn = self.drawn, self.drawn + len(samples)
-        return [Group(s, self.trainer.encode_prompt(s.prompt, s.metadata), (first + i) * dims.dp_size + dims.dp_rank)
-                for i, s in enumerate(samples)]
+        return [
+            Group(s, self.trainer.encode_prompt(s.prompt, s.metadata), (first + i) * dims.dp_size + dims.dp_rank)
+            for i, s in enumerate(samples)
+        ]
 
     def _pause_when(self, groups: list[Group], quota: int):
         G, budget = self.config.algorithm.group_size, self.config.rollout.max_step_tokens
@@ -130,7 +139,8 @@ class PartialRolloutCollector(RolloutCollector):
         tokenizer = self.trainer.tokenizer
         completions = [
             Completion(i, j, s.token_ids, s.logprobs, s.finish_reason, text=tokenizer.decode(s.token_ids), key=s.key)
-            for i, g in enumerate(done) for j, s in enumerate(g.samples)
+            for i, g in enumerate(done)
+            for j, s in enumerate(g.samples)
         ]
         return Rollouts([g.prompt for g in done], completions, [], [])
 
@@ -141,22 +151,37 @@ class PartialRolloutCollector(RolloutCollector):
         return {
             "stale_tokens": float(sum(v < version for s in samples for v in s.versions)),
             "tokens": float(sum(len(s.versions) for s in samples)),
-            "lag_sum": float(sum(lags)), "lag_max": float(max(lags, default=0)), "samples": float(len(samples)),
-            "in_flight_groups": float(len(self.in_flight)), "paused_samples": float(gen_stats.paused),
+            "lag_sum": float(sum(lags)),
+            "lag_max": float(max(lags, default=0)),
+            "samples": float(len(samples)),
+            "in_flight_groups": float(len(self.in_flight)),
+            "paused_samples": float(gen_stats.paused),
         }
 
     def metrics(self) -> dict[str, float]:
         """Staleness of the trained samples and the tail, over data-parallel ranks (collective)."""
         s = self.last
         stale, tokens, lag_sum, samples, in_flight, paused, restarted = self.trainer.dp_sum(
-            [s["stale_tokens"], s["tokens"], s["lag_sum"], s["samples"], s["in_flight_groups"], s["paused_samples"],
-             s["restarted_groups"]])
+            [
+                s["stale_tokens"],
+                s["tokens"],
+                s["lag_sum"],
+                s["samples"],
+                s["in_flight_groups"],
+                s["paused_samples"],
+                s["restarted_groups"],
+            ]
+        )
         (lag_max,) = self.trainer.dp_max([s["lag_max"]])
         return {
             **super().metrics(),
-            "stale_token_frac": stale / max(tokens, 1.0), "version_lag_mean": lag_sum / max(samples, 1.0),
-            "version_lag_max": lag_max, "in_flight_groups": in_flight, "paused_samples": paused,
-            "trained_groups": samples / self.config.algorithm.group_size, "restarted_groups": restarted,
+            "stale_token_frac": stale / max(tokens, 1.0),
+            "version_lag_mean": lag_sum / max(samples, 1.0),
+            "version_lag_max": lag_max,
+            "in_flight_groups": in_flight,
+            "paused_samples": paused,
+            "trained_groups": samples / self.config.algorithm.group_size,
+            "restarted_groups": restarted,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,8 +194,11 @@ class PartialRolloutCollector(RolloutCollector):
         # Another layout: the groups are another data shard's, or TP peers would disagree.
         if state["layout"] != _layout(self.trainer.dims):
             if self.trainer.rank == 0:
-                print(f"partial rollouts: the groups in flight were saved with another parallel layout "
-                      f"({state['layout']}, now {_layout(self.trainer.dims)}): dropped", flush=True)
+                print(
+                    f"partial rollouts: the groups in flight were saved with another parallel layout "
+                    f"({state['layout']}, now {_layout(self.trainer.dims)}): dropped",
+                    flush=True,
+                )
             return
         self.in_flight, self.drawn = state["in_flight"], state["drawn"]
 
@@ -180,8 +208,12 @@ def _layout(dims) -> dict[str, int]:
 
 
 def _resumed(groups: list[Group]) -> list[ResumedSample]:
-    return [ResumedSample(i, j, s.key, s.token_ids, s.logprobs)
-            for i, g in enumerate(groups) for j, s in enumerate(g.samples) if s.finish_reason is None]
+    return [
+        ResumedSample(i, j, s.key, s.token_ids, s.logprobs)
+        for i, g in enumerate(groups)
+        for j, s in enumerate(g.samples)
+        if s.finish_reason is None
+    ]
 
 
 def _update(groups: list[Group], completions: list[Completion], version: int) -> None:

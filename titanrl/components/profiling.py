@@ -56,8 +56,9 @@ def profiler_action(config: Profiling, step: int) -> ProfilerAction:
 
 
 @contextlib.contextmanager
-def maybe_enable_profiling(config: Profiling, dump_folder: str,
-                           global_step: int) -> Iterator[torch.profiler.profile | None]:
+def maybe_enable_profiling(
+    config: Profiling, dump_folder: str, global_step: int
+) -> Iterator[torch.profiler.profile | None]:
     """A started `torch.profiler.profile` when profiling is enabled, else None. `global_step` is
     the last step already done (0 on a fresh run, the checkpoint's step on resume); call
     `.step()` after each training step."""
@@ -86,8 +87,9 @@ def maybe_enable_profiling(config: Profiling, dump_folder: str,
     with warnings.catch_warnings():
         # One trace per cycle is the point; torch warns that events do not accumulate across cycles.
         warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write_trace,
-                                    record_shapes=True) as prof:
+        with torch.profiler.profile(
+            activities=activities, schedule=schedule, on_trace_ready=write_trace, record_shapes=True
+        ) as prof:
             try:
                 yield prof
             finally:
@@ -112,8 +114,9 @@ class MemorySnapshot:
 
     def dump(self, step: int, suffix: str = "") -> str:
         """Write the snapshot of (or during) `step` to iteration_<step><suffix>/; returns its path."""
-        folder = _iteration_folder(self.dump_folder, self.config.save_memory_snapshot_folder,
-                                   f"iteration_{step}{suffix}")
+        folder = _iteration_folder(
+            self.dump_folder, self.config.save_memory_snapshot_folder, f"iteration_{step}{suffix}"
+        )
         if self.device.type == "cuda":
             path = os.path.join(folder, f"rank{self.rank}_memory_snapshot.pickle")
             with open(path, "wb") as f:
@@ -127,8 +130,9 @@ class MemorySnapshot:
 
 
 @contextlib.contextmanager
-def maybe_enable_memory_snapshot(config: Profiling, dump_folder: str, global_step: int,
-                                 device: torch.device) -> Iterator[MemorySnapshot | None]:
+def maybe_enable_memory_snapshot(
+    config: Profiling, dump_folder: str, global_step: int, device: torch.device
+) -> Iterator[MemorySnapshot | None]:
     """A `MemorySnapshot` when enabled, else None; on CUDA, records the allocation history while
     open. A step that runs out of memory dumps iteration_<step>_oom/ before the error goes on."""
     if not config.enable_memory_snapshot:
@@ -141,8 +145,12 @@ def maybe_enable_memory_snapshot(config: Profiling, dump_folder: str, global_ste
         yield snapshot
     except torch.OutOfMemoryError:
         path = snapshot.dump(snapshot.last_step + 1, "_oom")
-        print(f"titanrl: rank {snapshot.rank} ran out of memory in step {snapshot.last_step + 1}; "
-              f"memory snapshot written to {path}", file=sys.stderr, flush=True)
+        print(
+            f"titanrl: rank {snapshot.rank} ran out of memory in step {snapshot.last_step + 1}; "
+            f"memory snapshot written to {path}",
+            file=sys.stderr,
+            flush=True,
+        )
         raise
     finally:
         if device.type == "cuda":

@@ -42,13 +42,24 @@ if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
-def build_generator(config: JobConfig, model_args: TransformerModelArgs, device: torch.device, tokenizer: Tokenizer,
-                    tp_mesh: DeviceMesh | None = None) -> Generator:
+def build_generator(
+    config: JobConfig,
+    model_args: TransformerModelArgs,
+    device: torch.device,
+    tokenizer: Tokenizer,
+    tp_mesh: DeviceMesh | None = None,
+) -> Generator:
     """The job's generator (its [generator] section, the training precision, the checkpoint's eos ids)."""
-    return Generator(model_args, config.generator, device, tp_mesh=tp_mesh, tokenizer=tokenizer,
-                     dtype=getattr(torch, config.training.mixed_precision_param),
-                     extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint),
-                     lora=config.lora if config.lora.enable and config.lora.generator == "runtime" else None)
+    return Generator(
+        model_args,
+        config.generator,
+        device,
+        tp_mesh=tp_mesh,
+        tokenizer=tokenizer,
+        dtype=getattr(torch, config.training.mixed_precision_param),
+        extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint),
+        lora=config.lora if config.lora.enable and config.lora.generator == "runtime" else None,
+    )
 
 
 def build_reward_runner(config: JobConfig, task: Task) -> RewardRunner:
@@ -74,8 +85,13 @@ class Rollouts:
     """Total reward of each prompt's greedy completion (baseline rollouts); empty otherwise."""
 
     def group(self, i: int, G: int) -> Rollouts:
-        return Rollouts([self.prompts[i]], self.completions[i * G : (i + 1) * G], self.results[i * G : (i + 1) * G],
-                        self.rewards[i * G : (i + 1) * G], self.baseline_rewards[i : i + 1])
+        return Rollouts(
+            [self.prompts[i]],
+            self.completions[i * G : (i + 1) * G],
+            self.results[i * G : (i + 1) * G],
+            self.rewards[i * G : (i + 1) * G],
+            self.baseline_rewards[i : i + 1],
+        )
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
@@ -97,8 +113,15 @@ class _StreamedResults:
 
 
 class RolloutCollector:
-    def __init__(self, trainer: Trainer, generator: Generator, rewards: RewardRunner, envs: EnvPool | None,
-                 reward_model: Transformer | None, baseline_rollout: bool) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        generator: Generator,
+        rewards: RewardRunner,
+        envs: EnvPool | None,
+        reward_model: Transformer | None,
+        baseline_rollout: bool,
+    ) -> None:
         self.trainer, self.config = trainer, trainer.config
         self.generator, self.rewards, self.envs, self.reward_model = generator, rewards, envs, reward_model
         self.baseline_rollout = baseline_rollout
@@ -120,8 +143,13 @@ class RolloutCollector:
         lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
         (decode_steps,) = self.trainer.dp_max([float(self.decode_steps)])
-        return {"response_len_p50": q50, "response_len_p90": q90, "response_len_max": lengths_N.max().item(),
-                "decode_steps": decode_steps, **self.balance_metrics}
+        return {
+            "response_len_p50": q50,
+            "response_len_p90": q90,
+            "response_len_max": lengths_N.max().item(),
+            "decode_steps": decode_steps,
+            **self.balance_metrics,
+        }
 
     def state_dict(self) -> dict:
         """Rollout state to checkpoint (partial rollouts' groups in flight); none here."""
@@ -137,13 +165,17 @@ class RolloutCollector:
         """G samples per prompt with the [generator] section's settings, seeded by (job, step, round)."""
         cfg = self.config
         return SamplingParams(
-            max_new_tokens=cfg.generator.max_new_tokens, temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p, top_k=cfg.generator.top_k, n=cfg.algorithm.group_size,
+            max_new_tokens=cfg.generator.max_new_tokens,
+            temperature=cfg.generator.temperature,
+            top_p=cfg.generator.top_p,
+            top_k=cfg.generator.top_k,
+            n=cfg.algorithm.group_size,
             seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
         )
 
-    def generate(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
-                 ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
+    def generate(
+        self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
+    ) -> tuple[list[list[int]], list[Completion], list[RewardResult] | None, GenerationStats]:
         """Completions of `samples` and, with an environment, their episodes' rewards; or with
         `stream`, their verifier results, scored in the reward workers as samples finish."""
         if self.envs is not None:  # environment steps run inside generation, overlapped with decoding
@@ -166,15 +198,23 @@ class RolloutCollector:
     def _reward_item(sample: Sample, c: Completion) -> RewardItem:
         return RewardItem(sample.prompt, c.text, sample.answer, sample.metadata)
 
-    def generate_episodes(self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
-                          ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
+    def generate_episodes(
+        self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+    ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
         env = self.config.env
-        turns = MultiTurnRollout(self.envs, self.trainer.tokenizer, env.max_turns, env.max_total_tokens,
-                                 self.config.reward.failure_reward, prompt_encoder=self.trainer.encode_prompt,
-                                 observation_role=env.observation_role)
-        prompts = turns.start([{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples],
-                              params.n)
+        turns = MultiTurnRollout(
+            self.envs,
+            self.trainer.tokenizer,
+            env.max_turns,
+            env.max_total_tokens,
+            self.config.reward.failure_reward,
+            prompt_encoder=self.trainer.encode_prompt,
+            observation_role=env.observation_role,
+        )
+        prompts = turns.start(
+            [{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples], params.n
+        )
         params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
         completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, turns=turns)
         results = []
@@ -183,8 +223,13 @@ class RolloutCollector:
             results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
         return prompts, completions, results, gen_stats
 
-    def score(self, samples: list[Sample], prompts: list[list[int]], completions: list[Completion],
-              results: list[RewardResult] | _StreamedResults | None) -> tuple[list[RewardResult], torch.Tensor, float]:
+    def score(
+        self,
+        samples: list[Sample],
+        prompts: list[list[int]],
+        completions: list[Completion],
+        results: list[RewardResult] | _StreamedResults | None,
+    ) -> tuple[list[RewardResult], torch.Tensor, float]:
         """(verifier results, total rewards [N], reward-model score sum); `results`: the
         episodes' (multi-turn), or the verifier's being streamed, or None to score now."""
         cfg = self.config
@@ -195,15 +240,19 @@ class RolloutCollector:
         rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
         rm_sum = 0.0
         if self.reward_model is not None:
-            scores = self.reward_model_scores([prompts[c.prompt_index] for c in completions],
-                                              [c.token_ids for c in completions])
+            scores = self.reward_model_scores(
+                [prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions]
+            )
             rewards_N = rewards_N + cfg.reward.model_weight * scores
             rm_sum = scores.sum().item()
         if cfg.algorithm.overlong_buffer_len:
             lengths = torch.tensor([len(c.token_ids) for c in completions])
-            rewards_N = rewards_N + overlong_penalty(lengths, cfg.generator.max_new_tokens,
-                                                     cfg.algorithm.overlong_buffer_len,
-                                                     cfg.algorithm.overlong_penalty_factor)
+            rewards_N = rewards_N + overlong_penalty(
+                lengths,
+                cfg.generator.max_new_tokens,
+                cfg.algorithm.overlong_buffer_len,
+                cfg.algorithm.overlong_penalty_factor,
+            )
         return results, rewards_N, rm_sum
 
     def reward_model_scores(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
@@ -216,8 +265,7 @@ class RolloutCollector:
             scores_N[rows] = sequence_scores(self.reward_model, mb["tokens"], mb["length"]).cpu()
         return scores_N
 
-    def rollout(self, samples: list[Sample], step: int, round_idx: int, timer: PhaseTimer, stats: RLStats
-                ) -> Rollouts:
+    def rollout(self, samples: list[Sample], step: int, round_idx: int, timer: PhaseTimer, stats: RLStats) -> Rollouts:
         """Generate G samples per prompt with the current weights (and a baseline rollout when
         the algorithm needs one), then score them."""
         cfg, dims = self.config, self.trainer.dims
@@ -273,9 +321,11 @@ class RolloutCollector:
         before = [sum(c) for c in costs_by_rank]
         mean = max(sum(before) / len(before), 1.0)
         moved = sum(src != d for d, units in enumerate(plan) for src, _ in units)
-        self.balance_metrics = {"rank_tokens_imbalance_before": max(before) / mean,
-                                "rank_tokens_imbalance": max(balance.loads(costs_by_rank, plan)) / mean,
-                                "moved_groups": float(moved)}
+        self.balance_metrics = {
+            "rank_tokens_imbalance_before": max(before) / mean,
+            "rank_tokens_imbalance": max(balance.loads(costs_by_rank, plan)) / mean,
+            "moved_groups": float(moved),
+        }
         if not moved:  # the same plan on every rank: all skip the exchange
             return train
         me = dist.get_rank(group)
@@ -320,8 +370,10 @@ def rollout_collector_class(config) -> type[RolloutCollector]:
     """The collector of `config.rollout`: colocated (synchronous or partial) or one-step."""
     if config.rollout.mode == "one_step":
         from titanrl.components.async_rollouts import RemoteRolloutCollector
+
         return RemoteRolloutCollector
     if config.rollout.partial:
         from titanrl.components.partial_rollouts import PartialRolloutCollector
+
         return PartialRolloutCollector
     return RolloutCollector

@@ -61,7 +61,7 @@ def write_frame(fd: int, obj: object) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     view = memoryview(_HEADER.pack(len(data)) + data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def frame(obj: object) -> bytes:
@@ -203,13 +203,21 @@ class RewardWorker:
         req_r, self.requests = os.pipe()
         self.results, res_w = os.pipe()
         self.output, out_w = os.pipe()
-        code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from titanrl.components.workers import "
-                f"reward_worker_main; reward_worker_main({req_r}, {res_w})")
+        code = (
+            f"import sys; sys.path.insert(0, {_ROOT!r}); from titanrl.components.workers import "
+            f"reward_worker_main; reward_worker_main({req_r}, {res_w})"
+        )
         try:
             # Its own session: its process group holds whatever the function forks, and the
             # trainer's terminal signals (Ctrl-C) are the trainer's to handle.
-            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=out_w,
-                                         stderr=out_w, pass_fds=(req_r, res_w), start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdin=subprocess.DEVNULL,
+                stdout=out_w,
+                stderr=out_w,
+                pass_fds=(req_r, res_w),
+                start_new_session=True,
+            )
         except BaseException:
             for fd in (self.requests, self.results, self.output):
                 os.close(fd)
@@ -236,7 +244,7 @@ class RewardWorker:
         """Write what the pipe takes of the outbox; wait (selector) to write the rest."""
         try:
             while self.outbox:
-                self.outbox = self.outbox[os.write(self.requests, self.outbox):]
+                self.outbox = self.outbox[os.write(self.requests, self.outbox) :]
         except BlockingIOError:
             pass
         except BrokenPipeError:  # it died: its exit is reported separately

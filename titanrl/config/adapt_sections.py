@@ -15,8 +15,10 @@ def lora_target(name: str) -> str:
     if name in LORA_HF_TARGETS:
         return LORA_TARGETS[LORA_HF_TARGETS.index(name)]
     if name not in LORA_TARGETS:
-        raise ValueError(f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
-                         f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})")
+        raise ValueError(
+            f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
+            f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})"
+        )
     return name
 
 
@@ -123,7 +125,8 @@ class Distillation:
         if self.coef < 0 or self.task_reward_coef < 0:
             raise ValueError("[distillation] coef and task_reward_coef must be >= 0")
         if self.teacher_hf_checkpoint and self.coef == 0 and self.task_reward_coef == 0:
-            raise ValueError("[distillation] coef and task_reward_coef are both 0: nothing would be learned; "
-                             "set coef > 0")
+            raise ValueError(
+                "[distillation] coef and task_reward_coef are both 0: nothing would be learned; set coef > 0"
+            )
         if not 0.0 < self.jsd_beta < 1.0:
             raise ValueError(f"[distillation] jsd_beta must be in (0, 1), got {self.jsd_beta}")

@@ -70,15 +70,23 @@ class JobConfig:
             raise ValueError("[reward] function is not used with an [env]: the environment's steps give the rewards")
         if self.lora.enable:
             self._validate_lora()
-        if self.generator.batch_invariant and (self.float8.enable or (self.lora.enable and self.lora.generator == "merged")):
-            raise ValueError("[generator] batch_invariant needs the generator to run the trainer's own ops: set "
-                             "lora.generator = 'runtime' (merged weights are another sum) and float8.enable = false")
+        if self.generator.batch_invariant and (
+            self.float8.enable or (self.lora.enable and self.lora.generator == "merged")
+        ):
+            raise ValueError(
+                "[generator] batch_invariant needs the generator to run the trainer's own ops: set "
+                "lora.generator = 'runtime' (merged weights are another sum) and float8.enable = false"
+            )
         if self.distillation.teacher_hf_checkpoint and self.job.recipe != "rl":
-            raise ValueError(f"[distillation] teaches the RL recipe's samples; job.recipe is '{self.job.recipe}': "
-                             "unset distillation.teacher_hf_checkpoint or set job.recipe = 'rl'")
+            raise ValueError(
+                f"[distillation] teaches the RL recipe's samples; job.recipe is '{self.job.recipe}': "
+                "unset distillation.teacher_hf_checkpoint or set job.recipe = 'rl'"
+            )
         if self.generator.quantize != "none" and self.parallelism.tp > 1:
-            raise ValueError("[generator] quantize cannot shard quantised weights over tp ranks yet: set "
-                             "generator.quantize = 'none' or parallelism.tp = 1")
+            raise ValueError(
+                "[generator] quantize cannot shard quantised weights over tp ranks yet: set "
+                "generator.quantize = 'none' or parallelism.tp = 1"
+            )
         if self.rollout.partial:
             self._validate_partial_rollouts()
         if self.rollout.mode == "one_step":
@@ -91,14 +99,19 @@ class JobConfig:
 
     def _validate_lora(self) -> None:
         if self.job.recipe == "reward_model":
-            raise ValueError("[lora] a reward model's new score head must train, and LoRA freezes everything but "
-                             "the adapters: train the reward model with lora.enable = false")
+            raise ValueError(
+                "[lora] a reward model's new score head must train, and LoRA freezes everything but "
+                "the adapters: train the reward model with lora.enable = false"
+            )
         if self.float8.enable:
-            raise ValueError("[lora] and [float8] cannot be combined yet (adapters go on plain linear layers); "
-                             "turn one off")
+            raise ValueError(
+                "[lora] and [float8] cannot be combined yet (adapters go on plain linear layers); turn one off"
+            )
         if self.lora.dropout > 0 and self.job.recipe == "rl":
-            raise ValueError("[lora] dropout makes the trained policy's logprobs differ from the sampler's and from "
-                             "its own old logprobs (importance ratios != 1 on-policy): set lora.dropout = 0 for RL")
+            raise ValueError(
+                "[lora] dropout makes the trained policy's logprobs differ from the sampler's and from "
+                "its own old logprobs (importance ratios != 1 on-policy): set lora.dropout = 0 for RL"
+            )
 
     def _validate_partial_rollouts(self) -> None:
         if self.algorithm.off_policy_correction == "none":
@@ -117,10 +130,15 @@ class JobConfig:
                 "[rollout] mode = 'one_step' trains on samples of the previous weights: set "
                 "algorithm.off_policy_correction = 'tis' (or 'mis'), or rollout.staleness = 0"
             )
-        unsupported = {"env.name": self.env.name, "algorithm.dynamic_sampling": self.algorithm.dynamic_sampling,
-                       "reward.model_path": self.reward.model_path, "parallelism.tp > 1": self.parallelism.tp > 1,
-                       "job.recipe != 'rl'": self.job.recipe != "rl", "lora.enable": self.lora.enable,
-                       "generator.quantize": self.generator.quantize != "none"}
+        unsupported = {
+            "env.name": self.env.name,
+            "algorithm.dynamic_sampling": self.algorithm.dynamic_sampling,
+            "reward.model_path": self.reward.model_path,
+            "parallelism.tp > 1": self.parallelism.tp > 1,
+            "job.recipe != 'rl'": self.job.recipe != "rl",
+            "lora.enable": self.lora.enable,
+            "generator.quantize": self.generator.quantize != "none",
+        }
         for name, used in unsupported.items():
             if used:
                 raise ValueError(f"[rollout] mode = 'one_step' does not support {name} yet; use mode = 'colocated'")

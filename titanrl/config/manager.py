@@ -53,9 +53,7 @@ def convert_value(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     """Check `value` against annotation `tp`; CLI values arrive as strings and are parsed first."""
 
     def fail(reason: str = "") -> ValueError:
-        return ValueError(
-            f"Invalid value {value!r} for '{key}': expected {_describe_type(tp)}{reason}"
-        )
+        return ValueError(f"Invalid value {value!r} for '{key}': expected {_describe_type(tp)}{reason}")
 
     if _is_optional(tp):
         if value is None or (from_cli and isinstance(value, str) and value.lower() in _NONE):

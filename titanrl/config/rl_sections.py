@@ -77,11 +77,19 @@ class Generator:
             raise ValueError("[generator] compile and batch_invariant cannot be combined; pick one")
         if self.quantize != "none" and self.batch_invariant:
             raise ValueError(f"[generator] quantize='{self.quantize}' and batch_invariant cannot be combined; pick one")
-        for name in ("block_size", "max_num_seqs", "max_new_tokens", "max_num_batched_tokens", "decode_steps_per_schedule"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_new_tokens",
+            "max_num_batched_tokens",
+            "decode_steps_per_schedule",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"[generator] {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"[generator] kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.temperature < 0:
             raise ValueError(f"[generator] temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

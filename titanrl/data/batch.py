@@ -9,7 +9,10 @@ from tensordict import TensorDict
 
 
 def build_sequence_batch(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, gen_logprobs: list[list[float]] | None = None,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_id: int,
+    gen_logprobs: list[list[float]] | None = None,
     completion_masks: list[list[int] | None] | None = None,
 ) -> TensorDict:
     """Rows are prompt + completion; loss_mask marks targets that are completion tokens, times

@@ -58,8 +58,16 @@ class PromptEncoder:
 # ---- does every row fit the context? ----
 
 
-def fit_rows(train: list[Row] | None, held_out: list[Row], size: Callable[[Row], int], max_tokens: int,
-             on_long_prompt: str, what: str, limit: str, fix: str) -> tuple[list[Row] | None, list[Row]]:
+def fit_rows(
+    train: list[Row] | None,
+    held_out: list[Row],
+    size: Callable[[Row], int],
+    max_tokens: int,
+    on_long_prompt: str,
+    what: str,
+    limit: str,
+    fix: str,
+) -> tuple[list[Row] | None, list[Row]]:
     """(train, held_out) without the rows whose `size` (tokens) is over `max_tokens`: dropped
     with one printed line naming the first ones (`on_long_prompt='drop'`), else an error naming
     the first one and counting the rest ('error'). `train` None (an endless task stream) stays None.
@@ -86,17 +94,24 @@ def fit_rows(train: list[Row] | None, held_out: list[Row], size: Callable[[Row],
     if on_long_prompt == "error":
         where, n = over[0]
         others = f" ({len(over)} rows are over: {listed(over, 'tokens')})" if len(over) > 1 else ""
-        raise ValueError(f"{where}: the {what} has {n} tokens, more than the {max_tokens} that fit ({limit}); {fix}, "
-                         f"or set data.on_long_prompt='drop' to skip such rows{others}")
+        raise ValueError(
+            f"{where}: the {what} has {n} tokens, more than the {max_tokens} that fit ({limit}); {fix}, "
+            f"or set data.on_long_prompt='drop' to skip such rows{others}"
+        )
     total = len(train or []) + len(held_out)
     if is_rank0():
-        print(f"dropped {len(over)} of {total} rows whose {what} is over {max_tokens} tokens ({limit}): "
-              f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)", flush=True)
+        print(
+            f"dropped {len(over)} of {total} rows whose {what} is over {max_tokens} tokens ({limit}): "
+            f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)",
+            flush=True,
+        )
     named = ((train, kept[0], "training rows"), (held_out, kept[1], "held-out rows (data.num_eval_samples)"))
     for rows, left, name in named:
         if rows and not left:
-            raise ValueError(f"no {name} are left after dropping the {len(over)} whose {what} is over "
-                             f"{max_tokens} tokens ({limit}); {fix}")
+            raise ValueError(
+                f"no {name} are left after dropping the {len(over)} whose {what} is over "
+                f"{max_tokens} tokens ({limit}); {fix}"
+            )
     return (None if train is None else kept[0]), kept[1]
 
 
@@ -104,8 +119,10 @@ def prompt_room(max_seq_len: int, max_new_tokens: int) -> tuple[int, str]:
     """(most prompt tokens that leave room for a whole completion, where that number comes from)."""
     max_prompt = max_seq_len - max_new_tokens
     if max_prompt < 1:
-        raise ValueError(f"generator.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
-                         f"{max_seq_len}-token context; lower it or raise model.max_seq_len")
+        raise ValueError(
+            f"generator.max_new_tokens ({max_new_tokens}) leaves no room for a prompt in the model's "
+            f"{max_seq_len}-token context; lower it or raise model.max_seq_len"
+        )
     return max_prompt, f"model.max_seq_len {max_seq_len} - generator.max_new_tokens {max_new_tokens}"
 
 
@@ -116,8 +133,9 @@ def demonstration_size(encode: PromptEncoder, sample: Sample) -> int:
     return len(encode(sample.prompt, sample.metadata)) + sum(len(encode.tokenizer.encode(t)) for t, _ in demo) + 1
 
 
-def fit_prompts(config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list[Sample] | None,
-                held_out: list[Sample]) -> tuple[list[Sample] | None, list[Sample]]:
+def fit_prompts(
+    config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list[Sample] | None, held_out: list[Sample]
+) -> tuple[list[Sample] | None, list[Sample]]:
     """RL on a data file: every prompt, encoded for generation, leaves room for a whole
     completion (generator.max_new_tokens) in the context; with an SFT warm-up, every training
     row's prompt + solution fits it too. Embedded tasks (short, generated) and environments (the
@@ -127,28 +145,55 @@ def fit_prompts(config: "JobConfig", max_seq_len: int, encode: PromptEncoder, tr
     max_prompt, limit = prompt_room(max_seq_len, config.generator.max_new_tokens)
     on_long = config.data.on_long_prompt
     train, held_out = fit_rows(
-        train, held_out, lambda s: len(encode(s.prompt, s.metadata)), max_prompt, on_long, "encoded prompt", limit,
+        train,
+        held_out,
+        lambda s: len(encode(s.prompt, s.metadata)),
+        max_prompt,
+        on_long,
+        "encoded prompt",
+        limit,
         "shorten or filter these rows (data.max_prompt_chars drops long prompts by characters), raise "
-        "model.max_seq_len or lower generator.max_new_tokens")
+        "model.max_seq_len or lower generator.max_new_tokens",
+    )
     if config.sft_warmup.steps:
-        train, _ = fit_rows(train, [], lambda s: demonstration_size(encode, s), max_seq_len, on_long,
-                            "encoded prompt + solution (SFT warm-up)", f"model.max_seq_len {max_seq_len}",
-                            "shorten or filter these rows or raise model.max_seq_len")
+        train, _ = fit_rows(
+            train,
+            [],
+            lambda s: demonstration_size(encode, s),
+            max_seq_len,
+            on_long,
+            "encoded prompt + solution (SFT warm-up)",
+            f"model.max_seq_len {max_seq_len}",
+            "shorten or filter these rows or raise model.max_seq_len",
+        )
     return train, held_out
 
 
-def fit_demonstrations(config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list[Sample],
-                       held_out: list[Sample]) -> tuple[list[Sample], list[Sample]]:
+def fit_demonstrations(
+    config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list[Sample], held_out: list[Sample]
+) -> tuple[list[Sample], list[Sample]]:
     """SFT on a data file: every row's encoded prompt + solution + eos fits the context."""
     if config.data.task != "jsonl":
         return train, held_out
-    return fit_rows(train, held_out, lambda s: demonstration_size(encode, s), max_seq_len, config.data.on_long_prompt,
-                    "encoded prompt + solution", f"model.max_seq_len {max_seq_len}",
-                    "shorten or filter these rows or raise model.max_seq_len")
+    return fit_rows(
+        train,
+        held_out,
+        lambda s: demonstration_size(encode, s),
+        max_seq_len,
+        config.data.on_long_prompt,
+        "encoded prompt + solution",
+        f"model.max_seq_len {max_seq_len}",
+        "shorten or filter these rows or raise model.max_seq_len",
+    )
 
 
-def fit_pairs(config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list["PreferencePair"],
-              held_out: list["PreferencePair"]) -> tuple[list["PreferencePair"], list["PreferencePair"]]:
+def fit_pairs(
+    config: "JobConfig",
+    max_seq_len: int,
+    encode: PromptEncoder,
+    train: list["PreferencePair"],
+    held_out: list["PreferencePair"],
+) -> tuple[list["PreferencePair"], list["PreferencePair"]]:
     """DPO / reward model on a data file: every pair's encoded prompt + its longer answer + eos
     fits the context (as `recipes.preference` encodes them)."""
     if config.data.task != "jsonl":
@@ -159,5 +204,13 @@ def fit_pairs(config: "JobConfig", max_seq_len: int, encode: PromptEncoder, trai
         answers = max(len(tokenizer.encode(pair.chosen)), len(tokenizer.encode(pair.rejected)))
         return len(encode(pair.prompt)) + answers + 1
 
-    return fit_rows(train, held_out, size, max_seq_len, config.data.on_long_prompt, "encoded prompt + longer answer",
-                    f"model.max_seq_len {max_seq_len}", "shorten or filter these rows or raise model.max_seq_len")
+    return fit_rows(
+        train,
+        held_out,
+        size,
+        max_seq_len,
+        config.data.on_long_prompt,
+        "encoded prompt + longer answer",
+        f"model.max_seq_len {max_seq_len}",
+        "shorten or filter these rows or raise model.max_seq_len",
+    )

@@ -38,8 +38,9 @@ def _pyarrow():
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise ValueError(f"reading Parquet / Arrow prompt data needs the 'pyarrow' package (optional extra 'data'): "
-                         f"{DATA_EXTRA}") from None
+        raise ValueError(
+            f"reading Parquet / Arrow prompt data needs the 'pyarrow' package (optional extra 'data'): {DATA_EXTRA}"
+        ) from None
     return pyarrow
 
 
@@ -47,19 +48,25 @@ def _not_utf8(path: str, line_no: int, raw: bytes, error: UnicodeDecodeError, of
     """The error for a JSONL line that is not UTF-8: where the bad byte is, and how to convert the file."""
     quoted = shlex.quote(path)
     if line_no == 1 and raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # e.g. PowerShell's `>` writes UTF-16
-        return (f"{path}:1: the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; convert it, "
-                f"e.g. iconv -f UTF-16 -t UTF-8 {quoted} > converted.jsonl")
+        return (
+            f"{path}:1: the file is UTF-16 (it starts with a UTF-16 byte-order mark), not UTF-8; convert it, "
+            f"e.g. iconv -f UTF-16 -t UTF-8 {quoted} > converted.jsonl"
+        )
     bad = raw[error.start : error.end]
     context = raw[max(0, error.start - 20) : error.end + 20]
-    return (f"{path}:{line_no}: not valid UTF-8: byte {bad[0]:#04x} at byte {error.start + 1} of the line "
-            f"(file offset {offset + error.start}), in {context!r}; data files must be UTF-8: convert it from "
-            f"its encoding, e.g. iconv -f LATIN1 -t UTF-8 {quoted} > converted.jsonl for Latin-1 (list the bad "
-            f"lines with: grep -naxv '.*' {quoted})")
+    return (
+        f"{path}:{line_no}: not valid UTF-8: byte {bad[0]:#04x} at byte {error.start + 1} of the line "
+        f"(file offset {offset + error.start}), in {context!r}; data files must be UTF-8: convert it from "
+        f"its encoding, e.g. iconv -f LATIN1 -t UTF-8 {quoted} > converted.jsonl for Latin-1 (list the bad "
+        f"lines with: grep -naxv '.*' {quoted})"
+    )
 
 
 _ONE_OBJECT = "JSON Lines needs one JSON object per line"
-_ARRAY_HINT = ("the file looks like one JSON array, not JSON Lines (one object per line); convert it, e.g. "
-               "jq -c '.[]' {} > converted.jsonl")
+_ARRAY_HINT = (
+    "the file looks like one JSON array, not JSON Lines (one object per line); convert it, e.g. "
+    "jq -c '.[]' {} > converted.jsonl"
+)
 
 
 def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
@@ -91,11 +98,15 @@ def read_jsonl_objects(path: str) -> Iterator[tuple[int, dict]]:
                 at = f"at column {e.colno}"
                 if e.pos >= len(line.rstrip()):
                     at = "at the end of the line: is it cut short, or one object written over several lines?"
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} {at}); "
-                                 f"{_ARRAY_HINT.format(shlex.quote(path)) if array else _ONE_OBJECT}") from None
+                raise ValueError(
+                    f"{path}:{line_no}: not valid JSON ({e.msg} {at}); "
+                    f"{_ARRAY_HINT.format(shlex.quote(path)) if array else _ONE_OBJECT}"
+                ) from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
-                                 f"{'; ' + _ARRAY_HINT.format(shlex.quote(path)) if array else ''}")
+                raise ValueError(
+                    f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}"
+                    f"{'; ' + _ARRAY_HINT.format(shlex.quote(path)) if array else ''}"
+                )
             yield line_no, row
 
 
@@ -153,8 +164,10 @@ def dataset_folder_shards(folder: str) -> list[str]:
     """The .arrow shards of a `datasets` save_to_disk folder, in order (state.json's `_data_files`)."""
     if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
         splits = sorted(n for n in os.listdir(folder) if os.path.isdir(os.path.join(folder, n)))
-        raise ValueError(f"'{folder}' is a DatasetDict ({', '.join(splits)}); point data.path at one split's "
-                         f"folder, e.g. '{os.path.join(folder, 'train' if 'train' in splits or not splits else splits[0])}'")
+        raise ValueError(
+            f"'{folder}' is a DatasetDict ({', '.join(splits)}); point data.path at one split's "
+            f"folder, e.g. '{os.path.join(folder, 'train' if 'train' in splits or not splits else splits[0])}'"
+        )
     state_path = os.path.join(folder, "state.json")
     if os.path.isfile(state_path):
         try:
@@ -165,9 +178,11 @@ def dataset_folder_shards(folder: str) -> list[str]:
     else:
         files = sorted(n for n in os.listdir(folder) if n.endswith(".arrow"))
         if not files or not os.path.isfile(os.path.join(folder, "dataset_info.json")):
-            raise ValueError(f"data.path '{folder}' is a folder but not a datasets save_to_disk folder "
-                             "(no state.json, or dataset_info.json and .arrow files); point it at a .jsonl or "
-                             ".parquet file or such a folder")
+            raise ValueError(
+                f"data.path '{folder}' is a folder but not a datasets save_to_disk folder "
+                "(no state.json, or dataset_info.json and .arrow files); point it at a .jsonl or "
+                ".parquet file or such a folder"
+            )
     shards = [os.path.join(folder, name) for name in files]
     for shard in shards:
         if not os.path.isfile(shard):
@@ -243,12 +258,15 @@ def check_messages(messages: list, where: str, key: str) -> list[dict]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"{where}: '{key}' message {i} must be a {{'role', 'content'}} object, "
-                             f"got {shown(message)}")
+            raise ValueError(
+                f"{where}: '{key}' message {i} must be a {{'role', 'content'}} object, got {shown(message)}"
+            )
         message = {k: v for k, v in message.items() if v is not None}
         if not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"{where}: '{key}' message {i} has no 'role' string")
-        if not isinstance(message.get("content", ""), str) or ("content" not in message and "tool_calls" not in message):
+        if not isinstance(message.get("content", ""), str) or (
+            "content" not in message and "tool_calls" not in message
+        ):
             got = shown(message["content"]) if "content" in message else "nothing"
             raise ValueError(f"{where}: '{key}' message {i} needs a 'content' string, got {got}")
         check_unicode(message.get("content", ""), where, f"'{key}' message {i}")
@@ -306,8 +324,10 @@ class RowSchema:
                 raise ValueError(f"{where}: '{self.prompt_key}' messages have no text")
         elif not isinstance(prompt, str) or not prompt.strip():
             got = "nothing" if prompt is _MISSING else shown(prompt)
-            raise ValueError(f"{where}: missing or empty '{self.prompt_key}': got {got} (a non-empty string or a "
-                             "list of {role, content} messages is required)")
+            raise ValueError(
+                f"{where}: missing or empty '{self.prompt_key}': got {got} (a non-empty string or a "
+                "list of {role, content} messages is required)"
+            )
         else:
             check_unicode(prompt, where, f"'{self.prompt_key}'")
         answer = lookup(row, self.answer_key)

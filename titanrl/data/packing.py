@@ -93,8 +93,13 @@ def pack_layout(lengths: list[int], width: int, rows: list[list[int]] | None = N
     assert sorted(docs) == list(range(len(lengths))), "every document in exactly one packed row"
     n_P = torch.tensor([sizes[b] for b in docs], dtype=torch.long)
     row_P = torch.tensor([r for r, row in enumerate(rows) for _ in row], dtype=torch.long)
-    offset_P = torch.cat([torch.tensor([0] + [sizes[b] for b in row[:-1]], dtype=torch.long).cumsum(0)[: len(row)]
-                          for row in rows]) if docs else torch.zeros(0, dtype=torch.long)
+    offset_P = (
+        torch.cat(
+            [torch.tensor([0] + [sizes[b] for b in row[:-1]], dtype=torch.long).cumsum(0)[: len(row)] for row in rows]
+        )
+        if docs
+        else torch.zeros(0, dtype=torch.long)
+    )
     local_P = torch.tensor([k for row in rows for k in range(len(row))], dtype=torch.long)
     assert all(sum(sizes[b] for b in row) <= capacity for row in rows), "a packed row over capacity"
     start_N = torch.repeat_interleave(torch.cumsum(n_P, 0) - n_P, n_P)
@@ -112,8 +117,9 @@ def pack_layout(lengths: list[int], width: int, rows: list[list[int]] | None = N
         ends = torch.tensor([0] + [sizes[b] for b in row]).cumsum(0).tolist()
         tail = [(ends[-1], capacity)] if ends[-1] < capacity else []
         spans.append([(a, b) for a, b in zip(ends[:-1], ends[1:]) if b > a] + tail)
-    return PackLayout(len(lengths), T1, R, capacity, src_N, dst_N, positions.view(R, capacity),
-                      doc.view(R, capacity), spans)
+    return PackLayout(
+        len(lengths), T1, R, capacity, src_N, dst_N, positions.view(R, capacity), doc.view(R, capacity), spans
+    )
 
 
 def packed_slots(lengths: list[int]) -> int:
@@ -139,8 +145,9 @@ def use_packing(mode: str, lengths: list[int], budget: int = 0) -> bool:
     return padded_slots(lengths, budget) >= AUTO_MIN_GAIN * packed_slots(lengths)
 
 
-def plan_packed_micro_batches(lengths: list[int], budget: int, dp_group: dist.ProcessGroup | None
-                              ) -> list[list[list[int]]]:
+def plan_packed_micro_batches(
+    lengths: list[int], budget: int, dp_group: dist.ProcessGroup | None
+) -> list[list[list[int]]]:
     """Micro-batches of packed rows (document indices per packed row): first-fit decreasing into
     rows of max(length) - 1 slots, then consecutive rows per micro-batch, each micro-batch at
     most `budget` slots (at least one row; 0 = one micro-batch), as many micro-batches on every

@@ -79,8 +79,14 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def load_samples(path: str, prompt_key: str = "prompt", answer_key: str = "answer", solution_key: str = "solution",
-                 max_prompt_chars: int = 0, on_long_prompt: str = "drop") -> list[Sample]:
+def load_samples(
+    path: str,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    solution_key: str = "solution",
+    max_prompt_chars: int = 0,
+    on_long_prompt: str = "drop",
+) -> list[Sample]:
     """The rows of a JSONL / Parquet file or a `datasets` save_to_disk folder as Samples (see
     `titanrl.data.formats`): a prompt string or message list, a string or numeric answer, other
     columns as metadata. A malformed row is an error naming the file and the line or row; each
@@ -107,8 +113,11 @@ def load_samples(path: str, prompt_key: str = "prompt", answer_key: str = "answe
             continue
         samples.append(sample)
     if dropped and is_rank0():
-        print(f"{path}: dropped {len(dropped)} of {total} rows whose prompt is longer than data.max_prompt_chars "
-              f"({max_prompt_chars} characters): {listed(dropped, 'characters')}", flush=True)
+        print(
+            f"{path}: dropped {len(dropped)} of {total} rows whose prompt is longer than data.max_prompt_chars "
+            f"({max_prompt_chars} characters): {listed(dropped, 'characters')}",
+            flush=True,
+        )
     if not samples:
         extra = f" left after dropping {len(dropped)} over data.max_prompt_chars" if dropped else ""
         raise ValueError(f"data.path '{path}' has no rows{extra}")
@@ -124,9 +133,14 @@ def load_jsonl(path: str, **options) -> list[Sample]:
 
 def samples_from_config(data: "Data") -> list[Sample]:
     """`load_samples` of data.path with the [data] section's keys and prompt-length limit."""
-    return load_samples(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key,
-                        solution_key=data.solution_key, max_prompt_chars=data.max_prompt_chars,
-                        on_long_prompt=data.on_long_prompt)
+    return load_samples(
+        data.path,
+        prompt_key=data.prompt_key,
+        answer_key=data.answer_key,
+        solution_key=data.solution_key,
+        max_prompt_chars=data.max_prompt_chars,
+        on_long_prompt=data.on_long_prompt,
+    )
 
 
 def held_out_split(rows: list, n_eval: int) -> tuple[list, list]:

@@ -97,8 +97,10 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
 
     block_plan = _block_tp_plan(args, residual, sequence_parallel)
     for block in model.layers.values():
-        plan = {path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
-                for path, style in block_plan.items()}
+        plan = {
+            path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
+            for path, style in block_plan.items()
+        }
         parallelize_module(block, tp_mesh, plan)
 
 
@@ -121,8 +123,9 @@ class LoRAParallel(ParallelStyle):
         colwise = isinstance(self.base, ColwiseParallel)
         placements = (Replicate(), Shard(0)) if colwise else (Shard(1), Replicate())
         for child, placement in zip((lora_a, lora_b), placements):
-            child.weight = nn.Parameter(distribute_tensor(child.weight, device_mesh, [placement]),
-                                        requires_grad=child.weight.requires_grad)
+            child.weight = nn.Parameter(
+                distribute_tensor(child.weight, device_mesh, [placement]), requires_grad=child.weight.requires_grad
+            )
         module.lora_a, module.lora_b, module.lora_dropout = lora_a, lora_b, dropout
         return module
 
@@ -140,14 +143,16 @@ def _block_tp_plan(args, residual, sequence_parallel: bool) -> dict:
         "feed_forward.w3": ColwiseParallel(),
     }
     if sequence_parallel:
-        block_plan.update({
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
+        block_plan.update(
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
         if args.qk_norm:
             # q/k are [B, T, heads, head_dim] with heads sharded; the norm weight is replicated
             # and its gradient all-reduced over tp by DTensor.

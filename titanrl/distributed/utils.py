@@ -52,8 +52,9 @@ def set_determinism(seed: int, deterministic: bool) -> None:
             torch.backends.cudnn.benchmark = False
 
 
-def all_reduce_values(values: list[float], group: dist.ProcessGroup | None,
-                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> list[float]:
+def all_reduce_values(
+    values: list[float], group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> list[float]:
     """Reduce a few host numbers (metrics, counts) over `group` in float64; None = one process."""
     t = torch.tensor(values, dtype=torch.float64)
     if group is not None:

@@ -73,8 +73,27 @@ class CalculatorEnv(Environment):
 
 # ---- python sandbox ----
 
-_SANDBOX_BUILTINS = ["abs", "all", "any", "bool", "divmod", "int", "len", "list", "max", "min", "pow", "range",
-                     "reversed", "round", "sorted", "str", "sum", "tuple", "zip"]
+_SANDBOX_BUILTINS = [
+    "abs",
+    "all",
+    "any",
+    "bool",
+    "divmod",
+    "int",
+    "len",
+    "list",
+    "max",
+    "min",
+    "pow",
+    "range",
+    "reversed",
+    "round",
+    "sorted",
+    "str",
+    "sum",
+    "tuple",
+    "zip",
+]
 _SANDBOX_RUNNER = r"""
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({mem}, {mem}))
@@ -114,11 +133,17 @@ def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256,
         check_sandbox_expression(expression)
     except ValueError as e:
         return f"error: {e}"
-    runner = _SANDBOX_RUNNER.format(mem=memory_mb * 2**20, cpu=max(1, int(timeout_s)), builtins=_SANDBOX_BUILTINS,
-                                    max_out=max_out)
+    runner = _SANDBOX_RUNNER.format(
+        mem=memory_mb * 2**20, cpu=max(1, int(timeout_s)), builtins=_SANDBOX_BUILTINS, max_out=max_out
+    )
     try:
-        proc = subprocess.run([sys.executable, "-I", "-S", "-c", runner], input=expression, capture_output=True,
-                              text=True, timeout=timeout_s + 1.0)
+        proc = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", runner],
+            input=expression,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s + 1.0,
+        )
     except subprocess.TimeoutExpired:
         return "error: timeout"
     if proc.returncode != 0:
@@ -139,8 +164,12 @@ class PythonTask(Task):
         answer = str(sum(i**power for i in range(1, n + 1)))
         call = f"{TOOL_OPEN}sum(i**{power} for i in range(1, {n + 1})){TOOL_CLOSE}"
         result = f"{RESULT_OPEN}{answer}{RESULT_CLOSE}"
-        return Sample(prompt=prompt, answer=answer, solution=call + result + answer,
-                      metadata={"demo": [[call, True], [result, False], [answer, True]]})
+        return Sample(
+            prompt=prompt,
+            answer=answer,
+            solution=call + result + answer,
+            metadata={"demo": [[call, True], [result, False], [answer, True]]},
+        )
 
     def extract(self, completion: str) -> str | None:
         return CalculatorTask().extract(completion)
@@ -166,6 +195,7 @@ class PythonSandboxEnv(Environment):
 
 # ---- guess the number ----
 
+
 class GuessNumberTask(Task):
     """'guess 1-16: ' with the secret in metadata; the demo is a binary search."""
 
@@ -183,8 +213,9 @@ class GuessNumberTask(Task):
             hint = "higher" if secret > guess else "lower"
             demo.append([f"{RESULT_OPEN}{hint}{RESULT_CLOSE}", False])
             low, high = (guess + 1, high) if secret > guess else (low, guess - 1)
-        return Sample(prompt="guess 1-16: ", answer=str(secret), solution="".join(t for t, _ in demo),
-                      metadata={"demo": demo})
+        return Sample(
+            prompt="guess 1-16: ", answer=str(secret), solution="".join(t for t, _ in demo), metadata={"demo": demo}
+        )
 
     def extract(self, completion: str) -> str | None:
         guess = last_int(completion)

@@ -30,8 +30,7 @@ def resolve_env(spec: str) -> type:
         return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(
-            f"env.name '{spec}' is neither a built-in env ({', '.join(ENVS)}) nor an importable "
-            f"'module:Class' ({e})"
+            f"env.name '{spec}' is neither a built-in env ({', '.join(ENVS)}) nor an importable 'module:Class' ({e})"
         ) from None
 
 
@@ -77,7 +76,12 @@ def validate_step(out: Any) -> StepResult:
     info = out[3] if len(out) == 4 else {}
     if not isinstance(obs, str):
         raise ValueError(f"observation must be a str, got {type(obs).__name__}")
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward or abs(reward) == float("inf"):
+    if (
+        isinstance(reward, bool)
+        or not isinstance(reward, (int, float))
+        or reward != reward
+        or abs(reward) == float("inf")
+    ):
         raise ValueError(f"reward must be a finite number, got {reward!r}")
     if not isinstance(done, bool):
         raise ValueError(f"done must be a bool, got {done!r}")
@@ -85,8 +89,14 @@ def validate_step(out: Any) -> StepResult:
 
 
 class EnvPool:
-    def __init__(self, spec: str, kwargs: dict | None = None, num_workers: int = 2, timeout_s: float = 10.0,
-                 memory_limit_mb: int = 2048) -> None:
+    def __init__(
+        self,
+        spec: str,
+        kwargs: dict | None = None,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        memory_limit_mb: int = 2048,
+    ) -> None:
         resolve_env(spec)  # a bad name fails here, in the trainer, with a clear message
         self.spec, self.kwargs = spec, kwargs or {}
         self.timeout_s, self.memory_limit_mb = timeout_s, memory_limit_mb
@@ -101,8 +111,9 @@ class EnvPool:
 
     def _start(self, i: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, self.kwargs, self.memory_limit_mb),
-                                 daemon=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self.spec, self.kwargs, self.memory_limit_mb), daemon=True
+        )
         proc.start()
         child.close()
         self._workers[i] = (proc, parent)
@@ -188,7 +199,7 @@ class EnvPool:
                     continue
                 self._ready.append(EnvResult(episode, op, value))
             now = time.monotonic()
-            for episode, (op, deadline) in list(self._pending.items()):
+            for episode, (_op, deadline) in list(self._pending.items()):
                 if now >= deadline and episode in self._pending:
                     # A call past its deadline: its worker is stuck; replace it.
                     self._restart(self._home[episode], "timeout", culprit=episode)

@@ -82,8 +82,10 @@ class ChatTurns:
         """Token ids that end the assistant's turn (less the special token `last_token` it ended
         on, if the template writes it there), carry `observation` as a `role` message and open
         the next assistant turn."""
-        messages = self.messages[key] + [{"role": "assistant", "content": _ASSISTANT_PLACEHOLDER},
-                                         {"role": self.role, "content": observation}]
+        messages = self.messages[key] + [
+            {"role": "assistant", "content": _ASSISTANT_PLACEHOLDER},
+            {"role": self.role, "content": observation},
+        ]
         before = self.rendered[key] + _ASSISTANT_PLACEHOLDER
         after = self.template.render(messages, add_generation_prompt=True)
         if not after.startswith(before):
@@ -104,9 +106,17 @@ class ChatTurns:
 
 
 class MultiTurnRollout:
-    def __init__(self, pool: EnvPool, tokenizer: Tokenizer, max_turns: int, max_total_tokens: int,
-                 failure_reward: float = 0.0, *, prompt_encoder: PromptEncoder | None = None,
-                 observation_role: str = "user") -> None:
+    def __init__(
+        self,
+        pool: EnvPool,
+        tokenizer: Tokenizer,
+        max_turns: int,
+        max_total_tokens: int,
+        failure_reward: float = 0.0,
+        *,
+        prompt_encoder: PromptEncoder | None = None,
+        observation_role: str = "user",
+    ) -> None:
         """`prompt_encoder`: encodes the first observation (default for `start`); when it has a
         chat template, every turn is rendered through it, observations as `observation_role`
         messages."""
@@ -124,8 +134,9 @@ class MultiTurnRollout:
         self._last_token: dict[Key, int | None] = {}
         self._ended: list[tuple[Key, list[int] | None]] = []
 
-    def start(self, samples: list[dict], group_size: int,
-              encode_prompt: Callable[[str], list[int]] | None = None) -> list[list[int]]:
+    def start(
+        self, samples: list[dict], group_size: int, encode_prompt: Callable[[str], list[int]] | None = None
+    ) -> list[list[int]]:
         """Reset one environment per (prompt, sample) and return the prompts' token ids (the first
         observation; a group's G environments must agree on it, as they share its KV blocks).
         `encode_prompt` (default: the prompt encoder) is used without a chat template."""

@@ -7,8 +7,8 @@ evaluator used by the countdown task and the calculator tool).
 import ast
 import operator
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass
@@ -57,7 +57,10 @@ class Task:
 # ---- arithmetic expressions, checked without eval() ----
 
 _BINOPS: dict[type, Callable[[float, float], float]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
 }
 
 

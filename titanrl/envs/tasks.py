@@ -11,14 +11,24 @@ includes) need not import this module.
 
 import random
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from titanrl.envs.builtin import ENV_TASKS
 from titanrl.envs.task_base import Sample, Score, Task, safe_arithmetic
 
 __all__ = [
-    "Arithmetic", "Countdown", "ENV_TASKS", "NumericMath", "Reverse", "Sample", "Score", "Sort", "TASKS", "Task",
-    "build_task", "safe_arithmetic",
+    "Arithmetic",
+    "Countdown",
+    "ENV_TASKS",
+    "NumericMath",
+    "Reverse",
+    "Sample",
+    "Score",
+    "Sort",
+    "TASKS",
+    "Task",
+    "build_task",
+    "safe_arithmetic",
 ]
 
 
@@ -81,6 +91,7 @@ class Sort(Task):
 
 
 # ---- countdown: reach a target with the given numbers, checked without eval() ----
+
 
 class Countdown(Task):
     """'cd:3,5,7->22=' -> an expression using each given number at most once, equal to 22."""

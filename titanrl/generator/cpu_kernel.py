@@ -67,8 +67,9 @@ def use_for_decode(config: GeneratorConfig, device: torch.device, dtype: torch.d
         return False
     reason = unusable_reason(device, dtype, config.block_size, head_dim)
     if reason is not None and config.attention_impl == "cpu_kernel":
-        raise ValueError(f"[generator] attention_impl = 'cpu_kernel' cannot run here: {reason}; "
-                         "use 'auto' or 'inplace'")
+        raise ValueError(
+            f"[generator] attention_impl = 'cpu_kernel' cannot run here: {reason}; use 'auto' or 'inplace'"
+        )
     return reason is None
 
 
@@ -101,8 +102,9 @@ def _library(block_size: int, head_dim: int, bf16: bool) -> ctypes.CDLL:
             _build(command, path)
         lib = ctypes.CDLL(path)
     except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"it could not be built or loaded at {path} ({e}); $TITANRL_CACHE names a writable "
-                           "folder for it") from e
+        raise RuntimeError(
+            f"it could not be built or loaded at {path} ({e}); $TITANRL_CACHE names a writable folder for it"
+        ) from e
     fn = lib.titanrl_paged_decode_attention
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
@@ -124,16 +126,18 @@ def _build(command: list[str], path: str) -> None:
             os.unlink(tmp)
 
 
-def paged_decode_attention(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                           table_NM: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+def paged_decode_attention(
+    q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor, pos_N: torch.Tensor
+) -> torch.Tensor:
     """Row n's query heads attend to its positions 0..pos_N[n] through block table row n.
     `q_NGRD` [N, G, R, D] (G KV heads, R query heads each), `k_pages` [pages, G, D, block] (keys
     transposed), `v_pages` [pages, block, G, D], `table_NM` and `pos_N` int64. Returns [N, G, R, D]."""
     return torch.ops.titanrl.paged_decode_attention.default(q_NGRD, k_pages, v_pages, table_NM, pos_N)
 
 
-def decode_attention(q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor,
-                     pos_N: torch.Tensor) -> torch.Tensor:
+def decode_attention(
+    q_NHD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor, pos_N: torch.Tensor
+) -> torch.Tensor:
     """`paged_decode_attention` for a decode step's queries [N, H, D] (the query heads of a KV
     head adjacent, as in the model); returns [N, H, D]."""
     N, H, D = q_NHD.shape
@@ -153,8 +157,20 @@ def _paged_decode_attention_cpu(q_NGRD, k_pages, v_pages, table_NM, pos_N):
     q_NGRD, table_NM, pos_N = q_NGRD.contiguous(), table_NM.contiguous(), pos_N.contiguous()
     out_NGRD = torch.empty_like(q_NGRD)
     fn = _library(B, D, q_NGRD.dtype == torch.bfloat16).titanrl_paged_decode_attention
-    fn(q_NGRD.data_ptr(), k_pages.data_ptr(), v_pages.data_ptr(), table_NM.data_ptr(), pos_N.data_ptr(),
-       out_NGRD.data_ptr(), N, G, R, table_NM.shape[1], D**-0.5, torch.get_num_threads())
+    fn(
+        q_NGRD.data_ptr(),
+        k_pages.data_ptr(),
+        v_pages.data_ptr(),
+        table_NM.data_ptr(),
+        pos_N.data_ptr(),
+        out_NGRD.data_ptr(),
+        N,
+        G,
+        R,
+        table_NM.shape[1],
+        D**-0.5,
+        torch.get_num_threads(),
+    )
     return out_NGRD
 
 
@@ -166,14 +182,12 @@ def _register_op() -> None:
     """A plain `torch.library` op (not `custom_op`, whose Python wrapper costs ~15-30 us per call,
     a tenth of a decode step at batch 256 on the negligible model). The registrations live in
     torch.library (not in this module), so a re-import finds the op defined and keeps it."""
-    try:
-        torch.ops.titanrl.paged_decode_attention
+    if hasattr(torch.ops.titanrl, "paged_decode_attention"):
         return
-    except AttributeError:
-        pass
     qualname = "titanrl::paged_decode_attention"
-    torch.library.define(qualname, "(Tensor q_NGRD, Tensor k_pages, Tensor v_pages, Tensor table_NM, Tensor pos_N)"
-                                   " -> Tensor")
+    torch.library.define(
+        qualname, "(Tensor q_NGRD, Tensor k_pages, Tensor v_pages, Tensor table_NM, Tensor pos_N) -> Tensor"
+    )
     torch.library.impl(qualname, "cpu", _paged_decode_attention_cpu)
     torch.library.register_fake(qualname, _paged_decode_attention_fake)
 

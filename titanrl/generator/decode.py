@@ -45,9 +45,18 @@ class DecodeAttention:
     `kernel`: the hand-written CPU kernel (`cpu_kernel.py`, transposed K pages) instead.
     """
 
-    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], table_NM: torch.Tensor,
-                 pos_N: torch.Tensor, live_N: torch.Tensor, scratch: int, k_transposed: bool = False,
-                 exact: bool = False, kernel: bool = False) -> None:
+    def __init__(
+        self,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        table_NM: torch.Tensor,
+        pos_N: torch.Tensor,
+        live_N: torch.Tensor,
+        scratch: int,
+        k_transposed: bool = False,
+        exact: bool = False,
+        kernel: bool = False,
+    ) -> None:
         self.k_cache, self.v_cache, self.table_NM = k_cache, v_cache, table_NM
         self.pos_N, self.k_transposed, self.exact, self.kernel = pos_N, k_transposed, exact, kernel
         B = v_cache[0].shape[1]
@@ -73,7 +82,9 @@ class DecodeAttention:
         # The R query heads of a KV head are R queries of one attention (no causal mask among
         # them): one SDPA problem per (row, KV head) instead of per query head.
         out_NGRD = F.scaled_dot_product_attention(
-            q_NHD.view(N, Hkv, H // Hkv, D), k_NLHD.transpose(1, 2), v_NLHD.transpose(1, 2),
+            q_NHD.view(N, Hkv, H // Hkv, D),
+            k_NLHD.transpose(1, 2),
+            v_NLHD.transpose(1, 2),
             attn_mask=self.valid_NL[:, None, None, :],
         )
         return out_NGRD.reshape(1, N, H, D)
@@ -101,10 +112,21 @@ class DecodeAttention:
 
 
 def decode_step(
-    model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
-    tokens_N: torch.Tensor, pos_N: torch.Tensor, live_N: torch.Tensor, left_N: torch.Tensor, key_N: torch.Tensor,
-    table_NM: torch.Tensor, stop_ids_E: torch.Tensor, scratch: int, k_transposed: bool = False,
-    exact: bool = False, kernel: bool = False,
+    model: nn.Module,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    params: SamplingParams,
+    tokens_N: torch.Tensor,
+    pos_N: torch.Tensor,
+    live_N: torch.Tensor,
+    left_N: torch.Tensor,
+    key_N: torch.Tensor,
+    table_NM: torch.Tensor,
+    stop_ids_E: torch.Tensor,
+    scratch: int,
+    k_transposed: bool = False,
+    exact: bool = False,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
@@ -117,8 +139,15 @@ def decode_step(
     logprobs_N = sampled_logprobs(logits_NV, next_N)
     stopped_N = live_N & (torch.isin(next_N, stop_ids_E) | (left_N <= 1))
     next_live_N = live_N & ~stopped_N
-    return (next_N, torch.where(next_live_N, pos_N + 1, pos_N), next_live_N, left_N - 1, logprobs_N, stopped_N,
-            next_live_N.sum())
+    return (
+        next_N,
+        torch.where(next_live_N, pos_N + 1, pos_N),
+        next_live_N,
+        left_N - 1,
+        logprobs_N,
+        stopped_N,
+        next_live_N.sum(),
+    )
 
 
 def uses_cuda_graphs(compile: bool, backend: str, device: torch.device) -> bool:
@@ -205,16 +234,10 @@ class _TableWidths:
         return self.by_width[width]
 
 
-def run_decode_pass(
-    step_fn, model: nn.Module, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], params: SamplingParams,
-    rows: DecodeRows, *, steps: int, bucket: int, stop_ids: list[int], scratch: int,
-    end_when_any_stops: bool, device: torch.device, k_transposed: bool = False, exact: bool = False,
-    cuda_graphs: bool = False, kernel: bool = False,
-) -> DecodeOutput:
-    """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
-    from the start). Ends early when every row stopped, when a quarter stopped (their compute
-    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
-    N, P = len(rows.tokens), bucket - len(rows.tokens)
+def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The pass's state on the device: tokens, positions, tokens left and sampling keys `[bucket]`
+    (padding rows dead: 1 token left), and the block tables `[bucket, M]` padded with `scratch`."""
+    P = bucket - len(rows.tokens)
     M = max(2, max(len(t) for t in rows.tables))  # >= 2: keeps the dynamic width off 0/1 specialisation
     # One host buffer (built as one flat list: ~3x faster than a nested list into torch.tensor)
     # and one copy to the device: the state [4, bucket] (padding rows dead: 1 token left), then
@@ -223,34 +246,22 @@ def run_decode_pass(
     flat = [*rows.tokens, *[0] * P, *rows.positions, *[0] * P, *rows.left, *[1] * P, *rows.keys, *[0] * P]
     for table in rows.tables:
         flat += table
-        flat += pad[len(table):]
+        flat += pad[len(table) :]
     flat += pad * P
     meta = torch.frombuffer(array.array("q", flat), dtype=torch.long).to(device)
     # Fresh tensors, as the step's own outputs are at later steps: four views with offsets into
     # one storage would be inputs of another kind for the compiled step (guards, a recompile).
-    tokens_N, pos_N, left_N, key_N = (torch.empty(bucket, dtype=torch.long, device=device)
-                                      .copy_(meta[i * bucket : (i + 1) * bucket]) for i in range(4))
+    tokens_N, pos_N, left_N, key_N = (
+        torch.empty(bucket, dtype=torch.long, device=device).copy_(meta[i * bucket : (i + 1) * bucket])
+        for i in range(4)
+    )
     table_NM = meta[4 * bucket :].view(bucket, M)
-    live_N = torch.arange(bucket, device=device) < N
-    stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
-    out_tokens, out_logprobs, out_stopped = [], [], []
-    for step in range(steps):
-        if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
-            torch.compiler.cudagraph_mark_step_begin()
-        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
-            model, k_cache, v_cache, params, tokens_N, pos_N, live_N, left_N, key_N, tables.at(step), stop_ids_E,
-            scratch, k_transposed, exact, kernel,
-        )
-        if cuda_graphs:  # a replay overwrites the previous one's outputs
-            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
-                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N))
-        out_tokens.append(tokens_N)
-        out_logprobs.append(logprobs_N)
-        out_stopped.append(stopped_N)
-        num_live = int(num_live)  # the one host read per step
-        if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
-            break
+    return tokens_N, pos_N, left_N, key_N, table_NM
+
+
+def _collect(out_tokens: list, out_logprobs: list, out_stopped: list, live_N: torch.Tensor) -> DecodeOutput:
+    """The pass's per-step outputs read back once, each row cut after its stop token."""
+    N = len(live_N)
     done = len(out_tokens)
     tokens = torch.stack(out_tokens)[:, :N].t().tolist()
     logprobs = torch.stack(out_logprobs)[:, :N].t().tolist()
@@ -262,6 +273,67 @@ def run_decode_pass(
     return DecodeOutput(
         tokens=tokens,
         logprobs=logprobs,
-        stopped=(~live_N[:N]).tolist(),
+        stopped=(~live_N).tolist(),
         steps=done,
     )
+
+
+def run_decode_pass(
+    step_fn,
+    model: nn.Module,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    params: SamplingParams,
+    rows: DecodeRows,
+    *,
+    steps: int,
+    bucket: int,
+    stop_ids: list[int],
+    scratch: int,
+    end_when_any_stops: bool,
+    device: torch.device,
+    k_transposed: bool = False,
+    exact: bool = False,
+    cuda_graphs: bool = False,
+    kernel: bool = False,
+) -> DecodeOutput:
+    """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
+    from the start). Ends early when every row stopped, when a quarter stopped (their compute
+    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
+    N = len(rows.tokens)
+    tokens_N, pos_N, left_N, key_N, table_NM = _upload_rows(rows, bucket, scratch, device)
+    live_N = torch.arange(bucket, device=device) < N
+    stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
+    out_tokens, out_logprobs, out_stopped = [], [], []
+    for step in range(steps):
+        if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
+            torch.compiler.cudagraph_mark_step_begin()
+        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
+            model,
+            k_cache,
+            v_cache,
+            params,
+            tokens_N,
+            pos_N,
+            live_N,
+            left_N,
+            key_N,
+            tables.at(step),
+            stop_ids_E,
+            scratch,
+            k_transposed,
+            exact,
+            kernel,
+        )
+        if cuda_graphs:  # a replay overwrites the previous one's outputs
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
+                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N)
+            )
+        out_tokens.append(tokens_N)
+        out_logprobs.append(logprobs_N)
+        out_stopped.append(stopped_N)
+        num_live = int(num_live)  # the one host read per step
+        if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
+            break
+    return _collect(out_tokens, out_logprobs, out_stopped, live_N[:N])

@@ -21,15 +21,26 @@ from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
 from titanrl.generator import cpu_kernel
-from titanrl.generator.decode import (DecodeRows, compile_decode, decode_step, run_decode_pass,
-                                      static_kv_for_cuda_graphs, uses_cuda_graphs)
+from titanrl.generator.decode import (
+    DecodeRows,
+    compile_decode,
+    decode_step,
+    run_decode_pass,
+    static_kv_for_cuda_graphs,
+    uses_cuda_graphs,
+)
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedAttention, SeqSlice
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
-from titanrl.generator.weight_sync import (build_quantizer, can_sync_trainable_only, copy_trainer_weights,
-                                          share_trainer_weights, weight_storage)
+from titanrl.generator.weight_sync import (
+    build_quantizer,
+    can_sync_trainable_only,
+    copy_trainer_weights,
+    share_trainer_weights,
+    weight_storage,
+)
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.hf import load_hf_weights
@@ -128,8 +139,14 @@ class Generator:
             kv_heads = self.args.n_kv_heads // self.tp
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
-                self.args.n_layers, self.num_blocks + 1, self.config.block_size, kv_heads, self.args.head_dim,
-                self.dtype, self.device, zero_all=self.config.attention_impl == "flex",
+                self.args.n_layers,
+                self.num_blocks + 1,
+                self.config.block_size,
+                kv_heads,
+                self.args.head_dim,
+                self.dtype,
+                self.device,
+                zero_all=self.config.attention_impl == "flex",
                 k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
@@ -209,9 +226,15 @@ class Generator:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, prompt_ids: list[int] | None = None,
-        turns: TurnHandler | None = None, *, resume: list[ResumedSample] = (),
-        pause_when: PauseWhen | None = None, on_finish: Callable[[list[Completion]], None] | None = None,
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_ids: list[int] | None = None,
+        turns: TurnHandler | None = None,
+        *,
+        resume: list[ResumedSample] = (),
+        pause_when: PauseWhen | None = None,
+        on_finish: Callable[[list[Completion]], None] | None = None,
     ) -> tuple[list[Completion], GenerationStats]:
         """Generate `params.n` samples per prompt. Results are ordered by (prompt, sample).
 
@@ -233,9 +256,31 @@ class Generator:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         start = time.perf_counter()
         sched = Scheduler(
-            self.pool, self.allocator, self.config, prompts, prompt_ids, params,
-            max_seq_len=self.args.max_seq_len, vocab_size=self.args.vocab_size, turns=turns, resume=resume,
+            self.pool,
+            self.allocator,
+            self.config,
+            prompts,
+            prompt_ids,
+            params,
+            max_seq_len=self.args.max_seq_len,
+            vocab_size=self.args.vocab_size,
+            turns=turns,
+            resume=resume,
         )
+        self._run(sched, turns, pause_when, on_finish)
+        results = sched.results()
+        sched.stats.seconds = time.perf_counter() - start
+        return [seq.to_completion(self.tokenizer) for seq in results], sched.stats
+
+    def _run(
+        self,
+        sched: Scheduler,
+        turns: TurnHandler | None,
+        pause_when: PauseWhen | None,
+        on_finish: Callable[[list[Completion]], None] | None,
+    ) -> None:
+        """Scheduler passes until every sample finished or paused: admit and prefill while there is
+        room, else decode; report finished samples to `on_finish` after each pass."""
         reported = 0
         while sched.has_work:
             sched.stats.steps += 1
@@ -250,16 +295,17 @@ class Generator:
                 self._decode(sched, turns)
             if turns is not None:
                 sched.pause()
-            if pause_when is not None and sched.has_work and pause_when(
-                    [(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats):
+            if (
+                pause_when is not None
+                and sched.has_work
+                and pause_when([(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats)
+            ):
                 sched.pause_all()
             if on_finish is not None:  # single-turn: `finished` only grows
-                on_finish([s.to_completion(self.tokenizer) for s in sched.finished[reported:]
-                           if s.finish_reason != "paused"])
+                on_finish(
+                    [s.to_completion(self.tokenizer) for s in sched.finished[reported:] if s.finish_reason != "paused"]
+                )
                 reported = len(sched.finished)
-        results = sched.results()
-        sched.stats.seconds = time.perf_counter() - start
-        return [seq.to_completion(self.tokenizer) for seq in results], sched.stats
 
     def _prefill(self, sched: Scheduler, seqs: list[Seq]) -> None:
         """One packed forward over the new context tokens of the admitted sequences; each group
@@ -300,17 +346,31 @@ class Generator:
         steps, left = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
         rows = DecodeRows(
-            tokens=[s.token_ids[-1] for s in batch], positions=[len(s.token_ids) - 1 for s in batch],
-            left=left, keys=[s.key for s in batch],
+            tokens=[s.token_ids[-1] for s in batch],
+            positions=[len(s.token_ids) - 1 for s in batch],
+            left=left,
+            keys=[s.key for s in batch],
             tables=[s.block_table for s in batch],
         )
         compiled = self._decode_step is not decode_step
         bucket = 1 << (len(batch) - 1).bit_length() if compiled else len(batch)
         with torch.profiler.record_function("generator/decode"):
             out = run_decode_pass(
-                self._decode_step, self.model, self.pool.k, self.pool.v, params, rows, steps=steps, bucket=bucket,
-                stop_ids=stop_ids, scratch=self.num_blocks, end_when_any_stops=bool(sched.waiting), device=self.device,
-                k_transposed=self.pool.k_transposed, exact=self.config.batch_invariant, cuda_graphs=self._cuda_graphs,
+                self._decode_step,
+                self.model,
+                self.pool.k,
+                self.pool.v,
+                params,
+                rows,
+                steps=steps,
+                bucket=bucket,
+                stop_ids=stop_ids,
+                scratch=self.num_blocks,
+                end_when_any_stops=bool(sched.waiting),
+                device=self.device,
+                k_transposed=self.pool.k_transposed,
+                exact=self.config.batch_invariant,
+                cuda_graphs=self._cuda_graphs,
                 kernel=self._kernel and (not compiled or bucket >= cpu_kernel.MIN_COMPILED_BUCKET),
             )
         sched.stats.steps += out.steps - 1
@@ -340,8 +400,9 @@ class Generator:
             seq.num_computed = len(seq.token_ids)
         self._sample(sched, batch, logits_NV)
 
-    def _forward(self, slices: list[SeqSlice], tokens: list[int], decode: bool = False,
-                 logits_at: list[int] | None = None) -> torch.Tensor:
+    def _forward(
+        self, slices: list[SeqSlice], tokens: list[int], decode: bool = False, logits_at: list[int] | None = None
+    ) -> torch.Tensor:
         """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
         positions `logits_at` ([len(logits_at), vocab])."""
         model = self.model
@@ -354,9 +415,13 @@ class Generator:
             tokens = tokens + [0] * (bucket - n)
             model = self._decode_model
         backend = PagedAttention(
-            self.pool, slices, self.device, exact=self.config.batch_invariant,
+            self.pool,
+            slices,
+            self.device,
+            exact=self.config.batch_invariant,
             impl="flex" if self.config.attention_impl == "flex" else "sdpa",
-            kernel=self._kernel and model is self.model)
+            kernel=self._kernel and model is self.model,
+        )
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.

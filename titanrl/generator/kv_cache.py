@@ -125,8 +125,16 @@ class KVCachePool:
     """
 
     def __init__(
-        self, n_layers: int, num_blocks: int, block_size: int, n_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device, zero_all: bool = False, k_transposed: bool = False,
+        self,
+        n_layers: int,
+        num_blocks: int,
+        block_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        zero_all: bool = False,
+        k_transposed: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -170,8 +178,14 @@ class KVCachePool:
             v[dst].copy_(v[src])
 
 
-def write_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, slot_N: torch.Tensor, k_NHD: torch.Tensor,
-             v_NHD: torch.Tensor, k_transposed: bool) -> None:
+def write_kv(
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    slot_N: torch.Tensor,
+    k_NHD: torch.Tensor,
+    v_NHD: torch.Tensor,
+    k_transposed: bool,
+) -> None:
     """`KVCachePool.write` on one layer's page tensors (also used inside the compiled decode step)."""
     B = v_pages.shape[1]
     v_pages.view(-1, *v_pages.shape[2:])[slot_N] = v_NHD.to(v_pages.dtype)
@@ -188,8 +202,9 @@ def rows_of(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[1:])
 
 
-def gather_kv(k_pages: torch.Tensor, v_pages: torch.Tensor, slots_SL: torch.Tensor,
-              k_transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    k_pages: torch.Tensor, v_pages: torch.Tensor, slots_SL: torch.Tensor, k_transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`KVCachePool.gather` on one layer's page tensors."""
     B = v_pages.shape[1]
     v_SLHD = rows_of(v_pages.view(-1, *v_pages.shape[2:]), slots_SL)

@@ -37,7 +37,12 @@ class PagedAttention:
     """
 
     def __init__(
-        self, pool: KVCachePool, seqs: list[SeqSlice], device: torch.device, exact: bool = False, impl: str = "sdpa",
+        self,
+        pool: KVCachePool,
+        seqs: list[SeqSlice],
+        device: torch.device,
+        exact: bool = False,
+        impl: str = "sdpa",
         kernel: bool = False,
     ) -> None:
         if impl not in ("sdpa", "flex"):

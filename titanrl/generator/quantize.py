@@ -115,4 +115,3 @@ class WeightQuantizer:
         names, _ = dst.__tensor_flatten__()
         for name in names:
             getattr(dst, name).copy_(getattr(new, name))
-

@@ -27,8 +27,9 @@ def greedy_reference(
     return new_ids, logprobs
 
 
-def paged_decode_attention_reference(q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                                     table_NM: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+def paged_decode_attention_reference(
+    q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor, pos_N: torch.Tensor
+) -> torch.Tensor:
     """float64 attention of each row over its positions 0..pos, gathered slot by slot through its
     block table; the layouts of `cpu_kernel.paged_decode_attention` (K pages transposed)."""
     N, G, R, D = q_NGRD.shape

@@ -117,8 +117,9 @@ def first_argmax(logits_NV: torch.Tensor) -> torch.Tensor:
     return torch.where(logits_NV == max_N1, index_V, logits_NV.shape[-1]).amin(-1).clamp(max=logits_NV.shape[-1] - 1)
 
 
-def sample_tokens(logits_NV: torch.Tensor, params: SamplingParams, key_N: torch.Tensor | None,
-                  counter_N: torch.Tensor | None) -> torch.Tensor:
+def sample_tokens(
+    logits_NV: torch.Tensor, params: SamplingParams, key_N: torch.Tensor | None, counter_N: torch.Tensor | None
+) -> torch.Tensor:
     """One token id per row: argmax for temperature 0, else a draw from the filtered softmax.
 
     A draw is one uniform number from the row's stateless stream (`counter_uniform`), inverted

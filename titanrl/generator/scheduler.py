@@ -50,11 +50,21 @@ class Scheduler:
         # Resumed samples first (the oldest work); their prompts are not forked again.
         resumed = {r.prompt_index for r in resume}
         self.waiting: list[Seq] = [
-            Seq(r.prompt_index, r.sample_index, prompts[r.prompt_index] + r.token_ids, len(prompts[r.prompt_index]),
-                params, r.key, logprobs=list(r.logprobs))
+            Seq(
+                r.prompt_index,
+                r.sample_index,
+                prompts[r.prompt_index] + r.token_ids,
+                len(prompts[r.prompt_index]),
+                params,
+                r.key,
+                logprobs=list(r.logprobs),
+            )
             for r in resume
-        ] + [Seq(i, 0, list(p), len(p), params, 0, is_group_prompt=True)
-             for i, p in enumerate(prompts) if i not in resumed]
+        ] + [
+            Seq(i, 0, list(p), len(p), params, 0, is_group_prompt=True)
+            for i, p in enumerate(prompts)
+            if i not in resumed
+        ]
         self.running: list[Seq] = []
         self.finished: list[Seq] = []
         self.paused: dict[tuple[int, int], Seq] = {}
@@ -169,9 +179,14 @@ class Scheduler:
     def _fork(self, group: Seq, sample_index: int) -> Seq:
         """Sample `sample_index` of a group: its own random stream, the group's blocks shared."""
         return Seq(
-            group.prompt_index, sample_index, list(group.token_ids), group.prompt_len, group.params,
+            group.prompt_index,
+            sample_index,
+            list(group.token_ids),
+            group.prompt_len,
+            group.params,
             self.sample_key(group.prompt_index, sample_index),
-            block_table=[self.allocator.fork(b) for b in group.block_table], num_computed=group.num_computed,
+            block_table=[self.allocator.fork(b) for b in group.block_table],
+            num_computed=group.num_computed,
         )
 
     # ---- decode ----
@@ -207,8 +222,10 @@ class Scheduler:
         steps = min(max_steps, max(lefts))
         while steps > 1:
             # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
-            needed = [max(0, (len(s.token_ids) - 2 + min(steps, left)) // B + 1 - len(s.block_table))
-                      for s, left in zip(batch, lefts)]
+            needed = [
+                max(0, (len(s.token_ids) - 2 + min(steps, left)) // B + 1 - len(s.block_table))
+                for s, left in zip(batch, lefts)
+            ]
             if sum(needed) <= self.allocator.num_free:
                 for seq, n in zip(batch, needed):
                     for _ in range(n):
@@ -257,9 +274,17 @@ class Scheduler:
             self._free_blocks(seq)
             if seq.is_group_prompt:
                 self.finished.extend(
-                    Seq(seq.prompt_index, j, list(seq.token_ids), seq.prompt_len, seq.params,
-                        self.sample_key(seq.prompt_index, j), finish_reason="paused")
-                    for j in range(seq.params.n))
+                    Seq(
+                        seq.prompt_index,
+                        j,
+                        list(seq.token_ids),
+                        seq.prompt_len,
+                        seq.params,
+                        self.sample_key(seq.prompt_index, j),
+                        finish_reason="paused",
+                    )
+                    for j in range(seq.params.n)
+                )
             else:
                 seq.finish_reason = "paused"
                 self.finished.append(seq)

@@ -42,7 +42,9 @@ class ResumedSample:
 
     def validate(self, prompt_len: int, max_seq_len: int) -> None:
         if not self.token_ids or len(self.token_ids) != len(self.logprobs):
-            raise ValueError(f"resumed sample {(self.prompt_index, self.sample_index)} needs its tokens and their logprobs")
+            raise ValueError(
+                f"resumed sample {(self.prompt_index, self.sample_index)} needs its tokens and their logprobs"
+            )
         if prompt_len + len(self.token_ids) >= max_seq_len:
             raise ValueError(f"resumed sample {(self.prompt_index, self.sample_index)} already fills the model context")
 

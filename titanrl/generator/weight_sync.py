@@ -28,8 +28,12 @@ def build_quantizer(mode: str, device: torch.device, dtype: torch.dtype, tp_degr
 
 
 @torch.no_grad()
-def copy_trainer_weights(generator_model: nn.Module, trainer_model: nn.Module,
-                         quantizer: WeightQuantizer | None = None, trainable_only: bool = False) -> None:
+def copy_trainer_weights(
+    generator_model: nn.Module,
+    trainer_model: nn.Module,
+    quantizer: WeightQuantizer | None = None,
+    trainable_only: bool = False,
+) -> None:
     """Copy the trainer's current weights into `generator_model`'s tensors, in place; with a
     `quantizer`, the generator's quantised weights are re-quantised from the trainer's values.
 
@@ -71,16 +75,20 @@ def share_trainer_weights(generator_model: nn.Module, trainer_model: nn.Module) 
     pairs = _matched_parameters(generator_model, trainer_model)
     for _, dst, src in pairs:
         # A quantised generator weight (a tensor subclass, as is a DTensor) holds other values.
-        if is_traceable_wrapper_subclass(dst) or isinstance(src, DTensor) or (src.dtype, src.shape, src.device) != (
-                dst.dtype, dst.shape, dst.device):
+        if (
+            is_traceable_wrapper_subclass(dst)
+            or isinstance(src, DTensor)
+            or (src.dtype, src.shape, src.device) != (dst.dtype, dst.shape, dst.device)
+        ):
             return False
     for _, dst, src in pairs:
         dst.data = src.detach()
     return True
 
 
-def _matched_parameters(generator_model: nn.Module, trainer_model: nn.Module
-                        ) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+def _matched_parameters(
+    generator_model: nn.Module, trainer_model: nn.Module
+) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
     """(name, generator parameter, trainer parameter) for every parameter, matched by name. A
     generator without LoRA adapters (lora.generator = 'merged') has no counterpart for the
     trainer's adapters: they are folded into their base weights (`_merged_lora_weight`)."""
@@ -108,8 +116,9 @@ def _merged_lora_weight(w_local: torch.Tensor, module: LoRALinear) -> torch.Tens
     return torch.addmm(w_local, b, a, alpha=module.scaling)
 
 
-def _copy_parameters(generator_model: nn.Module, trainer_model: nn.Module, quantizer: WeightQuantizer | None,
-                     trainable_only: bool) -> None:
+def _copy_parameters(
+    generator_model: nn.Module, trainer_model: nn.Module, quantizer: WeightQuantizer | None, trainable_only: bool
+) -> None:
     # Base weights of adapted layers, when the generator serves the merged model.
     to_merge = {} if has_lora(generator_model) else {f"{n}.weight": m for n, m in lora_modules(trainer_model)}
     assert not (trainable_only and to_merge), "merged LoRA weights change with the adapters: copy them all"

@@ -160,7 +160,10 @@ class _ExactCausalAttentionFn(torch.autograd.Function):
         q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
         with torch.enable_grad():
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
                 enable_gqa=q.shape[2] != k.shape[2],
             ).transpose(1, 2)
             return torch.autograd.grad(out, (q, k, v), grad_BTHD)

@@ -118,8 +118,9 @@ def _environment():
         trim_blocks=True, lstrip_blocks=True, extensions=[generation_tag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=safe_dict(),
-                       namespace=safe_namespace)
+    env.globals.update(
+        raise_exception=raise_exception, strftime_now=strftime_now, dict=safe_dict(), namespace=safe_namespace
+    )
     return env
 
 
@@ -149,17 +150,26 @@ def _read_templates(folder: str) -> dict[str, str]:
         return {"default": value}
     if isinstance(value, list):
         for entry in value:
-            if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                    and isinstance(entry.get("template"), str)):
-                raise ValueError(f"{folder}/tokenizer_config.json: chat_template list entries must be "
-                                 f"{{'name': str, 'template': str}}, got {entry!r}")
+            if not (
+                isinstance(entry, dict)
+                and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)
+            ):
+                raise ValueError(
+                    f"{folder}/tokenizer_config.json: chat_template list entries must be "
+                    f"{{'name': str, 'template': str}}, got {entry!r}"
+                )
             templates[entry["name"]] = entry["template"]
         return templates
     if value is not None:
-        raise ValueError(f"{folder}/tokenizer_config.json: chat_template must be a string or a list of "
-                         f"{{'name', 'template'}}, got {type(value).__name__}")
-    raise ValueError(f"No chat template in '{folder}': neither chat_template.jinja nor a 'chat_template' "
-                     "entry in tokenizer_config.json")
+        raise ValueError(
+            f"{folder}/tokenizer_config.json: chat_template must be a string or a list of "
+            f"{{'name', 'template'}}, got {type(value).__name__}"
+        )
+    raise ValueError(
+        f"No chat template in '{folder}': neither chat_template.jinja nor a 'chat_template' "
+        "entry in tokenizer_config.json"
+    )
 
 
 def _read_tokenizer_config(folder: str) -> dict:
@@ -207,8 +217,12 @@ def _normalize_messages(messages: Sequence[Mapping]) -> list[dict]:
 class ChatTemplate:
     """One tokenizer folder's chat template(s) and special tokens."""
 
-    def __init__(self, templates: str | Mapping[str, str], special_tokens: Mapping[str, str] | None = None,
-                 source: str = "<string>") -> None:
+    def __init__(
+        self,
+        templates: str | Mapping[str, str],
+        special_tokens: Mapping[str, str] | None = None,
+        source: str = "<string>",
+    ) -> None:
         self.templates = {"default": templates} if isinstance(templates, str) else dict(templates)
         if not self.templates:
             raise ValueError(f"{source}: no chat template given")
@@ -232,8 +246,13 @@ class ChatTemplate:
             return self.templates["default"]
         raise ValueError(f"{self.source}: several chat templates {sorted(self.templates)} and none named 'default'")
 
-    def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = False,
-               tools: list[dict] | None = None, **kwargs) -> str:
+    def render(
+        self,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         """The conversation as text. `tools`: JSON-schema dicts; `kwargs` reach the template (e.g.
         `enable_thinking=False`) and override the special tokens."""
         jinja2 = _import_jinja2()
@@ -243,22 +262,35 @@ class ChatTemplate:
         try:
             compiled = _compile(template)
         except jinja2.TemplateSyntaxError as e:
-            raise ValueError(f"chat template of {self.source} is not valid Jinja (line {e.lineno}): {e.message}") from None
+            raise ValueError(
+                f"chat template of {self.source} is not valid Jinja (line {e.lineno}): {e.message}"
+            ) from None
         context = {**self.special_tokens, **kwargs}
         context.setdefault("documents", None)
         try:
-            return compiled.render(messages=_normalize_messages(messages), tools=tools,
-                                   add_generation_prompt=add_generation_prompt, **context)
+            return compiled.render(
+                messages=_normalize_messages(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template of {self.source} failed: {e}") from None
 
-    def encode(self, tokenizer: Tokenizer, messages: Sequence[Mapping], add_generation_prompt: bool = False,
-               tools: list[dict] | None = None, **kwargs) -> list[int]:
+    def encode(
+        self,
+        tokenizer: Tokenizer,
+        messages: Sequence[Mapping],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        **kwargs,
+    ) -> list[int]:
         """Token ids of `render(...)`; no bos is added (the template writes its own)."""
         return tokenizer.encode(self.render(messages, add_generation_prompt, tools, **kwargs))
 
-    def assistant_spans(self, messages: Sequence[Mapping], tools: list[dict] | None = None,
-                        **kwargs) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(
+        self, messages: Sequence[Mapping], tools: list[dict] | None = None, **kwargs
+    ) -> tuple[str, list[tuple[int, int]]]:
         """(rendered conversation, character span of each assistant message), prefix by prefix
         (see the module docstring); an inconsistently rendered prefix is an error naming the message."""
         messages = list(messages)
@@ -279,8 +311,9 @@ class ChatTemplate:
             spans.append((len(before), len(upto)))
         return text, spans
 
-    def assistant_mask(self, tokenizer: Tokenizer, messages: Sequence[Mapping], tools: list[dict] | None = None,
-                       **kwargs) -> tuple[list[int], list[int]]:
+    def assistant_mask(
+        self, tokenizer: Tokenizer, messages: Sequence[Mapping], tools: list[dict] | None = None, **kwargs
+    ) -> tuple[list[int], list[int]]:
         """(token ids of the whole conversation, 0/1 per token: 1 on the assistant's tokens).
 
         The ids are those of `encode(tokenizer, messages)`; a token is 1 when it overlaps an
@@ -296,8 +329,10 @@ class ChatTemplate:
         for span_start, span_end in spans:  # no offsets: encode the prefixes and diff the token lists
             lo, hi = len(tokenizer.encode(text[:span_start])), tokenizer.encode(text[:span_end])
             if ids[: len(hi)] != hi or hi[:lo] != ids[:lo]:
-                raise ValueError("assistant_mask: the tokenizer does not encode the conversation's prefixes as "
-                                 f"token prefixes of the whole (at characters {span_start}..{span_end})")
+                raise ValueError(
+                    "assistant_mask: the tokenizer does not encode the conversation's prefixes as "
+                    f"token prefixes of the whole (at characters {span_start}..{span_end})"
+                )
             mask[lo : len(hi)] = [1] * (len(hi) - lo)
         return ids, mask
 

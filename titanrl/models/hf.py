@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,9 +82,7 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     """Model args from a parsed HF config.json (transformers 4.x or 5.x rope layout)."""
     model_type = cfg.get("model_type")
     if model_type not in _FAMILY_OF_MODEL_TYPE:
-        raise ValueError(
-            f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}"
-        )
+        raise ValueError(f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}")
     family = _FAMILY_OF_MODEL_TYPE[model_type]
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
@@ -293,8 +290,13 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=expected == keys))
 
 
-def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32, max_shard_bytes: int = 5 * 2**30,
-              merge_lora: bool = True) -> None:
+def export_hf(
+    model: nn.Module,
+    folder: str,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int = 5 * 2**30,
+    merge_lora: bool = True,
+) -> None:
     """Gather the full model on rank 0 and write config.json + safetensors there; LoRA adapters
     are merged into their base weights, or left out with `merge_lora=False` (the base model).
 
@@ -311,8 +313,9 @@ def export_hf(model: nn.Module, folder: str, dtype: torch.dtype = torch.float32,
         json.dump(hf_config_from_args(model.args, dtype), f, indent=2)
 
 
-def export_peft_adapter(model: nn.Module, folder: str, rank: int, alpha: float, dropout: float,
-                        base_model: str = "") -> None:
+def export_peft_adapter(
+    model: nn.Module, folder: str, rank: int, alpha: float, dropout: float, base_model: str = ""
+) -> None:
     """Write `model`'s LoRA adapters as a PEFT adapter folder (`adapter_config.json` +
     `adapter_model.safetensors`, PEFT's key layout) that `peft.PeftModel.from_pretrained` loads
     onto the HF export of the base model. Collective: every rank must call it."""
@@ -329,12 +332,23 @@ def export_peft_adapter(model: nn.Module, folder: str, rank: int, alpha: float, 
         adapters[f"{stem}.lora_A.weight"] = sd[f"{name}.lora_a.weight"]
         adapters[f"{stem}.lora_B.weight"] = sd[f"{name}.lora_b.weight"]
     os.makedirs(folder, exist_ok=True)
-    save_file({k: v.detach().contiguous().clone() for k, v in adapters.items()},
-              os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous().clone() for k, v in adapters.items()},
+        os.path.join(folder, "adapter_model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(targets),
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
     }
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -348,5 +362,11 @@ def export_lora(model: nn.Module, config: JobConfig) -> None:
         base = os.path.join(config.job.dump_folder, "hf_base")
         export_hf(model, base, merge_lora=False)
     lora = config.lora
-    export_peft_adapter(model, os.path.join(config.job.dump_folder, "peft_adapter"), lora.rank, lora.alpha,
-                        lora.dropout, base_model=os.path.abspath(base))
+    export_peft_adapter(
+        model,
+        os.path.join(config.job.dump_folder, "peft_adapter"),
+        lora.rank,
+        lora.alpha,
+        lora.dropout,
+        base_model=os.path.abspath(base),
+    )

@@ -30,8 +30,9 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def logprobs_and_entropy(logits_XV: torch.Tensor, targets_X: torch.Tensor, with_entropy: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs_and_entropy(
+    logits_XV: torch.Tensor, targets_X: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The one formula for logits of any leading shape X: log p(target) in float32 (float64 for
     float64 logits), and the entropy (a statistic: no gradient) or None."""
     logp_XV = torch.log_softmax(_upcast(logits_XV), dim=-1)
@@ -73,7 +74,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         h_ND, weight_VD, targets_N = ctx.saved_tensors
 
         def grad_logits():
-            for h_CD, t_C, g_C in zip(h_ND.split(ctx.chunk), targets_N.split(ctx.chunk), grad_logprobs_N.split(ctx.chunk)):
+            for h_CD, t_C, g_C in zip(
+                h_ND.split(ctx.chunk), targets_N.split(ctx.chunk), grad_logprobs_N.split(ctx.chunk)
+            ):
                 # d log_softmax(z)_t / dz = onehot(t) - softmax(z), times the incoming gradient.
                 probs_CV = torch.softmax(_upcast(F.linear(h_CD, weight_VD)), dim=-1)
                 grad_logits_CV = probs_CV.mul_(-g_C[:, None])
@@ -83,13 +86,18 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None
 
 
-def linear_backward(needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weight_VD: torch.Tensor, chunk: int,
-                     grad_logits_chunks) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def linear_backward(
+    needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weight_VD: torch.Tensor, chunk: int, grad_logits_chunks
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(grad h, grad W) of logits = h W^T from each chunk's grad logits [C, V], in the order of
     `h_ND.split(chunk)` (a generator: one chunk's logits live at a time), for the inputs that
     need them; grad W accumulates in place in float32 at least (no [V, D] temporary per chunk)."""
     grad_h = torch.empty_like(h_ND) if needs_input_grad[0] else None
-    grad_w = torch.zeros_like(weight_VD, dtype=torch.promote_types(weight_VD.dtype, torch.float32)) if needs_input_grad[1] else None
+    grad_w = (
+        torch.zeros_like(weight_VD, dtype=torch.promote_types(weight_VD.dtype, torch.float32))
+        if needs_input_grad[1]
+        else None
+    )
     start = 0
     for h_CD, grad_logits_CV in zip(h_ND.split(chunk), grad_logits_chunks):
         grad_logits_CV = grad_logits_CV.to(h_ND.dtype)
@@ -102,8 +110,12 @@ def linear_backward(needs_input_grad: tuple[bool, ...], h_ND: torch.Tensor, weig
 
 
 def chunked_token_logprobs(
-    h_BTD: torch.Tensor, weight_VD: torch.Tensor, targets_BT: torch.Tensor, chunk_tokens: int,
-    with_entropy: bool = False, mask_BT: torch.Tensor | None = None,
+    h_BTD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    targets_BT: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    mask_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(target) [B, T] in float32 (float64 for float64 inputs), entropy [B, T] or None) from
     the final hidden states and the output weight, `chunk_tokens` positions of logits at a time.
@@ -115,8 +127,9 @@ def chunked_token_logprobs(
     return _scatter_rows(logprobs_N, entropy_N if with_entropy else None, mask_BT, h_BTD.shape[:2])
 
 
-def _select_rows(h_BTD: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_rows(
+    h_BTD: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows to project, [N, D] and [N]: every position, or those where `mask_BT` is non-zero."""
     if mask_BT is None:
         return h_BTD.reshape(-1, h_BTD.shape[-1]), targets_BT.reshape(-1)
@@ -124,8 +137,9 @@ def _select_rows(h_BTD: torch.Tensor, targets_BT: torch.Tensor, mask_BT: torch.T
     return h_BTD[rows_BT], targets_BT[rows_BT]
 
 
-def _scatter_rows(logprobs_N: torch.Tensor, entropy_N: torch.Tensor | None, mask_BT: torch.Tensor | None,
-                  BT: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scatter_rows(
+    logprobs_N: torch.Tensor, entropy_N: torch.Tensor | None, mask_BT: torch.Tensor | None, BT: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows of `_select_rows` back to [B, T], 0 where the mask is 0."""
     B, T = BT
     if mask_BT is None:
@@ -136,8 +150,9 @@ def _scatter_rows(logprobs_N: torch.Tensor, entropy_N: torch.Tensor | None, mask
     return logprobs_BT, entropy_BT
 
 
-def _local_target_logit(z_CV: torch.Tensor, t_C: torch.Tensor, vocab_start: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _local_target_logit(
+    z_CV: torch.Tensor, t_C: torch.Tensor, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the target's logit where this rank's vocab shard holds the target id, else 0; the column
     of the target in the shard, clamped in range; whether the shard holds it) per row."""
     t_local_C = t_C - vocab_start
@@ -202,8 +217,12 @@ class _VocabParallelChunkedLogprobs(torch.autograd.Function):
 
 
 def vocab_parallel_token_logprobs(
-    h_BTD: torch.Tensor, weight_VD: DTensor, targets_BT: torch.Tensor, chunk_tokens: int,
-    with_entropy: bool = False, mask_BT: torch.Tensor | None = None,
+    h_BTD: torch.Tensor,
+    weight_VD: DTensor,
+    targets_BT: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    mask_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunked_token_logprobs` for a vocab-sharded output weight (a DTensor, Shard(0) on a 1-D tp
     mesh, as TP's ColwiseParallel leaves it), without gathering logits. Returns plain tensors,

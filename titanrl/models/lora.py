@@ -30,8 +30,9 @@ from titanrl.config.adapt_sections import LORA_TARGETS, lora_target
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 
 # titanrl projection -> module inside a block
-_TARGETS = {name: f"{'attention' if name in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}.{name}"
-            for name in LORA_TARGETS}
+_TARGETS = {
+    name: f"{'attention' if name in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}.{name}" for name in LORA_TARGETS
+}
 
 
 def resolve_targets(names: list[str]) -> list[str]:
@@ -42,8 +43,17 @@ def resolve_targets(names: list[str]) -> list[str]:
 class LoRALinear(nn.Linear):
     """An `nn.Linear` (the frozen base: `weight`, `bias`) plus a low-rank update B A."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, rank: int, alpha: float,
-                 dropout: float, device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.rank = rank
         self.scaling = alpha / rank
@@ -56,8 +66,16 @@ class LoRALinear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float) -> LoRALinear:
         """The adapted version of `linear`, sharing its weight and bias parameters."""
         w = linear.weight
-        out = cls(linear.in_features, linear.out_features, linear.bias is not None, rank, alpha, dropout,
-                  device=w.device, dtype=w.dtype)
+        out = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            rank,
+            alpha,
+            dropout,
+            device=w.device,
+            dtype=w.dtype,
+        )
         out.weight = w
         if linear.bias is not None:
             out.bias = linear.bias
@@ -132,15 +150,18 @@ def initial_lora_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tens
     sd = {}
     for name, module in lora_modules(model):
         bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform_(a=sqrt(5)) of an [r, in] weight
-        sd[f"{name}.lora_a.weight"] = torch.empty(module.rank, module.in_features).uniform_(-bound, bound, generator=gen)
+        sd[f"{name}.lora_a.weight"] = torch.empty(module.rank, module.in_features).uniform_(
+            -bound, bound, generator=gen
+        )
         sd[f"{name}.lora_b.weight"] = torch.zeros(module.out_features, module.rank)
     return sd
 
 
 def init_lora(model: nn.Module, seed: int) -> None:
     """Set the adapters of a materialised (possibly FSDP2 / TP-sharded) model to their initial values."""
-    set_model_state_dict(model, initial_lora_state_dict(model, seed),
-                         options=StateDictOptions(full_state_dict=True, strict=False))
+    set_model_state_dict(
+        model, initial_lora_state_dict(model, seed), options=StateDictOptions(full_state_dict=True, strict=False)
+    )
 
 
 def merge_lora_state_dict(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

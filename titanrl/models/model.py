@@ -65,7 +65,9 @@ class AttentionBackend(Protocol):
     TP) and returns the attention output [B, T, H, D].
     """
 
-    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -212,8 +214,9 @@ class Transformer(nn.Module):
         positions_BT: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
     ) -> torch.Tensor:
-        """Logits [B, T, vocab] (scores [B, T, num_labels] for a score head). `positions_BT` defaults to 0..T-1 for every row; `backend`
-        replaces causal attention over the batch (the generator's paged KV cache)."""
+        """Logits [B, T, vocab] (scores [B, T, num_labels] for a score head). `positions_BT` defaults
+        to 0..T-1 for every row; `backend` replaces causal attention over the batch (the generator's
+        paged KV cache)."""
         return self.output(self.hidden_states(tokens_BT, positions_BT, backend))
 
     def logprobs(

@@ -31,7 +31,10 @@ class DocumentSDPA:
 
     def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2), attn_mask=self.mask_R1SS,
+            q_BTHD.transpose(1, 2),
+            k_BTHD.transpose(1, 2),
+            v_BTHD.transpose(1, 2),
+            attn_mask=self.mask_R1SS,
             enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2],
         ).transpose(1, 2)
 
@@ -65,8 +68,13 @@ class DocumentFlexAttention:
         self.block_mask = create_block_mask(document_causal, R, None, S, S, device=doc_RS.device)
 
     def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
-        out_BHTD = _flex(q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2),
-                         block_mask=self.block_mask, enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2])
+        out_BHTD = _flex(
+            q_BTHD.transpose(1, 2),
+            k_BTHD.transpose(1, 2),
+            v_BTHD.transpose(1, 2),
+            block_mask=self.block_mask,
+            enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2],
+        )
         return out_BHTD.transpose(1, 2)
 
 
@@ -81,8 +89,9 @@ class PackedExactAttention:
         return attend_exact_spans(q_BTHD, k_BTHD, v_BTHD, self.spans)
 
 
-def packed_backend(layout: PackLayout, device: torch.device, invariant: bool, flex: bool | None = None
-                   ) -> AttentionBackend:
+def packed_backend(
+    layout: PackLayout, device: torch.device, invariant: bool, flex: bool | None = None
+) -> AttentionBackend:
     """The backend for `layout`'s rows: exact in batch-invariant mode, else FlexAttention
     (default on CUDA) or SDPA with a document mask (default elsewhere)."""
     if invariant:
@@ -92,9 +101,14 @@ def packed_backend(layout: PackLayout, device: torch.device, invariant: bool, fl
     return DocumentFlexAttention(doc_RS) if use_flex else DocumentSDPA(doc_RS)
 
 
-def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chunk_tokens: int,
-                     with_entropy: bool = False, packing: str = "off"
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def forward_logprobs(
+    model: Transformer,
+    batch: TensorDict,
+    invariant: bool,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    packing: str = "off",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them, at
     the loss mask's positions only (0 elsewhere: prompt tokens are not projected to the vocabulary).
     Packed (`data.packing.layout_of`: as planned, or by `packing`) or over the padded rows."""
@@ -103,14 +117,22 @@ def forward_logprobs(model: Transformer, batch: TensorDict, invariant: bool, chu
     if layout is None:
         backend = ExactCausalAttention() if invariant else None
         with batch_invariant_mode() if invariant else contextlib.nullcontext():
-            return model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy,
-                                  backend=backend, mask_BT=mask_BT)
+            return model.logprobs(
+                tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy, backend=backend, mask_BT=mask_BT
+            )
     inputs_RS, targets_RS = layout.pack(tokens_BT[:, :-1]), layout.pack(tokens_BT[:, 1:])
     mask_RS = layout.pack(mask_BT)
     backend = packed_backend(layout, tokens_BT.device, invariant)
     with batch_invariant_mode() if invariant else contextlib.nullcontext():
-        logprobs_RS, entropy_RS = model.logprobs(inputs_RS, targets_RS, chunk_tokens, with_entropy, backend=backend,
-                                                 mask_BT=mask_RS, positions_BT=layout.positions_RS.to(tokens_BT.device))
+        logprobs_RS, entropy_RS = model.logprobs(
+            inputs_RS,
+            targets_RS,
+            chunk_tokens,
+            with_entropy,
+            backend=backend,
+            mask_BT=mask_RS,
+            positions_BT=layout.positions_RS.to(tokens_BT.device),
+        )
     return layout.unpack(logprobs_RS), layout.unpack(entropy_RS) if entropy_RS is not None else None
 
 

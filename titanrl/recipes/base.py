@@ -40,8 +40,14 @@ class Recipe:
     def build_model(cls, trainer: Trainer) -> Transformer:
         """The trained model (the policy), placed on the Trainer's mesh."""
         cfg = trainer.config
-        return build_model(trainer.model_args, trainer.dims, cfg, trainer.device, hf_checkpoint=cfg.model.hf_checkpoint,
-                           lora=cfg.lora if cfg.lora.enable else None)
+        return build_model(
+            trainer.model_args,
+            trainer.dims,
+            cfg,
+            trainer.device,
+            hf_checkpoint=cfg.model.hf_checkpoint,
+            lora=cfg.lora if cfg.lora.enable else None,
+        )
 
     def __init__(self, trainer: Trainer, data: Any) -> None:
         self.trainer = trainer

@@ -36,8 +36,10 @@ def preference_data(config: JobConfig) -> tuple[list[PreferencePair], list[Prefe
         return held_out_split(load_preferences(config.data.path), n_eval)
     task = build_task(config.data.task)
     n_train = config.training.steps * config.training.batch_size
-    return (synthetic_preferences(task, "train", n_train, config.job.seed),
-            synthetic_preferences(task, "eval", n_eval, config.job.seed))
+    return (
+        synthetic_preferences(task, "train", n_train, config.job.seed),
+        synthetic_preferences(task, "eval", n_eval, config.job.seed),
+    )
 
 
 @dataclasses.dataclass
@@ -50,8 +52,16 @@ class PreferenceStats(StepStats):
 
 
 class PreferenceRecipe(Recipe):
-    console = {"loss": "loss", "grad_norm": "gnorm", "lr": "lr", "margin": "margin", "pref_accuracy": "pref_acc",
-               "eval_pref_accuracy": "EVAL_PREF_ACC", "eval_margin": "EVAL_MARGIN", "eta_s": "eta"}
+    console = {
+        "loss": "loss",
+        "grad_norm": "gnorm",
+        "lr": "lr",
+        "margin": "margin",
+        "pref_accuracy": "pref_acc",
+        "eval_pref_accuracy": "EVAL_PREF_ACC",
+        "eval_margin": "EVAL_MARGIN",
+        "eta_s": "eta",
+    }
 
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
@@ -60,8 +70,9 @@ class PreferenceRecipe(Recipe):
     def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
         super().__init__(trainer, data)
         train_pairs, self.eval_pairs = data
-        train_pairs, self.eval_pairs = fit_pairs(self.config, trainer.model_args.max_seq_len, trainer.encode_prompt,
-                                                 train_pairs, self.eval_pairs)
+        train_pairs, self.eval_pairs = fit_pairs(
+            self.config, trainer.model_args.max_seq_len, trainer.encode_prompt, train_pairs, self.eval_pairs
+        )
         dims = trainer.dims
         stream = DatasetStream(train_pairs, self.config.job.seed)
         self.loader = build_prompt_loader(stream, self.config.training.batch_size, dims.dp_rank, dims.dp_size)
@@ -77,8 +88,12 @@ class PreferenceRecipe(Recipe):
             stats, pairs, n_micro = self.forward(next(batches), step, train=True)
             grad_norm = trainer.optimizer_step(trainer.model, trainer.optimizer, self.name)
         trainer.lr_scheduler.step()
-        return {**{k: v / pairs for k, v in stats.items()}, "grad_norm": grad_norm,
-                "lr": trainer.lr_scheduler.get_last_lr()[0], "micro_batches": n_micro}
+        return {
+            **{k: v / pairs for k, v in stats.items()},
+            "grad_norm": grad_norm,
+            "lr": trainer.lr_scheduler.get_last_lr()[0],
+            "micro_batches": n_micro,
+        }
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -91,8 +106,9 @@ class PreferenceRecipe(Recipe):
         in one: the losses couple them): (statistics summed over all ranks, global pair count,
         number of micro-batches)."""
         trainer = self.trainer
-        encoded = [(trainer.encode_prompt(p.prompt), self._completion(p.chosen),
-                    self._completion(p.rejected)) for p in pairs]
+        encoded = [
+            (trainer.encode_prompt(p.prompt), self._completion(p.chosen), self._completion(p.rejected)) for p in pairs
+        ]
         plan = trainer.plan_micro_batches([2 * (len(q) + max(len(c), len(r))) for q, c, r in encoded])
         (num_pairs,) = trainer.dp_sum([float(len(pairs))])
         num_pairs = max(num_pairs, 1.0)

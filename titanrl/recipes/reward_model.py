@@ -35,7 +35,11 @@ class RewardModelRecipe(PreferenceRecipe):
         rm_args = dataclasses.replace(args, num_labels=1)
         if hf and args.num_labels == 1:  # already a score model: train it further
             return build_model(rm_args, trainer.dims, config, trainer.device, hf_checkpoint=hf)
-        sd = from_hf_state_dict(load_safetensors_folder(hf), args) if hf else init_full_state_dict(rm_args, config.job.seed)
+        sd = (
+            from_hf_state_dict(load_safetensors_folder(hf), args)
+            if hf
+            else init_full_state_dict(rm_args, config.job.seed)
+        )
         if args.num_labels != 1:
             sd.pop("output.weight", None)
             sd["output.weight"] = torch.zeros(1, args.dim)

@@ -105,10 +105,24 @@ def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Samp
 class RLRecipe(Recipe):
     name = "rl"
     console = {
-        "reward_mean": "reward", "reward_std": "std", "accuracy": "acc", "response_len": "len", "kl": "kl",
-        "entropy": "ent", "clip_frac": "clip", "grad_norm": "gnorm", "lr": "lr", "tokens_per_s": "tok/s",
-        "time_generate": "gen_s", "time_reward": "rew_s", "time_logprob": "lp_s", "time_train": "train_s",
-        "time_sync": "sync_s", "peak_mem_gb": "mem_gb", "eta_s": "eta", "eval_accuracy": "EVAL_ACC",
+        "reward_mean": "reward",
+        "reward_std": "std",
+        "accuracy": "acc",
+        "response_len": "len",
+        "kl": "kl",
+        "entropy": "ent",
+        "clip_frac": "clip",
+        "grad_norm": "gnorm",
+        "lr": "lr",
+        "tokens_per_s": "tok/s",
+        "time_generate": "gen_s",
+        "time_reward": "rew_s",
+        "time_logprob": "lp_s",
+        "time_train": "train_s",
+        "time_sync": "sync_s",
+        "peak_mem_gb": "mem_gb",
+        "eta_s": "eta",
+        "eval_accuracy": "EVAL_ACC",
     }
 
     @classmethod
@@ -119,8 +133,9 @@ class RLRecipe(Recipe):
         super().__init__(trainer, data)
         cfg = self.config
         self.task = data[0]
-        self.train_samples, self.eval_samples = fit_prompts(cfg, trainer.model_args.max_seq_len, trainer.encode_prompt,
-                                                            *data[1:])
+        self.train_samples, self.eval_samples = fit_prompts(
+            cfg, trainer.model_args.max_seq_len, trainer.encode_prompt, *data[1:]
+        )
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
         self.distiller = build_distiller(cfg, self.algorithm, trainer)  # a frozen teacher, in no checkpoint
@@ -145,15 +160,21 @@ class RLRecipe(Recipe):
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
-        self.rollouts = rollout_collector_class(cfg)(trainer, self.generator, self.rewards, self.envs, reward_model,
-                                                     self.algorithm.needs_baseline_rollout)
-        self.loader = build_prompt_loader(prompt_stream(self.train_samples, self.task, cfg.job.seed),
-                                          cfg.training.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size)
+        self.rollouts = rollout_collector_class(cfg)(
+            trainer, self.generator, self.rewards, self.envs, reward_model, self.algorithm.needs_baseline_rollout
+        )
+        self.loader = build_prompt_loader(
+            prompt_stream(self.train_samples, self.task, cfg.job.seed),
+            cfg.training.batch_size,
+            trainer.dims.dp_rank,
+            trainer.dims.dp_size,
+        )
 
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
         models = {"reference": self.reference, "critic": self.critic}
         return {k: m for k, m in models.items() if isinstance(m, nn.Module)}, (
-            {"critic": self.critic_optimizer} if self.critic is not None else {})
+            {"critic": self.critic_optimizer} if self.critic is not None else {}
+        )
 
     def state_dict(self) -> dict:
         return self.rollouts.state_dict()
@@ -166,8 +187,9 @@ class RLRecipe(Recipe):
         has no checkpoint of its own) start from the policy as RL begins."""
         if self.config.sft_warmup.steps:
             before = self.trainer.evaluate()["eval_accuracy"]
-            self.trainer.metrics.log(-self.config.sft_warmup.steps,
-                                     {"phase": "sft", "eval_accuracy_before_sft": before})
+            self.trainer.metrics.log(
+                -self.config.sft_warmup.steps, {"phase": "sft", "eval_accuracy_before_sft": before}
+            )
             warmup(self.trainer, self.task, self.train_samples)
         if isinstance(self.reference, nn.Module):
             copy_weights(self.reference, self.policy)
@@ -233,8 +255,10 @@ class RLRecipe(Recipe):
     def build_batch(self, train: Rollouts, stats: RLStats) -> TensorDict:
         G, completions = self.config.algorithm.group_size, train.completions
         batch = build_sequence_batch(
-            [train.prompts[i // G] for i in range(len(completions))], [c.token_ids for c in completions],
-            self.trainer.tokenizer.pad_id, [c.logprobs for c in completions],
+            [train.prompts[i // G] for i in range(len(completions))],
+            [c.token_ids for c in completions],
+            self.trainer.tokenizer.pad_id,
+            [c.logprobs for c in completions],
             [c.model_mask for c in completions],  # environment tokens are not trained on
         ).to(self.trainer.device)
         if self.config.algorithm.overlong_filter:
@@ -250,8 +274,11 @@ class RLRecipe(Recipe):
             policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
             kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
         return AdvantageInputs(
-            rewards_N=torch.tensor(train.rewards).to(self.trainer.device), mask_BT=mask, kl_BT=kl_BT,
-            values_BT=batch["values"] if self.critic is not None else None, turn_scores=self.turn_scores(train),
+            rewards_N=torch.tensor(train.rewards).to(self.trainer.device),
+            mask_BT=mask,
+            kl_BT=kl_BT,
+            values_BT=batch["values"] if self.critic is not None else None,
+            turn_scores=self.turn_scores(train),
             baseline_rewards_P=torch.tensor(train.baseline_rewards) if self.algorithm.needs_baseline_rollout else None,
             dp_group=self.trainer.dp_group,
         )
@@ -283,19 +310,32 @@ class RLRecipe(Recipe):
         (num_seqs,) = trainer.dp_sum([float(minibatch.batch_size[0])])
         trainer.optimizer.zero_grad()
         for mb in self.micro_batches(minibatch):
-            logprobs, entropy = forward_logprobs(self.policy, mb, self.config.generator.batch_invariant,
-                                                 self.config.training.logprob_chunk_tokens, with_entropy=True)
+            logprobs, entropy = forward_logprobs(
+                self.policy,
+                mb,
+                self.config.generator.batch_invariant,
+                self.config.training.logprob_chunk_tokens,
+                with_entropy=True,
+            )
             mask = mb["loss_mask"]
             # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
             old = mb["old_logprobs"] if off_policy else logprobs.detach()
-            is_weights, is_dropped = importance_weights(old, mb["gen_logprobs"], algo.off_policy_correction,
-                                                        algo.is_cap)
+            is_weights, is_dropped = importance_weights(
+                old, mb["gen_logprobs"], algo.off_policy_correction, algo.is_cap
+            )
             out = self.algorithm.loss(
-                logprobs, old, mb["advantages"], mask, num_global_tokens=num_tokens, num_global_seqs=num_seqs,
+                logprobs,
+                old,
+                mb["advantages"],
+                mask,
+                num_global_tokens=num_tokens,
+                num_global_seqs=num_seqs,
                 ref_logprobs_BT=mb["ref_logprobs"] if self.reference is not None else None,
                 is_weights_BT=is_weights if algo.off_policy_correction != "none" else None,
             )
-            distill_loss = self.distiller.loss(self.policy, mb, num_tokens, stats) if self.distiller is not None else 0.0
+            distill_loss = (
+                self.distiller.loss(self.policy, mb, num_tokens, stats) if self.distiller is not None else 0.0
+            )
             trainer.backward(out.loss + distill_loss, step)
             with torch.no_grad():
                 if self.reference is not None:
@@ -321,8 +361,9 @@ class RLRecipe(Recipe):
         for mb in self.micro_batches(minibatch):
             mask = mb["loss_mask"]
             v_BT = forward_values(self.critic, mb)
-            loss, n_clipped = value_loss(v_BT, mb["values"], mb["returns"], mask, self.config.critic.value_clip,
-                                         num_tokens)
+            loss, n_clipped = value_loss(
+                v_BT, mb["values"], mb["returns"], mask, self.config.critic.value_clip, num_tokens
+            )
             self.trainer.backward(loss, step)
             stats.value_loss += loss.item() * num_tokens
             stats.value_clipped += n_clipped.item()
@@ -331,20 +372,28 @@ class RLRecipe(Recipe):
         stats.skipped_updates += math.isnan(grad_norm)
         return grad_norm
 
-    def step_metrics(self, s: RLStats, timer: PhaseTimer, grad_norms: list[float], critic_norms: list[float]
-                     ) -> dict[str, float]:
+    def step_metrics(
+        self, s: RLStats, timer: PhaseTimer, grad_norms: list[float], critic_norms: list[float]
+    ) -> dict[str, float]:
         algo, n, per_token = self.config.algorithm, s.samples, max(s.update_tokens, 1.0)
         r_mean = s.reward_sum / n
         metrics = {
-            "reward_mean": r_mean, "reward_std": max(s.reward_sq_sum / n - r_mean**2, 0.0) ** 0.5,
-            "accuracy": s.correct / n, "response_len": s.response_tokens / n, **s.reward_metrics(),
-            "kl": s.kl / per_token, "entropy": s.entropy / per_token, "clip_frac": s.clipped / per_token,
+            "reward_mean": r_mean,
+            "reward_std": max(s.reward_sq_sum / n - r_mean**2, 0.0) ** 0.5,
+            "accuracy": s.correct / n,
+            "response_len": s.response_tokens / n,
+            **s.reward_metrics(),
+            "kl": s.kl / per_token,
+            "entropy": s.entropy / per_token,
+            "clip_frac": s.clipped / per_token,
             "ratio_max": s.ratio_max,
             # Generator vs trainer logprobs of the sampled tokens (0 only in batch-invariant mode):
             # mean |diff|, k3 KL(pi_gen || pi_trainer), the largest ratio pi_trainer / pi_gen.
-            "gen_logprob_diff": s.gen_diff / per_token, "mismatch_kl": s.mismatch_kl / per_token,
+            "gen_logprob_diff": s.gen_diff / per_token,
+            "mismatch_kl": s.mismatch_kl / per_token,
             "mismatch_ratio_max": s.mismatch_ratio_max,
-            "grad_norm": finite_max(grad_norms), "skipped_updates": s.skipped_updates,
+            "grad_norm": finite_max(grad_norms),
+            "skipped_updates": s.skipped_updates,
             "lr": self.trainer.lr_scheduler.get_last_lr()[0],
             "tokens_per_s": s.gen_tokens / max(sum(timer.seconds.values()), 1e-9),
             **timer.metrics(),
@@ -352,8 +401,9 @@ class RLRecipe(Recipe):
         if algo.off_policy_correction != "none":
             metrics["is_dropped_frac"] = s.is_dropped / per_token
         if algo.dynamic_sampling:
-            metrics.update(sampling_rounds=s.sampling_rounds, dropped_groups=s.dropped_groups,
-                           sampling_short_groups=s.short_groups)
+            metrics.update(
+                sampling_rounds=s.sampling_rounds, dropped_groups=s.dropped_groups, sampling_short_groups=s.short_groups
+            )
         if algo.overlong_filter:
             metrics["overlong_filtered"] = s.overlong_filtered
         metrics.update(self.rollouts.metrics())
@@ -365,9 +415,11 @@ class RLRecipe(Recipe):
             metrics.update(env_turns=s.env_turns / n, env_failures=s.env_failures)
         metrics.update(s.distill_metrics() if self.distiller is not None else {})
         if self.critic is not None:
-            metrics.update(value_loss=s.value_loss / max(s.value_tokens, 1.0),
-                           value_clip_frac=s.value_clipped / max(s.value_tokens, 1.0),
-                           critic_grad_norm=finite_max(critic_norms))
+            metrics.update(
+                value_loss=s.value_loss / max(s.value_tokens, 1.0),
+                value_clip_frac=s.value_clipped / max(s.value_tokens, 1.0),
+                critic_grad_norm=finite_max(critic_norms),
+            )
         return metrics
 
     # ---- evaluation ----
@@ -382,14 +434,17 @@ class RLRecipe(Recipe):
         if self.envs is not None:
             _, _, results, _ = self.rollouts.generate_episodes(mine, params, list(range(len(mine))))
         else:
-            completions, _ = self.generator.generate([self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine],
-                                                     params)
-            results = self.rewards([RewardItem(s.prompt, c.text, s.answer, s.metadata)
-                                    for s, c in zip(mine, completions)])
+            completions, _ = self.generator.generate(
+                [self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine], params
+            )
+            results = self.rewards(
+                [RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)]
+            )
         self.generator.sleep()
         self.reward_log.write(results)
         correct, total, failures = self.trainer.dp_sum(
-            [sum(r.correct for r in results), len(results), sum(r.failed is not None for r in results)])
+            [sum(r.correct for r in results), len(results), sum(r.failed is not None for r in results)]
+        )
         return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total, "eval_reward_failures": failures}
 
     def close(self) -> None:

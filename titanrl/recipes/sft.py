@@ -44,24 +44,35 @@ def demonstration(trainer: Trainer, sample: Sample) -> tuple[list[int], list[int
     return trainer.encode_prompt(sample.prompt, sample.metadata), tokens + [tokenizer.eos_id], mask + [1]
 
 
-def sft_losses(trainer: Trainer, model: Transformer, samples: list[Sample], step: int, train: bool
-               ) -> tuple[float, int]:
+def sft_losses(
+    trainer: Trainer, model: Transformer, samples: list[Sample], step: int, train: bool
+) -> tuple[float, int]:
     """Forward (and, when `train`, backward) this rank's samples in micro-batches: (this rank's
     share of the global token-mean loss, number of micro-batches)."""
     rows = [demonstration(trainer, s) for s in samples]
     micros = []
     for idx in trainer.plan_micro_batches([len(p) + len(c) for p, c, _ in rows]):
         part = [rows[i] for i in idx.tolist()]
-        micros.append(build_sequence_batch([p for p, _, _ in part], [c for _, c, _ in part],
-                                           trainer.tokenizer.pad_id, None, [m for _, _, m in part]).to(trainer.device))
-    num_tokens = global_token_count(sum((mb["loss_mask"].sum() for mb in micros), torch.tensor(0.0)),
-                                    trainer.dp_group)
+        micros.append(
+            build_sequence_batch(
+                [p for p, _, _ in part],
+                [c for _, c, _ in part],
+                trainer.tokenizer.pad_id,
+                None,
+                [m for _, _, m in part],
+            ).to(trainer.device)
+        )
+    num_tokens = global_token_count(sum((mb["loss_mask"].sum() for mb in micros), torch.tensor(0.0)), trainer.dp_group)
     total = 0.0
     for mb in micros:
         tokens_BT = mb["tokens"]
         with torch.set_grad_enabled(train):
-            logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], trainer.config.training.logprob_chunk_tokens,
-                                            mask_BT=mb["loss_mask"])
+            logprobs_BT, _ = model.logprobs(
+                tokens_BT[:, :-1],
+                tokens_BT[:, 1:],
+                trainer.config.training.logprob_chunk_tokens,
+                mask_BT=mb["loss_mask"],
+            )
             loss = sft_loss(logprobs_BT, mb["loss_mask"], num_tokens)
         if train:
             trainer.backward(loss, step)
@@ -69,8 +80,9 @@ def sft_losses(trainer: Trainer, model: Transformer, samples: list[Sample], step
     return total, len(micros)
 
 
-def sft_step(trainer: Trainer, model: Transformer, optimizer: torch.optim.Optimizer, samples: list[Sample],
-             step: int) -> dict[str, float]:
+def sft_step(
+    trainer: Trainer, model: Transformer, optimizer: torch.optim.Optimizer, samples: list[Sample], step: int
+) -> dict[str, float]:
     """One optimizer step on `samples` (this rank's share of the global batch)."""
     optimizer.zero_grad()
     with phase(trainer.watchdog, "train"):
@@ -85,15 +97,21 @@ def warmup(trainer: Trainer, task: Task, train_samples: list[Sample] | None) -> 
     'solution' field, else its answer, or the task's), with their own optimizer, so that a
     from-scratch model can start RL. Logged at steps -N .. 0 with phase 'sft'."""
     cfg, config = trainer.config.sft_warmup, trainer.config
-    optimizer = build_optimizer(trainer.model, OptimizerConfig(
-        lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay))
+    optimizer = build_optimizer(
+        trainer.model, OptimizerConfig(lr=cfg.lr, beta1=cfg.beta1, beta2=cfg.beta2, weight_decay=cfg.weight_decay)
+    )
     seed = config.job.seed + cfg.seed_offset
-    batches = iter(build_prompt_loader(prompt_stream(train_samples, task, seed), cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size))
+    batches = iter(
+        build_prompt_loader(
+            prompt_stream(train_samples, task, seed), cfg.batch_size, trainer.dims.dp_rank, trainer.dims.dp_size
+        )
+    )
     for step in range(1, cfg.steps + 1):
         out = sft_step(trainer, trainer.model, optimizer, next(batches), step - cfg.steps)
         if step % 25 == 0 or step == cfg.steps:
-            trainer.metrics.log(step - cfg.steps, {"phase": "sft", "sft_loss": out["loss"],
-                                                   "sft_micro_batches": out["micro_batches"]})
+            trainer.metrics.log(
+                step - cfg.steps, {"phase": "sft", "sft_loss": out["loss"], "sft_micro_batches": out["micro_batches"]}
+            )
 
 
 def sft_data(config: JobConfig) -> tuple[list[Sample], list[Sample]]:
@@ -117,8 +135,9 @@ class SFTRecipe(Recipe):
     def __init__(self, trainer: Trainer, data: tuple[list[Sample], list[Sample]]) -> None:
         super().__init__(trainer, data)
         train_rows, self.eval_rows = data
-        train_rows, self.eval_rows = fit_demonstrations(self.config, trainer.model_args.max_seq_len, trainer.encode_prompt,
-                                                        train_rows, self.eval_rows)
+        train_rows, self.eval_rows = fit_demonstrations(
+            self.config, trainer.model_args.max_seq_len, trainer.encode_prompt, train_rows, self.eval_rows
+        )
         dims = trainer.dims
         stream = DatasetStream(train_rows, self.config.job.seed)
         self.loader = build_prompt_loader(stream, self.config.training.batch_size, dims.dp_rank, dims.dp_size)
@@ -131,8 +150,8 @@ class SFTRecipe(Recipe):
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         dims = self.trainer.dims
-        local, _ = sft_losses(self.trainer, self.trainer.model, self.eval_rows[dims.dp_rank :: dims.dp_size], 0,
-                              train=False)
+        local, _ = sft_losses(
+            self.trainer, self.trainer.model, self.eval_rows[dims.dp_rank :: dims.dp_size], 0, train=False
+        )
         (total,) = self.trainer.dp_sum([local])
         return {"eval_loss": total}
-

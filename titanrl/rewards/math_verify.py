@@ -37,8 +37,9 @@ import operator
 import re
 import signal
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from titanrl.envs.task_base import Task
 
@@ -60,8 +61,12 @@ def _raise_timeout(signum: int, frame: object) -> None:
 
 @contextmanager
 def _deadline(seconds: float) -> Iterator[None]:
-    if not (seconds > 0 and hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-            and signal.getitimer(signal.ITIMER_REAL)[0] == 0):
+    if not (
+        seconds > 0
+        and hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    ):
         yield
         return
     old = signal.signal(signal.SIGALRM, _raise_timeout)
@@ -104,7 +109,7 @@ def _boxed(text: str) -> str | None:
         if text[i] == "{":
             stack.append(i)
         elif text[i] == "}" and stack and (j := stack.pop()) in opens:
-            best = (i, text[opens[j]:i])
+            best = (i, text[opens[j] : i])
         i += 2 if text[i] == "\\" else 1
     spaced = [(m.start(), m.group(1)) for m in _BOX_SPACE.finditer(text)][-1:]  # "\\boxed 5"
     return max(spaced + ([best] if best else []), default=(0, None))[1]
@@ -112,16 +117,23 @@ def _boxed(text: str) -> str | None:
 
 def _answer_is(text: str) -> str | None:
     found = list(_ANSWER_IS.finditer(text))
-    rest = text[found[-1].end():].split("\n", 1)[0] if found else ""
+    rest = text[found[-1].end() :].split("\n", 1)[0] if found else ""
     return re.split(r"\.(?=\s|$)", rest, maxsplit=1)[0].strip(" *$") or None
 
 
 _STRATEGIES: dict[str, Callable[[str], str | None]] = {
-    "boxed": _boxed, "gsm8k": lambda t: (_HASH.findall(t) or [None])[-1], "answer_is": _answer_is,
-    "last_number": lambda t: (_NUMBER.findall(t) or [None])[-1]}
+    "boxed": _boxed,
+    "gsm8k": lambda t: (_HASH.findall(t) or [None])[-1],
+    "answer_is": _answer_is,
+    "last_number": lambda t: (_NUMBER.findall(t) or [None])[-1],
+}
 MODES: dict[str, tuple[str, ...]] = {
-    "auto": ("boxed", "gsm8k", "answer_is", "last_number"), "gsm8k": ("gsm8k", "boxed", "answer_is", "last_number"),
-    "strict": ("boxed", "gsm8k", "answer_is"), "boxed": ("boxed",), "last_number": ("last_number",)}
+    "auto": ("boxed", "gsm8k", "answer_is", "last_number"),
+    "gsm8k": ("gsm8k", "boxed", "answer_is", "last_number"),
+    "strict": ("boxed", "gsm8k", "answer_is"),
+    "boxed": ("boxed",),
+    "last_number": ("last_number",),
+}
 
 
 def extract_answer(text: str, mode: str | tuple[str, ...] = "auto") -> str | None:
@@ -141,23 +153,34 @@ def gold_answer(answer: object) -> str:
 
 # ---- normalisation ----
 
-_DROP = re.compile(r"\\boxed|\\fbox|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\displaystyle|\\[!,;:> ()]|\\q?quad|\\\$|\$|~"
-                   r"|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree")
+_DROP = re.compile(
+    r"\\boxed|\\fbox|\\left(?![A-Za-z])|\\right(?![A-Za-z])|\\displaystyle|\\[!,;:> ()]|\\q?quad|\\\$|\$|~"
+    r"|\^\s*\{\s*\\circ\s*\}|\^\s*\\circ|\\circ|°|\\degree"
+)
 _PERCENT = re.compile(r"\\?%|\s*\\(?:text|mbox|mathrm)\{\s*percent\s*\}|\s*\bpercent\b")
 _TEXT = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}(\^\{?\d\}?)?")
 _LHS = re.compile(r"\\?[A-Za-z]+(?:_\{?\w+\}?)?\s*(?:=|\\in(?![A-Za-z]))\s*")
-_UNIT = re.compile(r"(.*[\d}])\s*(?:[A-Za-z]{3,}|cm|mm|km|kg|mg|ml|ft|yd|lb|oz|mi|hr|in|sq)(?:\s+[A-Za-z]+)*"
-                   r"(?:\s*\^\s*\{?\d\}?)?")
+_UNIT = re.compile(
+    r"(.*[\d}])\s*(?:[A-Za-z]{3,}|cm|mm|km|kg|mg|ml|ft|yd|lb|oz|mi|hr|in|sq)(?:\s+[A-Za-z]+)*"
+    r"(?:\s*\^\s*\{?\d\}?)?"
+)
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _SPACES = re.compile(r"(\\[A-Za-z]+) (?=[A-Za-z])|\s")
-_REWRITES = [(re.compile(p), r) for p, r in [
-    (r"\\[dt]frac", r"\\frac"), (r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}"), (r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{"),
-    (r"\\frac\s*(\{[^{}]*\})\s*(\d)", r"\\frac\1{\2}"), (r"\\sqrt\s*(\d)", r"\\sqrt{\1}")]]
+_REWRITES = [
+    (re.compile(p), r)
+    for p, r in [
+        (r"\\[dt]frac", r"\\frac"),
+        (r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}"),
+        (r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{"),
+        (r"\\frac\s*(\{[^{}]*\})\s*(\d)", r"\\frac\1{\2}"),
+        (r"\\sqrt\s*(\d)", r"\\sqrt{\1}"),
+    ]
+]
 
 
 def _strip_lhs(s: str) -> str:
     m = _LHS.match(s)
-    return s[m.end():] if m and m.end() < len(s) and "=" not in s[m.end():] else s
+    return s[m.end() :] if m and m.end() < len(s) and "=" not in s[m.end() :] else s
 
 
 def normalize(answer: str) -> tuple[str, bool] | None:
@@ -167,8 +190,14 @@ def normalize(answer: str) -> tuple[str, bool] | None:
         return None
     s = _DROP.sub("", s.replace("\u2212", "-").replace("{,}", ","))
     s, percents = _PERCENT.subn("", s)
-    s = _TEXT.sub(lambda m: "" if m.string[:m.start()].strip() and re.fullmatch(r"[A-Za-z ]+", m.group(1))
-                  else m.group(1).strip() + (m.group(2) or ""), s)  # a unit after a value goes, other text stays
+    s = _TEXT.sub(
+        lambda m: (
+            ""
+            if m.string[: m.start()].strip() and re.fullmatch(r"[A-Za-z ]+", m.group(1))
+            else m.group(1).strip() + (m.group(2) or "")
+        ),
+        s,
+    )  # a unit after a value goes, other text stays
     s = _strip_lhs(re.sub(r"\s+", " ", s).strip().rstrip(".").strip())
     s = m.group(1) if (m := _UNIT.fullmatch(s)) else s
     for pattern, repl in _REWRITES:
@@ -183,23 +212,44 @@ def normalize(answer: str) -> tuple[str, bool] | None:
 
 _GREEK = ("alpha", "beta", "gamma", "delta", "epsilon", "theta", "mu", "phi", "omega", "sigma", "tau", "rho")
 _FUNCS = ("sqrt", "sin", "cos", "tan", "log", "exp")
-_NAMES = {"pi": "pi", "infty": "oo", "infinity": "oo", "cdot": "*", "times": "*", "div": "/", "ln": "log",
-          **{f: f for f in _FUNCS + _GREEK}}
+_NAMES = {
+    "pi": "pi",
+    "infty": "oo",
+    "infinity": "oo",
+    "cdot": "*",
+    "times": "*",
+    "div": "/",
+    "ln": "log",
+    **{f: f for f in _FUNCS + _GREEK},
+}
 _CMD = re.compile(r"\\([A-Za-z]+)")
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|([A-Za-z]+)|(\*\*|[-+*/^()]))")
-_ALLOWED = (ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Call, ast.Load, ast.Add, ast.Sub, ast.Mult,
-            ast.Div, ast.Pow, ast.USub, ast.UAdd)
+_ALLOWED = (
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Constant,
+    ast.Name,
+    ast.Call,
+    ast.Load,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.Pow,
+    ast.USub,
+    ast.UAdd,
+)
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 def _group(s: str, i: int) -> tuple[str, int]:
     """The argument of a command at s[i]: a {...} group, a command or one character."""
-    while s[i:i + 1] == " ":
+    while s[i : i + 1] == " ":
         i += 1
-    j, m = _match(s, i) if s[i:i + 1] == "{" else i, _CMD.match(s, i)
+    j, m = _match(s, i) if s[i : i + 1] == "{" else i, _CMD.match(s, i)
     if i >= len(s) or j is None:
         return "@", len(s)  # a missing argument or unbalanced braces: not math
-    return (s[i + 1:j], j + 1) if j > i else (m.group(), m.end()) if m else (s[i], i + 1)
+    return (s[i + 1 : j], j + 1) if j > i else (m.group(), m.end()) if m else (s[i], i + 1)
 
 
 def latex_to_expr(s: str) -> str:
@@ -215,8 +265,8 @@ def latex_to_expr(s: str) -> str:
             a, i = _group(s, i)
             b, i = _group(s, i)
             out.append(f"(({latex_to_expr(a)})/({latex_to_expr(b)}))")
-        elif name == "sqrt" and s[i:i + 1] == "[" and (j := s.find("]", i)) > 0:
-            index, (a, i) = s[i + 1:j], _group(s, j + 1)
+        elif name == "sqrt" and s[i : i + 1] == "[" and (j := s.find("]", i)) > 0:
+            index, (a, i) = s[i + 1 : j], _group(s, j + 1)
             out.append(f"(({latex_to_expr(a)})^(1/({latex_to_expr(index)})))")
         elif name == "sqrt":
             a, i = _group(s, i)
@@ -233,13 +283,16 @@ def _parse(s: str) -> ast.expr | None:
     while i < len(expr):
         m, last = _TOKEN.match(expr, i), tokens[-1] if tokens else "+"
         if m and m.group(2) and len(m.group(2)) > 1 and m.group(2) not in _NAMES.values():
-            expr = expr[:m.start(2)] + " ".join(m.group(2)) + expr[m.end():]  # a word: "xy" is x y
+            expr = expr[: m.start(2)] + " ".join(m.group(2)) + expr[m.end() :]  # a word: "xy" is x y
             continue
         tok = m and (m.group(1) or m.group(2) or m.group(3))
         if not tok or (last in _FUNCS and tok != "("):
             return None  # not math, or a function without its argument
-        if (last == ")" or last[0].isalnum() or last[0] == ".") and last not in _FUNCS \
-                and (tok == "(" or tok[0].isalnum() or tok[0] == "."):
+        if (
+            (last == ")" or last[0].isalnum() or last[0] == ".")
+            and last not in _FUNCS
+            and (tok == "(" or tok[0].isalnum() or tok[0] == ".")
+        ):
             tokens.append("*")  # 2x, 2(3), 2 pi, (1)(2)
         tokens, i = tokens + ["**" if tok == "^" else tok], m.end()
     if len(tokens) > MAX_TOKENS:
@@ -268,10 +321,14 @@ def _value(node: ast.expr, env: dict[str, float], sp: Any = None) -> Any:
         if isinstance(node, ast.Call):
             return getattr(sp or cmath, node.func.id)(_value(node.args[0], env, sp))
         a, b = _value(node.left, env, sp), _value(node.right, env, sp)
-        if isinstance(node.op, ast.Pow) and not sp and abs(a) not in (0.0, 1.0) and not (
-                abs(b) <= MAX_EXPONENT and abs(a) < math.inf and abs(b) * abs(math.log10(abs(a))) <= MAX_DIGITS):
+        if (
+            isinstance(node.op, ast.Pow)
+            and not sp
+            and abs(a) not in (0.0, 1.0)
+            and not (abs(b) <= MAX_EXPONENT and abs(a) < math.inf and abs(b) * abs(math.log10(abs(a))) <= MAX_DIGITS)
+        ):
             raise _GiveUp("power too large")
-        return a ** b if isinstance(node.op, ast.Pow) else _OPS[type(node.op)](a, b)
+        return a**b if isinstance(node.op, ast.Pow) else _OPS[type(node.op)](a, b)
     except (ZeroDivisionError, ValueError):
         return complex(math.nan)  # with sympy too: nan makes it not equal
     except OverflowError:
@@ -337,7 +394,7 @@ def _equal(a: str, b: str, sp: Any) -> bool:
         hit = next((k for k, y in enumerate(ys) if _equal(x, y, sp)), None)
         if hit is None:
             return False
-        ys = ys[:hit] + ys[hit + 1:]
+        ys = ys[:hit] + ys[hit + 1 :]
     return True
 
 
@@ -363,8 +420,14 @@ class MathVerifier(Task):
 
     name = "math_verify"
 
-    def __init__(self, mode: str = "auto", format_weight: float = 0.0, use_sympy: bool = True,
-                 timeout_s: float = 2.0, max_chars: int = 100_000) -> None:
+    def __init__(
+        self,
+        mode: str = "auto",
+        format_weight: float = 0.0,
+        use_sympy: bool = True,
+        timeout_s: float = 2.0,
+        max_chars: int = 100_000,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"MathVerifier mode '{mode}' is not one of {', '.join(MODES)}")
         self.mode, self.format_weight, self.use_sympy = mode, format_weight, use_sympy

@@ -25,14 +25,22 @@ import selectors
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from titanrl.components.workers import OUTPUT_KEEP_BYTES, RewardWorker
 from titanrl.envs.tasks import Task
 
-__all__ = ["FAILURE_REASONS", "OUTPUT_KEEP_BYTES", "RewardItem", "RewardOutputLog", "RewardResult", "RewardRunner",
-           "RewardStats"]
+__all__ = [
+    "FAILURE_REASONS",
+    "OUTPUT_KEEP_BYTES",
+    "RewardItem",
+    "RewardOutputLog",
+    "RewardResult",
+    "RewardRunner",
+    "RewardStats",
+]
 
 FAILURE_REASONS = ("error", "memory", "invalid", "crash", "timeout")
 """The values of `RewardResult.failed` when a reward function failed."""
@@ -81,7 +89,11 @@ class _Batch:
 
 class RewardRunner:
     def __init__(
-        self, fn: Task | Callable[..., Any], num_workers: int, timeout_s: float, failure_reward: float,
+        self,
+        fn: Task | Callable[..., Any],
+        num_workers: int,
+        timeout_s: float,
+        failure_reward: float,
         memory_limit_mb: int = 0,
     ) -> None:
         self.fn = fn
@@ -93,10 +105,16 @@ class RewardRunner:
         try:
             blob = pickle.dumps(fn)
         except Exception as e:
-            raise ValueError(f"the reward function must be picklable (a module-level function or a Task): {e}"
-                             ) from None
-        self._init = {"fn": blob, "sys_path": list(sys.path), "main": _main_module(blob),
-                      "memory_limit_mb": memory_limit_mb, "parent": os.getpid()}
+            raise ValueError(
+                f"the reward function must be picklable (a module-level function or a Task): {e}"
+            ) from None
+        self._init = {
+            "fn": blob,
+            "sys_path": list(sys.path),
+            "main": _main_module(blob),
+            "memory_limit_mb": memory_limit_mb,
+            "parent": os.getpid(),
+        }
         self._slots: list[RewardWorker | None] = [None] * num_workers
         self._sel: selectors.BaseSelector | None = None
         self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
@@ -156,8 +174,9 @@ class RewardRunner:
         for slot, w in enumerate(self._slots):
             if w is not None and w.sample is not None:
                 w.read_output()
-                b.results[w.sample] = self._result(w, "timeout", 0.0, False,
-                                                   f"still running after the batch's {self.timeout_s:g} s")
+                b.results[w.sample] = self._result(
+                    w, "timeout", 0.0, False, f"still running after the batch's {self.timeout_s:g} s"
+                )
                 w.kill()
                 self._slots[slot] = None
         for i in b.queue:
@@ -223,15 +242,23 @@ class RewardRunner:
                     if not self._loaded:
                         output, _ = w.take_output()
                         self.close()
-                        raise RuntimeError(f"the reward function cannot be loaded in a worker process ({payload}):\n"
-                                           f"{output}")
+                        raise RuntimeError(
+                            f"the reward function cannot be loaded in a worker process ({payload}):\n{output}"
+                        )
 
     def _dispatch(self, w: RewardWorker, index: int, items: list[RewardItem]) -> None:
         w.read_output()
         w.take_output()  # what it wrote between calls is no sample's
         w.sample, item = index, items[index]
-        w.send((index, self._mode, (item.completion, item.answer, item.metadata) if self._mode == "task"
-                else (item.prompt, item.completion, item.metadata)))
+        w.send(
+            (
+                index,
+                self._mode,
+                (item.completion, item.answer, item.metadata)
+                if self._mode == "task"
+                else (item.prompt, item.completion, item.metadata),
+            )
+        )
 
     def _result(self, w: RewardWorker, kind: str, reward: float, correct: bool, detail: str) -> RewardResult:
         output, dropped = w.take_output()
@@ -326,8 +353,11 @@ class RewardStats:
         """reward_failures and reward_output_dropped_bytes; reward_failures_<reason> where nonzero
         (most steps have no failures)."""
         by_reason = {f"reward_failures_{k}": getattr(self, f"reward_failures_{k}") for k in FAILURE_REASONS}
-        return {"reward_failures": self.reward_failures, "reward_output_dropped_bytes": self.reward_output_dropped,
-                **{k: v for k, v in by_reason.items() if v}}
+        return {
+            "reward_failures": self.reward_failures,
+            "reward_output_dropped_bytes": self.reward_output_dropped,
+            **{k: v for k, v in by_reason.items() if v},
+        }
 
 
 class RewardOutputLog:
