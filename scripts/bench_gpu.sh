@@ -24,10 +24,11 @@ fi
 # on CPU: CPU float8 matmuls are correct (tests/test_float8.py) but not faster.
 float8_section() {
   timeout 150 python - <<'PY'
-import json, time
+import json
 
 import torch
 
+from benchmarks.harness import timeit
 from titanrl.components.model_builder import build_model
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed import ParallelDims, init_distributed
@@ -48,22 +49,19 @@ def tokens_per_s(float8: bool) -> float:
         model = build_model(args, ParallelDims(1, 1, 1, 1), config, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     tokens = torch.randint(0, args.vocab_size, (BATCH, SEQ + 1), device=device)
-    times = []
-    for i in range(STEPS + 2):  # 2 warm-up steps (compilation)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step() -> None:
         logprobs_BT, _ = model.logprobs(tokens[:, :-1], tokens[:, 1:], chunk_tokens=2048)
         (-logprobs_BT.mean()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    del model, opt
-    torch.cuda.empty_cache()
-    return BATCH * SEQ / sorted(times[2:])[len(times[2:]) // 2]
+
+    seconds = timeit(step, warmup=2, repeat=STEPS, device=device).median  # warm-up: compilation
+    return BATCH * SEQ / seconds
 
 
 bf16 = tokens_per_s(False)
+torch.cuda.empty_cache()  # the bf16 model's blocks back to the device before the float8 one
 fp8 = tokens_per_s(True)
 print(json.dumps({"float8_bench": {"model": FLAVOR, "batch": BATCH, "seq": SEQ, "bf16_tokens_per_s": round(bf16),
                                    "float8_tokens_per_s": round(fp8), "speedup": round(fp8 / bf16, 3)}}), flush=True)
@@ -77,7 +75,7 @@ if [[ " $* " == *" --float8-only "* ]]; then
 fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
 rc=0
-timeout 480 python scripts/bench_gpu.py --budget-s 450 "$@" || rc=$?
+BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" timeout 480 python -m benchmarks.bench_gpu --budget-s 450 "$@" || rc=$?
 if [[ " $* " != *" --dry-run "* ]]; then
   float8_section || echo "bench_gpu.sh: float8 section failed (exit $?)" >&2
 fi

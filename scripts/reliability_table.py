@@ -1,10 +1,10 @@
-"""Run the fault / bad-input tests and write README's Reliability table from their results.
+"""Run the fault / bad-input tests and write the table of docs/reliability.md from their results.
 
 Each such test has a docstring '<fault or bad input> -> <observed behaviour>'. The table lists
 them with the test's name and its result in this run.
 
     python scripts/reliability_table.py            # print the table
-    python scripts/reliability_table.py --update-readme
+    python scripts/reliability_table.py --update-docs
 """
 
 import argparse
@@ -63,7 +63,7 @@ def run(tests: dict) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--update-docs", action="store_true", help="rewrite the table in docs/reliability.md")
     args = parser.parse_args()
     tests = fault_tests()
     results = run(tests)
@@ -73,8 +73,8 @@ def main() -> None:
         rows.append(f"| {fault} | {behaviour} | `{name}` | {results.get(name, 'not run')} |")
     table = "\n".join(rows)
     print(table)
-    if args.update_readme:
-        path = os.path.join(ROOT, "README.md")
+    if args.update_docs:
+        path = os.path.join(ROOT, "docs", "reliability.md")
         text = open(path).read()
         head, _, rest = text.partition(START)
         _, _, tail = rest.partition(END)

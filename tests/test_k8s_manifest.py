@@ -1,17 +1,17 @@
-"""scripts/k8s/titanrl-pytorchjob.yaml: a 2-node Kubeflow PyTorchJob whose container command is a
-launch that torchrun and titanrl's config loader both accept."""
+"""scripts/deploy/k8s/titanrl-pytorchjob.yaml: a 2-node Kubeflow PyTorchJob whose container
+command is a launch that torchrun and titanrl's config loader both accept."""
 
 import os
 import re
 
 import yaml  # PyYAML: a dependency of wandb, which titanrl depends on
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 from torch.distributed.run import get_args_parser
 
 from titanrl.cli import split_args
 from titanrl.config import load_config
 
-MANIFEST = os.path.join(REPO_ROOT, "scripts", "k8s", "titanrl-pytorchjob.yaml")
+MANIFEST = os.path.join(REPO_ROOT, "scripts", "deploy", "k8s", "titanrl-pytorchjob.yaml")
 # What the training operator (v1.7+) puts in every pod's environment, with this job's values:
 # pkg/controller.v1/pytorch/envvar.go and master.go.
 OPERATOR_ENV = {
@@ -106,7 +106,7 @@ def test_manifest_command_is_the_slurm_launch_and_titanrl_accepts_it():
     cli = get_args_parser().parse_args(argv[1:])  # an unknown or misspelt option exits here
     assert cli.module and cli.training_script == "titanrl.train"
     assert (cli.nnodes, cli.nproc_per_node) == (OPERATOR_ENV["PET_NNODES"], OPERATOR_ENV["PET_NPROC_PER_NODE"])
-    # As scripts/multinode_trainer.slurm: c10d rendezvous on the first node, a stable id, so that
+    # As scripts/deploy/multinode_trainer.slurm: c10d rendezvous on the first node, a stable id, so that
     # a restarted pod rejoins the same job.
     assert cli.rdzv_backend == "c10d"
     assert cli.rdzv_endpoint == f"{OPERATOR_ENV['MASTER_ADDR']}:{OPERATOR_ENV['MASTER_PORT']}"

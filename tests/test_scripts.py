@@ -1,14 +1,17 @@
-"""The user-facing scripts run for real on files they are given."""
+"""The user-facing scripts run for real on files they are given; the benchmarks share one harness
+and every benchmark JSON says which commit, device and command made it."""
 
+import glob
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import torch
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
+from helpers.reference import greedy_reference
 
-from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf
 from titanrl.models.tokenizer import ByteTokenizer
@@ -60,8 +63,6 @@ def test_generate_cli_on_hf_folder(tmp_path):
 def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
     """The GPU benchmark's own code path, on a tiny model on CPU: every number is present,
     positive and self-consistent, so that the one H200 run is right on the first try."""
-    import importlib.util
-
     out = tmp_path / "bench_gpu.json"
     proc = subprocess.run(
         ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
@@ -71,7 +72,10 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    written = json.loads(out.read_text())
+    assert written["device"].startswith("cpu: ") and len(written["commit"]) == 40
+    assert written["command"] == f"bash scripts/bench_gpu.sh --dry-run --out {out}"
+    report = written["results"]
     assert report["dry_run"] is True and report["copy_bandwidth_gb_s"] > 0
     (entry,) = report["models"].values()
     assert entry["params"] > 1e6
@@ -100,3 +104,52 @@ def test_bench_gpu_refuses_to_run_without_a_gpu():
         return
     proc = subprocess.run(["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh")], capture_output=True, text=True)
     assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr
+
+
+def _load(name: str, *path: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, *path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_harness_times_and_writes_commit_device_and_command(tmp_path):
+    harness = _load("bench_harness", "benchmarks", "harness.py")
+    calls = []
+    timing = harness.timeit(lambda: calls.append(1), warmup=2, repeat=3)
+    assert len(calls) == 5 and len(timing.times) == 3 and timing.min <= timing.median <= max(timing.times)
+    argv = [os.path.join(REPO_ROOT, "benchmarks", "bench_x.py"), "--out", "a b.json"]
+    harness.write_json(str(tmp_path / "x.json"), {"t": timing}, command=argv)
+    report = json.loads((tmp_path / "x.json").read_text())
+    assert list(report) == ["commit", "device", "command", "environment", "results"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["commit"] == report["environment"]["commit"] == head
+    assert isinstance(report["environment"]["dirty"], bool)
+    assert report["device"].startswith("cpu: ") and report["environment"]["torch"] == torch.__version__
+    assert report["command"] == "python -m benchmarks.bench_x --out 'a b.json'"
+    assert report["results"]["t"]["times"] == timing.times
+    assert harness.read_results(str(tmp_path / "x.json")) == (report["results"], head)
+
+
+def test_every_benchmark_json_records_its_commit_device_and_command():
+    for path in sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "*.json"))):
+        with open(path) as f:
+            report = json.load(f)
+        assert len(report["commit"]) == 40 and report["device"] and report["command"], path
+
+
+def test_every_benchmark_imports_and_names_its_main_results():
+    """Each benchmark imports as `benchmarks.<name>` (how they run: `python -m`), with the docstring
+    and DOC_TABLES that docs/benchmarks.md is made from."""
+    names = [os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(REPO_ROOT, "benchmarks", "bench_*.py")))]
+    code = "import importlib, sys\nfor n in sys.argv[1:]:\n    m = importlib.import_module('benchmarks.' + n)\n"
+    code += "    assert m.__doc__ and m.DOC_TABLES, n\n"
+    proc = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_benchmarks_page_is_regenerated_from_the_jsons():
+    gen = _load("gen_benchmark_docs", "scripts", "gen_benchmark_docs.py")
+    with open(os.path.join(REPO_ROOT, "docs", "benchmarks.md")) as f:
+        assert f.read() == gen.render(), "docs/benchmarks.md is stale: run python scripts/gen_benchmark_docs.py"

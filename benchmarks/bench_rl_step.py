@@ -1,7 +1,7 @@
 """One GRPO step, titanrl vs TRL's GRPOTrainer, same model, data and shapes, in one run.
 
-    python scripts/bench_rl_step.py --setup-trl              # once: a venv with CPU torch + trl
-    python scripts/bench_rl_step.py --out benchmarks/bench_rl_step.json
+    python -m benchmarks.bench_rl_step --setup-trl              # once: a venv with CPU torch + trl
+    python -m benchmarks.bench_rl_step --out benchmarks/bench_rl_step.json
 
 Both sides load the same random-weight Qwen3-shaped model (HF safetensors) and the same
 character-level tokenizer written here, train on the same reverse-task prompts with the same
@@ -15,18 +15,21 @@ exposes it. TRL runs in its own virtual environment (it is not a titanrl depende
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from benchmarks.harness import REPO_ROOT, environment, write_json
 
 DEFAULT_VENV = os.path.expanduser("~/.cache/titanrl/trl_venv")
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789:=+-*,. "
+DOC_TABLES = [
+    ("Median step seconds", ["summary"], ["median_step_s"]),
+    ("Median seconds per phase", ["summary", "*", "median_phases_s"], None),
+    ("TRL step time over titanrl's", ["ratios"], None),
+]
 
 TRL_SCRIPT = r"""
 import json, sys, time
@@ -86,7 +89,7 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from titanrl.envs.tasks import Reverse
+    from titanrl.data.tasks import Reverse
     from titanrl.models.args import TransformerModelArgs
     from titanrl.models.hf import export_hf
     from titanrl.models.model import Transformer
@@ -158,7 +161,6 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, compiled: bool) -> dict
         f"--training.batch_size={a.batch_size}",
         f"--algorithm.group_size={a.group_size}",
         f"--generator.max_new_tokens={a.max_new_tokens}",
-        "--data.task=jsonl",
         f"--data.path={jsonl}",
         "--data.num_eval_samples=1",
         "--metrics.eval_freq=0",
@@ -252,6 +254,7 @@ def main() -> None:
         capture_output=True,
         text=True,
     ).stdout.split()
+    env = environment()  # the code the runs import (main may move while they run)
     workdir = tempfile.mkdtemp(prefix="bench_rl_step_")
     model, jsonl = make_assets(workdir, n_prompts=a.batch_size * a.steps + 1, seed=0)
     runs: dict[str, list[dict]] = {"titanrl": [], "titanrl_compiled": [], "trl": []}
@@ -275,17 +278,12 @@ def main() -> None:
     ratios = {
         f"trl_over_{k}": summary["trl"]["median_step_s"] / summary[k]["median_step_s"] for k in summary if k != "trl"
     }
-    import torch
-
     report = {
         "benchmark": "GRPO step time, titanrl vs TRL GRPOTrainer (CPU)",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {a.threads} threads",
-        "torch": torch.__version__,
         "trl": trl_version[0] if trl_version else "?",
         "transformers (trl venv)": trl_version[1] if len(trl_version) > 1 else "?",
-        "command": "python scripts/bench_rl_step.py " + " ".join(sys.argv[1:]),
         "config": {
+            "threads": a.threads,
             "prompts_per_step": a.batch_size,
             "group_size": a.group_size,
             "max_new_tokens": a.max_new_tokens,
@@ -299,9 +297,7 @@ def main() -> None:
     }
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
     if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(a.out, report, env=env)
 
 
 if __name__ == "__main__":

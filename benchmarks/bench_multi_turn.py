@@ -1,6 +1,6 @@
 """Multi-turn vs single-turn rollout throughput on the paged generator, in one run.
 
-    python scripts/bench_multi_turn.py --out benchmarks/bench_multi_turn.json
+    python -m benchmarks.bench_multi_turn --out benchmarks/bench_multi_turn.json
 
 Same model (debug shape, random weights), same prompts, same number of model tokens per sample:
   single_turn      one generate call, `turns * turn_tokens` new tokens per sample
@@ -13,28 +13,24 @@ Reports model tokens/s, prefill tokens and their ratios; median of --repeats alt
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import sys
-import time
-from datetime import datetime, timezone
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # env workers import FixedTurnsEnv from here
-
-from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
-from titanrl.envs.base import Environment  # noqa: E402
-from titanrl.envs.pool import EnvPool  # noqa: E402
-from titanrl.envs.rollout import MultiTurnRollout  # noqa: E402
-from titanrl.generator import Generator, SamplingParams  # noqa: E402
-from titanrl.models.flavors import get_model_args  # noqa: E402
-from titanrl.models.tokenizer import ByteTokenizer  # noqa: E402
+from benchmarks.harness import timed_call, write_json
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.envs.base import Environment
+from titanrl.envs.pool import EnvPool
+from titanrl.envs.rollout import MultiTurnRollout
+from titanrl.generator import Generator, SamplingParams
+from titanrl.models.flavors import get_model_args
+from titanrl.models.tokenizer import ByteTokenizer
 
 OBSERVATION = "<result>observation 42</result>"
+DOC_TABLES = [
+    ("Model tokens/s (median) and prefill tokens", ["summary"], None),
+    ("Ratios", ["ratios"], None),
+]
 
 
 class FixedTurnsEnv(Environment):
@@ -72,7 +68,8 @@ def main() -> None:
     prompts = [[tok.bos_id, *tok.encode(t)] for t in texts]
     obs = tok.encode(OBSERVATION)
     model_tokens = a.prompts * a.group_size * a.turns * a.turn_tokens
-    pool = EnvPool("bench_multi_turn:FixedTurnsEnv", {"turns": a.turns}, num_workers=2)
+    # The env workers import FixedTurnsEnv from this module.
+    pool = EnvPool("benchmarks.bench_multi_turn:FixedTurnsEnv", {"turns": a.turns}, num_workers=2)
 
     def single():
         _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=a.turns * a.turn_tokens, n=a.group_size, seed=0))
@@ -98,15 +95,13 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"single_turn": [], "multi_turn": [], "multi_turn_naive": []}
     fns = {"single_turn": single, "multi_turn": multi, "multi_turn_naive": naive}
     try:
-        for name, fn in fns.items():
+        for fn in fns.values():
             fn()  # warm-up
         for _ in range(a.repeats):
             for name, fn in fns.items():
                 # As after a weight sync in RL: no K/V cached from an earlier run.
                 gen.allocator.reset_prefix_cache()
-                start = time.perf_counter()
-                prefill = fn()
-                seconds = time.perf_counter() - start
+                seconds, prefill = timed_call(fn)
                 runs[name].append(
                     {"seconds": seconds, "prefill_tokens": prefill, "model_tokens_per_s": model_tokens / seconds}
                 )
@@ -127,10 +122,6 @@ def main() -> None:
     }
     report = {
         "benchmark": "multi-turn vs single-turn rollout throughput (paged generator, CPU)",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "command": "python scripts/bench_multi_turn.py " + " ".join(sys.argv[1:]),
         "config": vars(a)
         | {
             "model": "debug flavor, random weights",
@@ -143,9 +134,7 @@ def main() -> None:
     }
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
     if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(a.out, report)
 
 
 if __name__ == "__main__":

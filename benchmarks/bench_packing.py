@@ -1,6 +1,6 @@
 """Sequence packing vs padded micro-batches: the RL train phase on a long-tailed length workload.
 
-    python scripts/bench_packing.py --out benchmarks/bench_packing.json
+    python -m benchmarks.bench_packing --out benchmarks/bench_packing.json
 
 Workload (as in reasoning RL): prompts of 16-48 tokens; responses lognormal (median 24 tokens,
 sigma 0.8) truncated at the length cap, plus ~8% of them at the cap exactly (rollouts that
@@ -18,29 +18,39 @@ packed; the first of each is a warm-up; medians are reported. A second, low-wast
 """
 
 import argparse
-import json
 import os
-import platform
 import random
 import statistics
-import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from titanrl.algorithms import get_algorithm  # noqa: E402
-from titanrl.config import load_config  # noqa: E402
-from titanrl.data.batch import build_sequence_batch, micro_batch_plan, num_micro_batches, trim_padding  # noqa: E402
-from titanrl.data.packing import layout_of, packed_micro_batches  # noqa: E402
-from titanrl.models.args import TransformerModelArgs  # noqa: E402
-from titanrl.models.flavors import get_model_args  # noqa: E402
-from titanrl.models.model import Transformer  # noqa: E402
-from titanrl.models.packing import forward_logprobs  # noqa: E402
+from benchmarks.harness import REPO_ROOT, write_json
+from titanrl.algorithms import get_algorithm
+from titanrl.config import load_config
+from titanrl.data.batch import build_sequence_batch, micro_batch_plan, num_micro_batches, trim_padding
+from titanrl.data.forward import forward_logprobs
+from titanrl.data.packing import layout_of, packed_micro_batches
+from titanrl.models.args import TransformerModelArgs
+from titanrl.models.flavors import get_model_args
+from titanrl.models.model import Transformer
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
+# Train / logprob phases: wall and process CPU seconds together, so timed here, not by the harness.
+DOC_TABLES = [
+    (
+        "Padded vs packed: micro-batches, token slots, median seconds and speed-ups",
+        ["results"],
+        [
+            "rows",
+            "micro_batches.*",
+            "token_slots.*",
+            "median_s.wall.*",
+            "speedup_packed_over_padded.*",
+            "max_abs_loss_diff",
+        ],
+    ),
+]
 
 
 def long_tailed_lengths(rng: random.Random, n: int, cap: int) -> list[tuple[int, int]]:
@@ -167,13 +177,8 @@ def main() -> None:
             "narrow": f"{cli.rows} rollouts; prompt 32 tokens; response ~ U[{int(cap * 0.8)}, {cap}]",
         },
         "tolerance": {"max_abs_loss_diff": 1e-5, "note": "float32; packed and padded differ in BLAS blocking only"},
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "note": "2 CPU cores shared with 3 other agents' jobs (load average 4-7): timings measured "
-            "under load; medians of alternating reps, wall clock and this process's CPU time",
-        },
+        "timing": "medians of alternating reps, wall clock and this process's CPU time",
+        "loadavg_1min_before": os.getloadavg()[0],
         "reps": {"debug": cli.reps, "larger": cli.larger_reps if cli.larger else None},
         "results": {},
     }
@@ -213,9 +218,8 @@ def main() -> None:
             f"{r['token_slots']['packed']}), logprob {x['lp_wall']:.2f}x (cpu {x['lp_cpu']:.2f}x), "
             f"|dloss| {r['max_abs_loss_diff']:.2e} {'ok' if ok else 'OVER TOLERANCE'}"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(cli.out)), exist_ok=True)
-    with open(cli.out, "w") as f:
-        json.dump(report, f, indent=2)
+    report["loadavg_1min_after"] = os.getloadavg()[0]
+    write_json(cli.out, report)
 
 
 if __name__ == "__main__":

@@ -15,21 +15,20 @@
 - `curves`: eval_accuracy of a LoRA run and a full-parameter run of GRPO from the same base,
   read from their metrics.jsonl (commands in README: LoRA).
 
-    python scripts/bench_lora.py --out benchmarks/bench_lora.json
+    python -m benchmarks.bench_lora --out benchmarks/bench_lora.json
 """
 
 import argparse
+import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-import time
-from datetime import datetime, timezone
 
 import torch
 
+from benchmarks.harness import REPO_ROOT, decode_seconds, keep_earlier_sections, timed_call, write_json
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
@@ -55,6 +54,13 @@ BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_gen
     max_seq_len=512,
 )
 ONE_RANK = ParallelDims(1, 1, 1, 1)
+DOC_TABLES = [
+    ("Generator decode tokens/s, runtime adapters vs merged, and weight-sync ms", ["generator", "rows"], None),
+    ("Weight sync on 2 FSDP2 ranks", ["sync"], None),
+    ("AdamW state, full vs LoRA (bench model)", ["memory", "bench_model"], None),
+    ("A real flavor", ["memory", "real_flavor"], None),
+    ("Learning: LoRA vs full-parameter GRPO", ["curves"], None),
+]
 
 
 def _lora_config(rank: int, generator: str = "runtime") -> LoRAConfig:
@@ -85,13 +91,7 @@ def _runner(trainer: Transformer, prompts: list[list[int]], mode: str, compile: 
 
     run(8)
     run(8)
-    return run, lambda: gen.load_weights(trainer)
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return run, functools.partial(gen.load_weights, trainer)
 
 
 def bench_generator(batch_sizes: list[int], prompt_len: int, new_tokens: int, reps: int) -> list[dict]:
@@ -104,14 +104,14 @@ def bench_generator(batch_sizes: list[int], prompt_len: int, new_tokens: int, re
         eager = {mode: _runner(trainer, prompts, mode, False) for mode in ("runtime", "merged")}
         for _ in range(reps):
             for mode, (run, do_sync) in eager.items():
-                per_run.setdefault(f"{mode}_eager", []).append(_time(lambda: run(new_tokens)) - _time(lambda: run(1)))
-                sync.setdefault(mode, []).append(_time(do_sync))
+                per_run.setdefault(f"{mode}_eager", []).append(decode_seconds(run, new_tokens))
+                sync.setdefault(mode, []).append(timed_call(do_sync)[0])
         for mode in ("runtime", "merged"):
             # The compiled decode step skips guards on modules, so its graphs are shared by every
             # Generator of a process: one at a time, each after a reset.
             torch._dynamo.reset()
             run, _ = _runner(trainer, prompts, mode, True)
-            per_run[f"{mode}_compiled"] = [_time(lambda: run(new_tokens)) - _time(lambda: run(1)) for _ in range(reps)]
+            per_run[f"{mode}_compiled"] = [decode_seconds(run, new_tokens) for _ in range(reps)]
         row = {"batch": batch}
         for key, times in per_run.items():
             row[f"{key}_tok_s"] = batch * (new_tokens - 1) / statistics.median(times)
@@ -122,6 +122,17 @@ def bench_generator(batch_sizes: list[int], prompt_len: int, new_tokens: int, re
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _load_times(gen: Generator, trainer: Transformer, n: int) -> list[float]:
+    """Seconds of `n` weight syncs into `gen`, every rank starting each one together."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        times.append(timed_call(functools.partial(gen.load_weights, trainer))[0])
+    return times
 
 
 def sync_worker(flavor: str, reps: int, out: str) -> None:
@@ -141,13 +152,9 @@ def sync_worker(flavor: str, reps: int, out: str) -> None:
             torch.device("cpu"),
             lora=_lora_config(16, mode) if mode == "runtime" else None,
         )
-        times = []
-        for _ in range(reps + 1):
-            dist.barrier()
-            times.append(_time(lambda: gen.load_weights(trainer)))
+        times = _load_times(gen, trainer, reps + 1)
         row[f"{mode}_first_load_s"] = times[0]
         row[f"{mode}_load_s"] = statistics.median(times[1:])
-        del gen
     row["runtime_later_vs_merged"] = row["merged_load_s"] / row["runtime_load_s"]
     if rank == 0:
         with open(out, "w") as f:
@@ -163,7 +170,8 @@ def bench_sync(flavor: str, reps: int) -> dict:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        __file__,
+        "-m",
+        "benchmarks.bench_lora",
         "--sync_worker",
         "--sync_flavor",
         flavor,
@@ -172,7 +180,7 @@ def bench_sync(flavor: str, reps: int) -> dict:
         "--out",
         out,
     ]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT)
     with open(out) as f:
         row = json.load(f)
     print(json.dumps(row), flush=True)
@@ -256,15 +264,8 @@ def main() -> None:
     if args.sync_worker:
         return sync_worker(args.sync_flavor, args.reps, args.out)
     sections = args.sections.split(",")
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_lora.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-    }
-    if os.path.exists(args.out):  # sections not rerun keep their last numbers
-        with open(args.out) as f:
-            report = {**json.load(f), **report}
+    report = keep_earlier_sections(args.out, sections, ("generator", "sync", "memory", "curves"))
+    report["config"] = {k: v for k, v in vars(args).items() if k not in ("out", "sync_worker")}
     if "generator" in sections:
         report["generator"] = {
             "lora_rank": 16,
@@ -281,8 +282,7 @@ def main() -> None:
         report["memory"] = bench_memory([int(r) for r in args.ranks.split(",")], args.flavor)
     if "curves" in sections:
         report["curves"] = {"lora": _read_run(args.lora_run), "full": _read_run(args.full_run)}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

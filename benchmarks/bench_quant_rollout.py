@@ -15,19 +15,17 @@
         --job.config_file train_configs/grpo_reverse_debug.toml --generator.quantize=int8 \\
         --algorithm.off_policy_correction=tis --job.dump_folder /tmp/int8_run
 
-    python scripts/bench_quant_rollout.py --out benchmarks/bench_quant_rollout.json
+    python -m benchmarks.bench_quant_rollout --out benchmarks/bench_quant_rollout.json
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
-import time
-from datetime import datetime, timezone
 
 import torch
 
+from benchmarks.harness import decode_seconds, keep_earlier_sections, write_json
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.quantize import WeightQuantizer
@@ -49,6 +47,11 @@ BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_gen
 )
 VARIANTS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (torch.float32, "int8")}
 MISMATCH = ("gen_logprob_diff", "mismatch_kl", "mismatch_ratio_max", "is_dropped_frac")
+DOC_TABLES = [
+    ("Decode tokens/s and ratio to fp32", ["decode", "rows"], None),
+    ("Generator weight MB", ["memory"], None),
+    ("Eval accuracy, fp32 vs int8 rollouts (with TIS)", ["curves", "eval_accuracy_table"], None),
+]
 
 
 def _runner(model: Transformer, prompts: list[list[int]], dtype: torch.dtype, quantize: str, compile: bool):
@@ -67,12 +70,6 @@ def _runner(model: Transformer, prompts: list[list[int]], dtype: torch.dtype, qu
     return run
 
 
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def bench_decode(batch_sizes: list[int], prompt_len: int, new_tokens: int, reps: int) -> list[dict]:
     torch.manual_seed(0)
     model = Transformer(BENCH_MODEL)
@@ -88,13 +85,13 @@ def bench_decode(batch_sizes: list[int], prompt_len: int, new_tokens: int, reps:
         }
         for _ in range(reps):
             for key, run in runners.items():
-                per_run.setdefault(key, []).append(_time(lambda: run(new_tokens)) - _time(lambda: run(1)))
+                per_run.setdefault(key, []).append(decode_seconds(run, new_tokens))
         # Compiled ones one at a time: the decode step skips guards on modules, so its compiled
         # graphs are shared by every Generator of the process (one per job): reset in between.
         for name, (dtype, quantize) in VARIANTS.items():
             torch._dynamo.reset()
             run = _runner(model, prompts, dtype, quantize, True)
-            per_run[f"{name}_compiled"] = [_time(lambda: run(new_tokens)) - _time(lambda: run(1)) for _ in range(reps)]
+            per_run[f"{name}_compiled"] = [decode_seconds(run, new_tokens) for _ in range(reps)]
         row = {"batch": batch}
         for key, times in per_run.items():
             row[f"{key}_tok_s"] = batch * (new_tokens - 1) / statistics.median(times)
@@ -174,15 +171,8 @@ def main() -> None:
     parser.add_argument("--sections", default="decode,memory,curves")
     args = parser.parse_args()
     sections = args.sections.split(",")
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_quant_rollout.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-    }
-    if os.path.exists(args.out):  # sections not rerun keep their last numbers
-        with open(args.out) as f:
-            report = {**json.load(f), **report}
+    report = keep_earlier_sections(args.out, sections, ("decode", "memory", "curves"))
+    report["config"] = {k: v for k, v in vars(args).items() if k != "out"}  # defaults included
     if "decode" in sections:
         report["decode"] = {
             "model_params_M": 3.2,
@@ -196,8 +186,7 @@ def main() -> None:
         report["memory"] = bench_memory(args.flavors.split(","))
     if "curves" in sections:
         report["curves"] = bench_curves(args.fp32_run, args.int8_run)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

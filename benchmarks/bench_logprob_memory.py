@@ -2,7 +2,7 @@
 full [B, T, vocab] logits (`token_logprobs(model(x))`) vs chunked (`model.logprobs`), each in a
 fresh process (peak RSS on CPU, peak allocated on CUDA), beside the floor of weights + grads.
 
-    python scripts/bench_logprob_memory.py --out benchmarks/bench_logprob_memory.json
+    python -m benchmarks.bench_logprob_memory --out benchmarks/bench_logprob_memory.json
 """
 
 import argparse
@@ -11,12 +11,17 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 import torch
 
+from benchmarks.harness import REPO_ROOT, timed_call, write_json
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.logprobs import token_logprobs
+
+DOC_TABLES = [
+    ("Peak memory and step time, full logits vs chunked", ["full|chunked"], None),
+    ("Chunked over full", ["*_ratio_*"], None),
+]
 
 
 def model_args(a) -> TransformerModelArgs:
@@ -40,13 +45,15 @@ def run_one(a) -> dict:
     model.init_weights()
     tokens = torch.randint(0, a.vocab, (a.batch, a.seq_len + 1))
     base_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    start = time.perf_counter()
-    if a.mode == "full":
-        logprobs = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])
-    else:
-        logprobs, _ = model.logprobs(tokens[:, :-1], tokens[:, 1:], a.chunk, with_entropy=True)
-    (-logprobs.mean()).backward()
-    seconds = time.perf_counter() - start
+
+    def step() -> None:
+        if a.mode == "full":
+            logprobs = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])
+        else:
+            logprobs, _ = model.logprobs(tokens[:, :-1], tokens[:, 1:], a.chunk, with_entropy=True)
+        (-logprobs.mean()).backward()
+
+    seconds, _ = timed_call(step)  # one step: its peak memory is the measurement
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     params = sum(p.numel() for p in model.parameters())
     return {
@@ -76,23 +83,20 @@ def main() -> None:
         return
     results = {}
     for mode in ("full", "chunked"):
-        cmd = [sys.executable, __file__, "--mode", mode] + [
+        cmd = [sys.executable, "-m", "benchmarks.bench_logprob_memory", "--mode", mode] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items() if k not in ("mode", "out")
         ]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ})
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env={**os.environ}, cwd=REPO_ROOT)
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     report = {
         "config": {k: v for k, v in vars(a).items() if k not in ("mode", "out")},
-        "device": "cpu",
-        "torch": torch.__version__,
         **results,
         "peak_ratio_chunked_over_full": results["chunked"]["peak_rss_gb"] / results["full"]["peak_rss_gb"],
         "step_time_ratio_chunked_over_full": results["chunked"]["step_seconds"] / results["full"]["step_seconds"],
     }
     print(json.dumps(report, indent=2))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(a.out, report, device="cpu")
 
 
 if __name__ == "__main__":

@@ -1,39 +1,37 @@
 """Trainer -> generator weight sync time vs model size and dp / tp degrees (gloo on CPU, NCCL on GPU).
 
-    python scripts/bench_weight_sync.py --out benchmarks/bench_weight_sync.json
+    python -m benchmarks.bench_weight_sync --out benchmarks/bench_weight_sync.json
 
 Launches one torchrun job per world size (1 and 2 ranks); in each, for every layout and model
-size, times `Generator.load_weights` (median of --reps) and one trainer step (forward + backward
-+ AdamW on 8 x 128 tokens), and reports sync time as a fraction of that step.
+size, times `Generator.load_weights` (median of --reps after one warm-up) and one trainer step
+(forward + backward + AdamW on 8 x 128 tokens; median of max(2, reps / 2)), and reports sync
+time as a fraction of sync + step.
 """
 
 import argparse
+import functools
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from datetime import datetime, timezone
 
 import torch
+
+from benchmarks.harness import REPO_ROOT, timeit, write_json
 
 SIZES = {  # name -> (dim, n_layers, hidden_dim)
     "3M": (256, 4, 768),
     "25M": (512, 8, 1536),
 }
 LAYOUTS = {1: [(1, 1, 1)], 2: [(1, 2, 1), (1, 1, 2)]}  # (dp_replicate, dp_shard, tp)
+DOC_TABLES = [("Sync seconds against a training step", ["rows"], None)]
 
 
-def _median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _train_step(trainer: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    opt.zero_grad()
+    trainer(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+    opt.step()
 
 
 def worker(reps: int, out: str) -> None:
@@ -73,16 +71,10 @@ def worker(reps: int, out: str) -> None:
             )
             opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
             tokens = torch.randint(0, 512, (8 // dims.dp_size, 129))
-
-            def train_step():
-                opt.zero_grad()
-                trainer(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
-                opt.step()
-
-            gen.load_weights(trainer)  # warm-up
-            train_step()
-            sync_s = _median_time(lambda: gen.load_weights(trainer), reps)
-            step_s = _median_time(train_step, max(2, reps // 2))
+            step = functools.partial(_train_step, trainer, opt, tokens)
+            step()  # warm-up: the first step allocates gradients and AdamW's state
+            sync_s = timeit(functools.partial(gen.load_weights, trainer), warmup=1, repeat=reps).median
+            step_s = timeit(step, warmup=0, repeat=max(2, reps // 2)).median
             rows.append(
                 {
                     "world": world,
@@ -122,7 +114,8 @@ def main() -> None:
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc_per_node={world}",
-                os.path.abspath(__file__),
+                "-m",
+                "benchmarks.bench_weight_sync",
                 "--worker",
                 "--worker_out",
                 tmp.name,
@@ -130,18 +123,11 @@ def main() -> None:
                 str(args.reps),
             ]
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // world))}
-            subprocess.run(cmd, check=True, env=env)
+            subprocess.run(cmd, check=True, env=env, cwd=REPO_ROOT)
             rows += json.load(open(tmp.name))
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, gloo",
-        "command": f"python scripts/bench_weight_sync.py --reps {args.reps}",
-        "rows": rows,
-    }
     for r in rows:
         print(json.dumps(r))
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, {"backend": "gloo", "reps": args.reps, "rows": rows})
 
 
 if __name__ == "__main__":

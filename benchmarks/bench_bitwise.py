@@ -1,6 +1,6 @@
 """Cost of bitwise generator/trainer parity (`generator.batch_invariant=true`) on the README's main job.
 
-    python scripts/bench_bitwise.py --out benchmarks/bench_bitwise.json [--steps 4] [--reps 1]
+    python -m benchmarks.bench_bitwise --out benchmarks/bench_bitwise.json [--steps 4] [--reps 1]
 
 One process builds one Trainer per variant from `train_configs/grpo_reverse_debug.toml` (32 prompts
 x 8 samples, 8 new tokens, debug model; `--sft_warmup.steps=0` so the untrained model samples
@@ -15,23 +15,28 @@ Every bitwise variant must log `gen_logprob_diff == 0` (checked).
 """
 
 import argparse
-import datetime
+import functools
 import json
 import os
-import platform
 import statistics
-import sys
-import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-
-import torch  # noqa: E402
-
-from titanrl.config import load_config  # noqa: E402
-from titanrl.trainer import Trainer  # noqa: E402
+from benchmarks.harness import REPO_ROOT, read_results, timed_call, write_json
+from titanrl.config import load_config
+from titanrl.train import build_trainer
 
 PHASES = ["sync", "generate", "reward", "logprob", "train"]
+# The main results as docs/benchmarks.md tabulates them: (title, path into the results, columns).
+DOC_TABLES = [
+    ("Median seconds per RL step phase", ["median_s"], None),
+    ("Bitwise over normal, medians", ["ratio_to_normal"], None),
+    ("Bitwise over normal, minima (the least disturbed steps)", ["min_ratio_to_normal"], None),
+]
+
+
+def _earlier_run(path: str) -> dict:
+    """An earlier JSON of this script, its own earlier runs left out, with the commit that made it."""
+    results, commit = read_results(path)
+    return {"commit": commit, **{k: v for k, v in results.items() if k != "earlier_runs"}}
 
 
 def main() -> None:
@@ -58,7 +63,7 @@ def main() -> None:
         trainers = {}
         for v in variants:
             dump = os.path.join("/tmp", f"bench_bitwise_{os.getpid()}_{rep}_{v}")
-            trainers[v] = Trainer(
+            trainers[v] = build_trainer(
                 load_config(
                     [*base, f"--job.dump_folder={dump}", f"--generator.batch_invariant={str(v != 'normal').lower()}"]
                 )
@@ -66,9 +71,7 @@ def main() -> None:
         loaders = {v: iter(t.recipe.loader) for v, t in trainers.items()}
         for step in range(1, a.steps + 1):
             for v, t in trainers.items():
-                t0 = time.perf_counter()
-                m = t.recipe.step(loaders[v], step)
-                wall = time.perf_counter() - t0
+                wall, m = timed_call(functools.partial(t.recipe.step, loaders[v], step))
                 if v != "normal" and m["gen_logprob_diff"] != 0.0:
                     raise AssertionError(f"{v}: generator and trainer logprobs differ ({m['gen_logprob_diff']})")
                 row = {ph: m.get(f"time_{ph}", 0.0) for ph in PHASES}
@@ -93,16 +96,6 @@ def main() -> None:
         if v != "normal"
     }
     result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "blas": "MKL" if torch.backends.mkl.is_available() else "other",
-        },
-        "command": "python scripts/bench_bitwise.py " + " ".join(sys.argv[1:]),
         "job": "train_configs/grpo_reverse_debug.toml " + " ".join(base[1:]),
         "method": "variants alternate step by step in one process; first step of each trainer dropped; "
         "medians and minima over the other steps (s)",
@@ -111,12 +104,11 @@ def main() -> None:
         "min_s": minimum,
         "min_ratio_to_normal": min_ratios,
         "steps": rows,
-        "earlier_runs": [{k: v for k, v in json.load(open(f)).items() if k != "earlier_runs"} for f in a.include],
+        "earlier_runs": [_earlier_run(f) for f in a.include],
     }
     print(json.dumps({"median_s": summary, "ratio_to_normal": ratios, "min_ratio_to_normal": min_ratios}, indent=2))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ titanrl runs with the default `attention_impl = "auto"` (on an AVX-512 CPU in fl
 hand-written decode kernel, `titanrl/generator/cpu_kernel.py`); `titanrl_compiled_inplace` is
 the compiled pure-PyTorch decode attention beside it (`attention_impl = "inplace"`).
 
-    python scripts/bench_generate.py --out benchmarks/bench_generate.json
-    python scripts/bench_generate.py --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json
+    python -m benchmarks.bench_generate --out benchmarks/bench_generate.json
+    python -m benchmarks.bench_generate --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json
 
 `--dtype` sets both sides' weights and activations (the exported weights are float32 and are
 cast on load); bfloat16 is what RL runs use on GPUs, and this CPU has avx512_bf16 instructions.
@@ -24,16 +24,15 @@ Needs `transformers` (the dev extra).
 
 import argparse
 import atexit
+import functools
 import json
-import platform
 import shutil
 import statistics
 import tempfile
-import time
-from datetime import datetime, timezone
 
 import torch
 
+from benchmarks.harness import decode_seconds, timed_call, timeit_each, write_json
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer, TransformerModelArgs
@@ -80,17 +79,16 @@ MODELS = {
         max_seq_len=512,
     ),
 }
+DOC_TABLES = [
+    ("Milliseconds per decode step, negligible model, 1 thread (framework overhead)", ["overhead", "rows"], None),
+    ("GRPO-shaped batches: seconds, tokens/s and speed-up over HF", ["batch"], None),
+    ("Prompt sharing (n = G) vs G copies", ["groups"], None),
+]
 
 
 def _prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (batch, length), generator=g).tolist()
-
-
-def _time(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def titanrl_runner(
@@ -183,9 +181,9 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
             "hf": hf_runner(folder, prompts, dtype),
         }
         per_step = {k: [] for k in runners}
-        for _ in range(reps):
+        for _ in range(reps):  # the runners alternate within every repetition
             for key, run in runners.items():
-                per_step[key].append((_time(lambda: run(new_tokens)) - _time(lambda: run(1))) / (new_tokens - 1))
+                per_step[key].append(decode_seconds(run, new_tokens) / (new_tokens - 1))
         row = {"batch": b, **{f"{k}_ms_per_step": 1e3 * statistics.median(v) for k, v in per_step.items()}}
         row["titanrl_vs_hf"] = row["titanrl_ms_per_step"] / row["hf_ms_per_step"]
         row["titanrl_compiled_vs_hf"] = row["titanrl_compiled_ms_per_step"] / row["hf_ms_per_step"]
@@ -218,11 +216,9 @@ def bench_batches(
             ),
             "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype),
         }
-        times = {k: [] for k in runners}
-        for _ in range(reps):
-            for key, run in runners.items():
-                times[key].append(_time(lambda: run(new_tokens)))
-        row = {"batch": batch, "group_size": G, **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
+        calls = {k: functools.partial(run, new_tokens) for k, run in runners.items()}
+        times = timeit_each(calls, warmup=0, repeat=reps)  # the runners warmed up as they were built
+        row = {"batch": batch, "group_size": G, **{f"{k}_s": t.median for k, t in times.items()}}
         for key in runners:
             row[f"{key}_tok_s"] = batch * new_tokens / row[f"{key}_s"]
         row["speedup_vs_hf"] = row["hf_s"] / row["titanrl_s"]
@@ -249,9 +245,8 @@ def bench_groups(
     for name, run in variants.items():
         times, stats = [], None
         for _ in range(reps):
-            start = time.perf_counter()
-            stats = run(new_tokens)
-            times.append(time.perf_counter() - start)
+            seconds, stats = timed_call(functools.partial(run, new_tokens))
+            times.append(seconds)
         groups[name] = {
             "seconds": statistics.median(times),
             "prefill_tokens": stats.prefill_tokens,
@@ -285,14 +280,8 @@ def main() -> None:
     sections = args.sections.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     folder, info = _export(args.model)
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "command": "python scripts/bench_generate.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
-        "model": info,
-        "dtype": args.dtype,
-    }
+    # Every option's value, defaults included (the command records only what was typed).
+    report = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "model": info, "dtype": args.dtype}
     if "overhead" in sections:
         report["overhead"] = bench_overhead(batch_sizes, args.overhead_new_tokens, args.reps, dtype)
     if "batch" in sections:
@@ -302,8 +291,7 @@ def main() -> None:
     if "groups" in sections:
         report["groups"] = bench_groups(folder, args.group_size, 4 * args.prompt_len, args.new_tokens, args.reps, dtype)
         print(json.dumps(report["groups"]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Long-tail rollouts: synchronous steps vs partial rollouts, side by side on one workload.
 
-    python scripts/bench_long_tail.py --out benchmarks/bench_long_tail.json
+    python -m benchmarks.bench_long_tail --out benchmarks/bench_long_tail.json
 
 Workload (written here as a JSONL data set): most prompts ask for a short answer (a number), a
 few (`--long_frac`) for a long one (the number, then a tail of digits past max_new_tokens); a
@@ -29,18 +29,15 @@ understates what the tail costs there.
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
 
-import torch
+from benchmarks.harness import REPO_ROOT, environment, write_json
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The trainer ranks' phases (one-step: generation and rewards run on the rollout ranks, and the
 # trainer's wait for them is time_wait_rollouts).
 PHASES = (
@@ -76,8 +73,7 @@ def job(data: str, folder: str, args, steps: int) -> list[str]:
         f"--nproc_per_node={args.nproc}",
         "-m",
         "titanrl.train",
-        f"--job.config_file={os.path.join(REPO, 'train_configs', 'grpo_reverse_debug.toml')}",
-        "--data.task=jsonl",
+        f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
         f"--data.path={data}",
         "--data.num_eval_samples=16",
         "--metrics.eval_freq=0",
@@ -94,7 +90,7 @@ def job(data: str, folder: str, args, steps: int) -> list[str]:
 
 def launch(cmd: list[str], what: str, nproc: int) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // nproc))}
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -189,6 +185,10 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
 
 
 RATES = ("samples_per_s", "response_tokens_per_s", "steady_samples_per_s", "steady_response_tokens_per_s")
+DOC_TABLES = [
+    ("Rates, median over repeats", ["sync|partial|one_step|sync_unbalanced"], None),
+    ("Against synchronous steps", ["*_vs_sync_*"], None),
+]
 
 
 def main() -> None:
@@ -208,11 +208,9 @@ def main() -> None:
     data = os.path.join(work, "long_tail.jsonl")
     # Past the cap, within the debug model's 256-token context (SFT trains on prompt + solution).
     write_workload(data, 4000, args.long_frac, long_chars=min(args.max_new_tokens + 40, 240))
+    env = environment()  # taken now: the runs import the code as it is at the start
     report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}",
-        "command": "python scripts/bench_long_tail.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if k != "out"),
+        "config": {k: v for k, v in vars(args).items() if k != "out"},  # defaults included
         "workload": f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
         f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps "
         "(run once, every mode starts from it), temperature 1",
@@ -237,8 +235,7 @@ def main() -> None:
         s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"])
     )
     print(json.dumps({k: v for k, v in report.items() if "_vs_" in k}, indent=1))
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, report, env=env)
     shutil.rmtree(work)
 
 

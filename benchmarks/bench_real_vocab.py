@@ -1,10 +1,10 @@
 """GRPO at a real vocabulary (151,936 ids): titanrl vs TRL's GRPOTrainer, step time and peak memory.
 
-    python scripts/bench_real_vocab.py --setup-trl                  # once: a venv with CPU torch + trl
-    python scripts/bench_real_vocab.py --trl-python /work/trl_venv/bin/python \\
-        --out benchmarks/bench_real_vocab.json                      # titanrl vs TRL, alternating runs
-    python scripts/bench_real_vocab.py --flavor qwen2.5-0.5b \\
-        --out benchmarks/bench_real_vocab_flavor.json               # titanrl alone, the real 0.5B shape
+    python -m benchmarks.bench_real_vocab --setup-trl                  # once: a venv with CPU torch + trl
+    python -m benchmarks.bench_real_vocab --trl-python /work/trl_venv/bin/python \\
+        --out benchmarks/bench_real_vocab.json                         # titanrl vs TRL, alternating runs
+    python -m benchmarks.bench_real_vocab --flavor qwen2.5-0.5b \\
+        --out benchmarks/bench_real_vocab_flavor.json                  # titanrl alone, the real 0.5B shape
 
 Everything is written here, in a temporary folder: a random-weight Qwen2.5-shaped checkpoint (2
 layers at Qwen2.5-0.5B's width: dim 896, 14 heads, 2 KV heads, hidden 4864, q/k/v biases, tied
@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -48,12 +47,8 @@ import tempfile
 import threading
 import time
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(SCRIPTS)
-sys.path.insert(0, SCRIPTS)
-sys.path.insert(0, REPO_ROOT)
-
-from bench_rl_step import DEFAULT_VENV, setup_trl  # noqa: E402
+from benchmarks.bench_rl_step import DEFAULT_VENV, setup_trl
+from benchmarks.harness import REPO_ROOT, environment, write_json
 
 VOCAB_SIZE = 151936
 QWEN_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
@@ -80,6 +75,22 @@ CHATML = (
 )
 NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Mark", "Tina", "Randy", "Jasmine"]
 ITEMS = ["clips", "apples", "cupcakes", "pencils", "stickers", "marbles", "books", "cookies"]
+DOC_TABLES = [
+    (
+        "titanrl vs TRL, medians over repeats",
+        ["summary"],
+        ["step_s", "phase_sum_s", "max_rss_gb", "sampled_peak_tree_rss_gb", "response_len"],
+    ),
+    ("Ratios", ["ratios"], None),
+    ("Median seconds per phase", ["summary", "*", "phases_s"], None),
+    (
+        "titanrl alone on the full flavor: step and peak memory",
+        ["run"],
+        ["step_s", "phase_sum_s", "max_rss_gb", "phases_s.*"],
+    ),
+    ("Against the floor of 4 float32 copies of the parameters", ["floor"], None),
+    ("Peak and resident memory over the floor", ["*_over_floor|resident_*|peak_beyond_*"], None),
+]
 
 TRL_SCRIPT = r'''
 import json, re, sys, time
@@ -432,7 +443,6 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
         f"--generator.max_new_tokens={a.max_new_tokens}",
         "--generator.temperature=1.0",
         f"--generator.num_blocks={num_blocks}",
-        "--data.task=jsonl",
         f"--data.path={jsonl}",
         "--data.chat_template=true",
         "--data.num_eval_samples=1",
@@ -530,22 +540,6 @@ def summarize(runs: list[dict], keys: list[str]) -> dict:
     out = {k: statistics.median(r[k] for r in runs) for k in keys}
     out["phases_s"] = {p: statistics.median(r["phases_s"][p] for r in runs) for p in runs[0]["phases_s"]}
     return out
-
-
-def titanrl_commit() -> str:
-    """The checkout's commit, '+dirty' when titanrl/ has uncommitted changes (runs use the working tree)."""
-    git = ["git", "-C", REPO_ROOT]
-    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "titanrl"], capture_output=True, text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
-
-
-def machine(threads: int) -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        platform.processor(),
-    )
-    return f"{platform.machine()} {cpu}, {os.cpu_count()} cores, {threads} threads"
 
 
 def compare(a, workdir: str, model: str, n_params: int, problems: list[tuple[str, str]]) -> dict:
@@ -673,9 +667,7 @@ def main() -> None:
         a.trl_python = a.trl_python or os.path.join(a.venv, "bin", "python")
         if not os.path.exists(a.trl_python):
             raise SystemExit(f"no TRL venv at {a.venv}: run with --setup-trl first (or pass --trl-python)")
-    import torch
-
-    commit = titanrl_commit()  # the code the runs import (main may move while they run)
+    env = environment()  # the code the runs import (main may move while they run)
     workdir = tempfile.mkdtemp(prefix="bench_real_vocab_")
     folder = os.path.join(workdir, "model")
     os.makedirs(folder)
@@ -714,12 +706,6 @@ def main() -> None:
             if a.flavor
             else "GRPO at a real vocabulary: titanrl vs TRL GRPOTrainer (CPU)"
         ),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": machine(a.threads),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "titanrl_commit": commit,
-        "command": "python scripts/bench_real_vocab.py " + " ".join(sys.argv[1:]),
         "peak_memory": (
             "max RSS of the trainer process from os.wait4 (the max, not the sum, over it and its reaped "
             "children); 'sampled_peak_tree_rss_gb' sums the sampled RSS of the whole process tree, "
@@ -754,9 +740,7 @@ def main() -> None:
         report.update(config=config, **result)
         print(json.dumps({k: result[k] for k in ("summary", "ratios", "prompts")}, indent=2))
     if a.out:
-        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(a.out, report, env=env)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ token), greedy, every sample runs to new_tokens; `tok_s` is b * new_tokens / the
 MFU = (6 * params * tokens + attention FLOPs) / step time / peak bf16 FLOP/s (H200: 989e12 dense).
 
 `rl_step`: `python -m titanrl.train` on `train_configs/grpo_reverse_debug.toml` through
-`scripts/bench_rl_step.py` (its assets and runner): a character tokenizer, reverse-task prompts,
+`benchmarks/bench_rl_step.py` (its assets and runner): a character tokenizer, reverse-task prompts,
 and a random-weight model of the `qwen2.5-0.5b` flavor's shape written as an HF folder (dry run:
 the `debug` flavor's); the first step is dropped, the median seconds per phase (sync, generate,
 reward, logprob, train) of the rest are reported, from the run's metrics.jsonl.
@@ -27,6 +27,7 @@ runs the same way. `--budget-s` (bench_gpu.sh passes 450 under its 480 s `timeou
 """
 
 import argparse
+import functools
 import gc
 import importlib.util
 import json
@@ -34,24 +35,20 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-
-from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
-from titanrl.generator import Generator, SamplingParams  # noqa: E402
-from titanrl.models.args import TransformerModelArgs  # noqa: E402
-from titanrl.models.flavors import get_model_args  # noqa: E402
-from titanrl.models.hf import export_hf  # noqa: E402
-from titanrl.models.model import Transformer  # noqa: E402
+from benchmarks.harness import REPO_ROOT, command_line, environment, timed_call, timeit, write_json
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator import Generator, SamplingParams
+from titanrl.models.args import TransformerModelArgs
+from titanrl.models.flavors import get_model_args
+from titanrl.models.hf import export_hf
+from titanrl.models.model import Transformer
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 VLLM_MODEL = "qwen2.5-0.5b"  # compared with vLLM, and the RL step's shape on a GPU
@@ -59,24 +56,13 @@ VLLM_BATCH_SIZES = [1, 64, 256]
 # Process groups of the running workers: bench_gpu.sh's `timeout` signals only its own process
 # group and a worker runs in a session of its own, so SIGTERM kills them here.
 ACTIVE_GROUPS: set[int] = set()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Median seconds of `fn()` over `reps` runs after one warm-up."""
-    fn()
-    sync(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+DOC_TABLES = [
+    ("Decode vs the bandwidth roofline", ["models", "*", "decode"], None),
+    ("Training step and weight sync", ["models"], ["params", "train.*", "weight_sync.*"]),
+    ("GRPO step, median seconds per phase", ["rl_step", "phases_s"], None),
+    ("Decode next to vLLM", ["vllm", "vs_titanrl"], None),
+    ("Float8 training step (bench_gpu.sh's float8 section)", ["float8_bench"], None),
+]
 
 
 def build_on(args: TransformerModelArgs, device: torch.device) -> Transformer:
@@ -97,7 +83,7 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes per second of a device-to-device copy (read + write counted)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
-    seconds = timed(lambda: dst.copy_(src), device, 5)
+    seconds = timeit(functools.partial(dst.copy_, src), warmup=1, repeat=5, device=device).median
     return 2 * nbytes / seconds
 
 
@@ -110,15 +96,8 @@ def time_decode(run, batch: int, new_tokens: int, device: torch.device) -> tuple
     the decode rate from their difference, and what the timed `run(new_tokens)` returned. The
     one measurement of titanrl's generator and of vLLM."""
     run(new_tokens)  # warm-up (and compilation / graph capture of this batch bucket)
-    sync(device)
-    start = time.perf_counter()
-    out = run(new_tokens)
-    sync(device)
-    total = time.perf_counter() - start
-    start = time.perf_counter()
-    run(1)  # prefill (+ one token) alone, to take out of the decode time
-    sync(device)
-    prefill = time.perf_counter() - start
+    total, out = timed_call(functools.partial(run, new_tokens), device)
+    prefill, _ = timed_call(functools.partial(run, 1), device)  # prefill (+ one token), out of the decode time
     decode_s = max(total - prefill, 1e-9)
     return {
         "decode_tok_s": batch * (new_tokens - 1) / decode_s,
@@ -126,6 +105,12 @@ def time_decode(run, batch: int, new_tokens: int, device: torch.device) -> tuple
         "generate_s": total,
         "tok_s": batch * new_tokens / total,
     }, out
+
+
+def _generate(gen: Generator, prompts: list[list[int]], n: int):
+    """Greedy generation of `n` tokens for every prompt; the generator's stats."""
+    _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
+    return stats
 
 
 def bench_decode(
@@ -156,12 +141,7 @@ def bench_decode(
     g = torch.Generator().manual_seed(0)
     for b in batch_sizes:
         prompts = torch.randint(0, args.vocab_size, (b, prompt_len), generator=g).tolist()
-
-        def run(n):
-            _, stats = gen.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
-            return stats
-
-        timing, stats = time_decode(run, b, new_tokens, device)
+        timing, stats = time_decode(functools.partial(_generate, gen, prompts), b, new_tokens, device)
         mean_ctx = prompt_len + new_tokens / 2
         step_bytes = weight_bytes + b * mean_ctx * kv_bytes_per_token(args, dtype)
         roofline = b / (step_bytes / bandwidth)
@@ -200,7 +180,7 @@ def bench_train(
         loss.backward()
         opt.step()
 
-    seconds = timed(step, device, reps)
+    seconds = timeit(step, warmup=1, repeat=reps, device=device).median
     n_params = sum(p.numel() for p in model.parameters())
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq * seq * batch / 2  # causal
     flops = 6 * n_params * batch * seq + attention
@@ -212,14 +192,13 @@ def bench_train(
         "tflops": flops / seconds / 1e12,
         "mfu": flops / seconds / peak if peak else None,
     }
-    del model, opt
-    return out
+    return out  # the model and optimizer go with this frame (the caller empties the CUDA cache)
 
 
 def bench_sync(args: TransformerModelArgs, device: torch.device, dtype: torch.dtype, reps: int) -> dict:
     trainer = build_on(args, device)
     gen = Generator(args, GeneratorConfig(num_blocks=4), device, dtype=dtype)
-    seconds = timed(lambda: gen.load_weights(trainer), device, reps)
+    seconds = timeit(functools.partial(gen.load_weights, trainer), warmup=1, repeat=reps, device=device).median
     nbytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
     return {"sync_s": seconds, "generator_weight_bytes": nbytes, "bytes_per_s": nbytes / seconds}
 
@@ -256,7 +235,7 @@ def run_worker(kind: str, cfg: dict, workdir: str, timeout_s: float, cuda: bool)
     result = os.path.join(workdir, f"{kind}_result.json")
     with open(cfg_path, "w") as f:
         json.dump({**cfg, "result": result}, f)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker-config", cfg_path]
+    cmd = [sys.executable, "-m", "benchmarks.bench_gpu", "--worker", kind, "--worker-config", cfg_path]
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -294,7 +273,7 @@ def run_worker(kind: str, cfg: dict, workdir: str, timeout_s: float, cuda: bool)
 def make_rl_assets(workdir: str, args: TransformerModelArgs, n_prompts: int) -> tuple[str, str]:
     """bench_rl_step's character tokenizer and reverse-task prompts, with a random model of shape
     `args` in bf16 as the HF folder (config.json + model.safetensors) that titanrl and vLLM load."""
-    from bench_rl_step import make_assets
+    from benchmarks.bench_rl_step import make_assets
 
     folder, jsonl = make_assets(workdir, n_prompts=n_prompts, seed=0)
     torch.manual_seed(0)
@@ -312,7 +291,7 @@ def make_rl_assets(workdir: str, args: TransformerModelArgs, n_prompts: int) -> 
 
 def rl_step_worker(cfg: dict) -> dict:
     """A few GRPO steps of the recipe (bench_rl_step.run_titanrl), median seconds per phase."""
-    from bench_rl_step import run_titanrl
+    from benchmarks.bench_rl_step import run_titanrl
 
     a = argparse.Namespace(
         **{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr", "threads")}
@@ -321,11 +300,19 @@ def rl_step_worker(cfg: dict) -> dict:
     return {"step_s": out["step_s"], "phases_s": out["phases_s"], "response_len": out["response_len"]}
 
 
+def _vllm_generate(llm, prompts: list[dict], n: int) -> int:
+    """vLLM's greedy generation of `n` tokens for every prompt (EOS ignored); tokens generated."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    params = VllmSamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
 def vllm_worker(cfg: dict) -> dict:
     """vLLM's decode rate on the HF folder, measured as titanrl's (time_decode)."""
     import vllm
     from vllm import LLM
-    from vllm import SamplingParams as VllmSamplingParams
 
     start = time.perf_counter()
     llm = LLM(
@@ -345,12 +332,7 @@ def vllm_worker(cfg: dict) -> dict:
     for b in cfg["batch_sizes"]:
         ids = torch.randint(0, cfg["vocab_size"], (b, cfg["prompt_len"]), generator=g).tolist()
         prompts = [{"prompt_token_ids": p} for p in ids]  # a TokensPrompt
-
-        def run(n):
-            params = VllmSamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            return sum(len(o.outputs[0].token_ids) for o in outs)
-
+        run = functools.partial(_vllm_generate, llm, prompts)
         # generate() returns finished requests (host token ids): no device sync needed here.
         timing, generated = time_decode(run, b, cfg["new_tokens"], torch.device("cpu"))
         rows.append({"batch": b, **timing, "generated_tokens": generated})
@@ -419,7 +401,7 @@ def rl_step_section(
     print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_s"].items()), flush=True)
     return {
         "recipe": "train_configs/grpo_reverse_debug.toml",
-        "runner": "scripts/bench_rl_step.py:run_titanrl",
+        "runner": "benchmarks/bench_rl_step.py:run_titanrl",
         "model": f"{flavor} flavor's shape, random weights (bf16 HF folder), character tokenizer",
         "device": "cuda" if cuda else "cpu",
         **rl,
@@ -472,14 +454,6 @@ def vllm_section(
     for r in out["vs_titanrl"]:
         print(f"  batch {r['batch']}: titanrl / vLLM decode {r['titanrl_over_vllm_decode']:.2f}x", flush=True)
     return out
-
-
-def write_report(report: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -537,14 +511,14 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(device, bw_bytes)
     print(f"device {name}: copy bandwidth {bandwidth / 1e9:,.1f} GB/s", flush=True)
+    env = environment(device)  # taken now: the workers import the code as it is at the start
+    # bench_gpu.sh passes the command it was given (it adds --budget-s); else this module's own.
+    command = os.environ.get("BENCH_GPU_COMMAND") or command_line()
+    write_report = functools.partial(write_json, a.out, command=command, env=env)
     report = {
         "benchmark": "single-device generator decode vs roofline, training MFU, weight sync, GRPO step phases, "
         "decode vs vLLM",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-        "device": name,
         "dry_run": a.dry_run,
-        "torch": torch.__version__,
-        "command": "bash scripts/bench_gpu.sh " + " ".join(sys.argv[1:]),
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "peak_bf16_tflops": peak / 1e12 if peak else None,
         "config": {
@@ -571,7 +545,7 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
         report["wall_s"] = time.perf_counter() - start
-        write_report(report, a.out)
+        write_report(report)
 
     workdir = tempfile.mkdtemp(prefix="bench_gpu_")
     try:
@@ -588,7 +562,7 @@ def main() -> None:
         if model_dir:
             report["rl_step"] = rl_step_section(rl, rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
             report["wall_s"] = time.perf_counter() - start
-            write_report(report, a.out)
+            write_report(report)
             titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
             report["vllm"] = vllm_section(
                 model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir, left, cuda, a
@@ -596,7 +570,7 @@ def main() -> None:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - start
-    write_report(report, a.out)
+    write_report(report)
     print(f"wrote {a.out} in {report['wall_s']:.0f} s", flush=True)
 
 

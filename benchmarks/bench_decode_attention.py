@@ -3,27 +3,26 @@
 One decode step's attention over a paged pool (keys transposed, pages in random order, rows at
 random positions in [ctx / 2, ctx)), for several shapes: `cpu_kernel.paged_decode_attention`
 against `DecodeAttention._attend_in_place` under `torch.compile` (what `attention_impl =
-"inplace"` runs). Best of 5 timings of 30 calls each, twice alternating, so the pool is warm in
-cache: this isolates the kernels (in a decode step the pool is read cold more often and the
-gain is smaller; `scripts/bench_generate.py` measures whole steps). Also the largest difference
+"inplace"` runs). Best of 10 timings of 30 calls each, the two alternating, so the pool is warm
+in cache: this isolates the kernels (in a decode step the pool is read cold more often and the
+gain is smaller; `benchmarks/bench_generate.py` measures whole steps). Also the largest difference
 of each from a float64 reference. `--dtype bfloat16`: pool and queries in bfloat16 (the kernel
 widens them to float32 as it reads; the compiled form computes as PyTorch does in bfloat16).
 
-    python scripts/bench_decode_attention.py --out benchmarks/bench_decode_attention.json
-    python scripts/bench_decode_attention.py --dtype bfloat16 --out benchmarks/bench_decode_attention_bf16.json
+    python -m benchmarks.bench_decode_attention --out benchmarks/bench_decode_attention.json
+    python -m benchmarks.bench_decode_attention --dtype bfloat16 --out benchmarks/bench_decode_attention_bf16.json
 """
 
 import argparse
+import functools
 import json
-import platform
-import time
-from datetime import datetime, timezone
 
 import torch
 
+from benchmarks.harness import timeit_each, write_json
+from tests.helpers.reference import paged_decode_attention_reference
 from titanrl.generator import cpu_kernel
 from titanrl.generator.decode import DecodeAttention
-from titanrl.generator.reference import paged_decode_attention_reference
 
 # (block, head_dim, kv heads G, query heads per KV head R, rows N, context, threads)
 SHAPES = [
@@ -34,16 +33,13 @@ SHAPES = [
     (16, 128, 2, 4, 32, 1000, 2),  # Qwen-like heads, long context
     (32, 64, 2, 2, 256, 80, 2),
 ]
+CALLS, REPEAT = 30, 10  # each timing: CALLS calls; the best of REPEAT timings
+DOC_TABLES = [("Milliseconds per call, kernel vs compiled in-place form", ["rows"], None)]
 
 
-def _best_ms(fn, calls: int = 30, reps: int = 5) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e3
+def _calls(fn, calls: int) -> None:
+    for _ in range(calls):
+        fn()
 
 
 def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, threads: int, dtype: torch.dtype) -> dict:
@@ -82,12 +78,9 @@ def bench_shape(block: int, head_dim: int, G: int, R: int, N: int, ctx: int, thr
     }
     for name, fn in variants.items():
         row[f"{name}_max_err"] = (fn().double() - ref).abs().max().item()
-    times = {name: [] for name in variants}
-    for _ in range(2):
-        for name, fn in variants.items():
-            times[name].append(_best_ms(fn))
-    for name in variants:
-        row[f"{name}_ms"] = min(times[name])
+    batches = {name: functools.partial(_calls, fn, CALLS) for name, fn in variants.items()}
+    for name, timing in timeit_each(batches, warmup=0, repeat=REPEAT).items():
+        row[f"{name}_ms"] = timing.min / CALLS * 1e3
     row["kernel_speedup"] = row["compiled_inplace_ms"] / row["kernel_ms"]
     return row
 
@@ -105,14 +98,7 @@ def main() -> None:
     for shape in SHAPES:
         rows.append(bench_shape(*shape, dtype))
         print(json.dumps(rows[-1]), flush=True)
-    report = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}",
-        "command": f"python scripts/bench_decode_attention.py --dtype {args.dtype}",
-        "rows": rows,
-    }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_json(args.out, {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows})
 
 
 if __name__ == "__main__":
