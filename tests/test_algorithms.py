@@ -1,6 +1,7 @@
 """Advantages and losses of RLOO, ReMax, REINFORCE++, PPO (GAE, value loss), GSPO, CISPO, SAPO, DAPO,
 TIS/MIS and DPO, each against a float64 reference written independently here (plain Python loops)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.algorithms import ALGORITHMS
+from titanrl.algorithms import ALGORITHMS, AdvantageInputs, validate_algorithm
 from titanrl.algorithms.cispo import cispo_loss
 from titanrl.algorithms.common import clipped_pg_loss, importance_weights, masked_whiten, token_rewards
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
@@ -16,7 +17,7 @@ from titanrl.algorithms.dpo import bradley_terry_loss, dpo_loss
 from titanrl.algorithms.gspo import gspo_loss
 from titanrl.algorithms.ppo import gae, value_loss
 from titanrl.algorithms.reinforce_pp import discounted_returns, reinforce_pp_advantages
-from titanrl.algorithms.remax import remax_advantages
+from titanrl.algorithms.remax import remax_advantages, remax_reward_to_go_advantages
 from titanrl.algorithms.rloo import rloo_advantages
 from titanrl.algorithms.sapo import sapo_loss
 from titanrl.config import load_config
@@ -47,7 +48,7 @@ def test_rloo_is_invariant_to_group_order(rewards, perm):
     r = torch.tensor(rewards, dtype=torch.float64)
     adv = rloo_advantages(r, 4).view(3, 4)
     adv_perm = rloo_advantages(r.view(3, 4)[:, list(perm)].reshape(-1), 4).view(3, 4)
-    torch.testing.assert_close(adv_perm, adv[:, list(perm)].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(adv_perm, adv[:, list(perm)], atol=1e-12, rtol=1e-12)
 
 
 # ---- ReMax ----
@@ -65,6 +66,63 @@ def test_remax_subtracts_each_prompts_greedy_reward(group_size):
 def test_remax_rejects_baselines_that_do_not_match_the_groups():
     with pytest.raises(ValueError, match="greedy baselines"):
         remax_advantages(torch.zeros(6), torch.zeros(2), 2)
+
+
+def _remax_reward_to_go_f64(rewards, greedy, G, mask, kl, beta):
+    """A_t = r_i - beta * sum_{s >= t, masked} KL_s - r_greedy(prompt of i) on completion tokens."""
+    out = []
+    for i, (m_row, kl_row) in enumerate(zip(mask, kl)):
+        row = [0.0] * len(m_row)
+        for t in range(len(m_row)):
+            if m_row[t]:
+                future_kl = sum(kl_row[s] for s in range(t, len(m_row)) if m_row[s])
+                row[t] = rewards[i] - beta * future_kl - greedy[i // G]
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("G", [1, 2])
+def test_remax_reward_to_go_matches_float64_reference(G):
+    """verl's ReMax with the KL in the reward: per-token return of the token rewards minus the
+    greedy reward; with the whole-sequence KL instead, every token of a row would get its first
+    token's value."""
+    g = torch.Generator().manual_seed(7)
+    mask = MASK.double()
+    rewards = torch.tensor([1.0, 0.3, -0.7, 2.0], dtype=torch.float64)
+    greedy = torch.tensor([0.1, 0.9, 0.2, -0.4][: 4 // G], dtype=torch.float64)
+    kl = torch.rand(4, 5, generator=g, dtype=torch.float64) * mask
+    got = remax_reward_to_go_advantages(rewards, greedy, G, mask, kl, 0.1)
+    want = _remax_reward_to_go_f64(rewards.tolist(), greedy.tolist(), G, mask.tolist(), kl.tolist(), 0.1)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-14, rtol=1e-13)
+    # The first completion token carries the whole sequence's KL: ReMax's "sequence" advantage.
+    seq = remax_advantages(rewards - 0.1 * kl.sum(-1), greedy, G)
+    for b, first in enumerate([1, 2, 0]):
+        assert got[b, first].item() == pytest.approx(seq[b].item(), abs=1e-14)
+    # Through the class: [algorithm.remax] kl_reward picks the estimator; float32 rewards stay float32.
+    cfg = AlgorithmConfig(name="remax", group_size=G, kl_coef=0.1, kl_in_reward=True)
+    inputs = AdvantageInputs(rewards.float(), MASK, kl.float(), None, None, greedy.float(), None)
+    cfg.tables = {"remax": {"kl_reward": "reward_to_go"}}
+    adv = ALGORITHMS["remax"](cfg).advantages(inputs).advantages
+    assert adv.dtype == torch.float32 and adv.shape == (4, 5)
+    torch.testing.assert_close(adv.double(), got, atol=1e-6, rtol=1e-6)
+    cfg.tables = {}
+    assert ALGORITHMS["remax"](cfg).advantages(inputs).advantages.shape == (4,)
+
+
+def test_remax_reward_to_go_needs_the_kl_in_the_reward():
+    with pytest.raises(ValueError, match=r"kl_reward = 'reward_to_go' .* set algorithm.kl_in_reward = true"):
+        validate_algorithm(load_config(["--algorithm.name=remax", "--algorithm.remax.kl_reward=reward_to_go"]))
+    validate_algorithm(
+        load_config(
+            [
+                "--algorithm.name=remax",
+                "--algorithm.remax.kl_reward=reward_to_go",
+                "--algorithm.kl_in_reward=true",
+                "--algorithm.kl_coef=0.01",
+            ]
+        )
+    )
 
 
 # ---- token rewards, returns, whitening, REINFORCE++ ----
@@ -122,6 +180,79 @@ def test_discounted_returns_and_reinforce_pp_whitening():
         for t in range(5):
             want_bt = (returns[b][t] - mean) / std if MASK[b, t] else 0.0
             assert adv[b, t].item() == pytest.approx(want_bt, abs=1e-5)
+
+
+def _whiten_f64(values, mask):
+    """(x - mean) / (std + 1e-8) over the masked entries, population std (titanrl's estimator)."""
+    flat = [x for row, m in zip(values, mask) for x, mm in zip(row, m) if mm]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / len(flat))
+    return [[(x - mean) / (std + 1e-8) if mm else 0.0 for x, mm in zip(row, m)] for row, m in zip(values, mask)]
+
+
+def _reinforce_pp_baseline_f64(scores, mask, kl, beta, gamma, G):
+    """REINFORCE++-baseline from its definition: s'_i = s_i - mean(s of i's group), token rewards
+    -beta * KL_t with s'_i on the last completion token, discounted returns, global whitening."""
+    centred = [s - sum(scores[i // G * G : i // G * G + G]) / G for i, s in enumerate(scores)]
+    rewards = []
+    for i, (m_row, kl_row) in enumerate(zip(mask, kl)):
+        row = [-beta * k if m else 0.0 for k, m in zip(kl_row, m_row)]
+        last = max((t for t, m in enumerate(m_row) if m), default=None)
+        if last is not None:
+            row[last] += centred[i]
+        rewards.append(row)
+    return _whiten_f64(_returns_f64(rewards, mask, gamma), mask)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_reinforce_pp_baseline_matches_float64_reference(gamma, beta):
+    g = torch.Generator().manual_seed(9)
+    mask = torch.tensor(
+        [
+            [0, 1, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 1],
+            [1, 1, 0, 1, 1, 0],
+            [0, 0, 0, 1, 0, 0],
+            [1, 1, 1, 1, 1, 1],
+            [0, 1, 1, 0, 0, 0],
+        ]
+    ).double()  # ragged, with a hole (row 2: an environment token)
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.7, 0.7, 0.7], dtype=torch.float64)  # G = 3; the second group all equal
+    kl = torch.rand(6, 6, generator=g, dtype=torch.float64) * mask
+    got = reinforce_pp_advantages(scores, mask, kl, beta, gamma, baseline_group_size=3)
+    want = _reinforce_pp_baseline_f64(scores.tolist(), mask.tolist(), kl.tolist(), beta, gamma, 3)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=1e-12)
+    # Without the baseline it is plain REINFORCE++, which differs.
+    plain = reinforce_pp_advantages(scores, mask, kl, beta, gamma)
+    assert (plain - got).abs().max() > 0.1
+    # Through the class, with [algorithm.reinforce_pp] baseline = "group".
+    cfg = AlgorithmConfig(name="reinforce_pp", group_size=3, kl_coef=beta, kl_in_reward=beta > 0)
+    cfg.tables = {"reinforce_pp": {"baseline": "group", "gamma": gamma}}
+    inputs = AdvantageInputs(scores, mask, kl if beta else None, None, None, None, None)
+    torch.testing.assert_close(ALGORITHMS["reinforce_pp"](cfg).advantages(inputs).advantages, got)
+
+
+def test_reinforce_pp_baseline_multi_turn_takes_the_group_mean_off_the_last_turn():
+    mask = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]]).double()
+    turns = [[0.5, 1.5], [1.0]]  # totals 2.0 and 1.0, group mean 1.5
+    got = reinforce_pp_advantages(torch.tensor([2.0, 1.0]), mask, None, 0.0, 1.0, None, turns, baseline_group_size=2)
+    # Turn rewards less the group mean on the last turn: row 0 [0.5, 1.5 - 1.5] on tokens 1 and 3, row 1
+    # [1.0 - 1.5] on token 0; returns [0.5, 0.5, -, 0] and [-0.5].
+    want = _whiten_f64([[0.5, 0.5, 0.0, 0.0], [-0.5, 0.0, 0.0, 0.0]], mask.tolist())
+    torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+
+
+def test_reinforce_pp_baseline_needs_groups():
+    with pytest.raises(ValueError, match=r"baseline = 'group' needs algorithm.group_size >= 2"):
+        validate_algorithm(
+            load_config(
+                ["--algorithm.name=reinforce_pp", "--algorithm.group_size=1", "--algorithm.reinforce_pp.baseline=group"]
+            )
+        )
+    with pytest.raises(ValueError, match=r"expected one of 'none', 'group'"):
+        validate_algorithm(load_config(["--algorithm.name=reinforce_pp", "--algorithm.reinforce_pp.baseline=grp"]))
 
 
 def test_masked_whiten_ignores_padding():
@@ -532,16 +663,94 @@ def test_sapo_negative_advantages_decay_faster_with_a_larger_tau_neg(log_ratio, 
 
 def test_cispo_and_sapo_are_registered_and_read_their_config():
     lp0, old, ref, adv, is_w = _random_case(13, False)
-    cfg = AlgorithmConfig(
-        clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum", sapo_tau_pos=0.5, sapo_tau_neg=2.0
-    )
+    cfg = AlgorithmConfig(clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum")
+    cfg.tables = {"sapo": {"tau_pos": 0.5, "tau_neg": 2.0}}
     kw = dict(num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=None, is_weights_BT=None)
-    got = ALGORITHMS["cispo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
+    got = ALGORITHMS["cispo"](dataclasses.replace(cfg, tables={})).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
     want = _cispo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 1.0, 0.1, 0.0)
     assert got == pytest.approx(want.item(), rel=1e-10)
     got = ALGORITHMS["sapo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
     want = _sapo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 0.5, 2.0, 0.0)
     assert got == pytest.approx(want.item(), rel=1e-10)
-    for name in ("sapo_tau_pos", "sapo_tau_neg"):
-        with pytest.raises(ValueError, match=f"'sapo' needs {name} > 0"):
-            load_config(["--algorithm.name=sapo", f"--algorithm.{name}=0"])
+    for name in ("tau_pos", "tau_neg"):
+        with pytest.raises(ValueError, match=rf"\[algorithm.sapo\] {name} must be > 0"):
+            validate_algorithm(load_config(["--algorithm.name=sapo", f"--algorithm.sapo.{name}=0"]))
+
+
+# ---- shared options: dual clip, k3 clamp, seq-mean-token-sum-norm, from [algorithm] to the loss ----
+
+
+def test_shared_loss_options_reach_every_clipped_surrogate_algorithm():
+    """[algorithm] dual_clip_c, kl_clamp, loss_agg / loss_agg_norm reach `Algorithm.loss` and the
+    losses of CISPO and SAPO (the aggregation and the KL clamp); the recipe's KL (`Algorithm.kl`)
+    uses the same estimator and clamp."""
+    lp, old, ref, adv, _ = _random_case(21, False)
+    old, ref = old.clone(), ref.clone()
+    old[1, 2] = lp[1, 2] - 2.0  # ratio e^2 > 3 with A < 0: dual-clipped
+    ref[0, 1] = lp[0, 1] + 4.0  # k3 = e^4 - 5 > 10: clamped
+    counts = dict(num_global_tokens=MASK.sum().item(), num_global_seqs=4)
+    base = dict(kl_coef=0.1, loss_agg="seq-mean-token-sum-norm", loss_agg_norm=5)
+
+    def through_config(name, **options):
+        algo = ALGORITHMS[name](AlgorithmConfig(name=name, **base, **options))
+        return algo.loss(lp, old, adv, MASK.double(), **counts, ref_logprobs_BT=ref, is_weights_BT=None)
+
+    own = {"grpo": dict(clip_low=0.2, clip_high=0.2), "cispo": dict(clip_low=0.2, clip_high=0.2)}
+    own["sapo"] = dict(tau_pos=1.0, tau_neg=1.05)
+    for name, fn in [("grpo", clipped_pg_loss), ("cispo", cispo_loss), ("sapo", sapo_loss)]:
+        for dual_c, clamp in [(0.0, True), (3.0, True), (0.0, False)]:
+            if dual_c and name != "grpo":
+                continue
+            extra = {**own[name], **({"dual_clip_c": dual_c} if name == "grpo" else {})}
+            want = fn(lp, old, adv, MASK.double(), kl_clamp=clamp, ref_logprobs_BT=ref, **counts, **base, **extra)
+            got = through_config(name, dual_clip_c=dual_c, kl_clamp=clamp)
+            assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-14), (name, dual_c, clamp)
+        clamped, unclamped = through_config(name).loss.item(), through_config(name, kl_clamp=False).loss.item()
+        assert clamped != pytest.approx(unclamped, rel=1e-6), name
+    with_dual, without = through_config("grpo", dual_clip_c=3.0), through_config("grpo")
+    assert with_dual.loss.item() < without.loss.item() and with_dual.clipped_tokens > without.clipped_tokens
+    assert ALGORITHMS["grpo"](AlgorithmConfig()).kl(lp, ref).max().item() == 10.0
+    assert ALGORITHMS["grpo"](AlgorithmConfig(kl_clamp=False)).kl(lp, ref).max().item() > 10.0
+
+
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--algorithm.dual_clip_c=0.5"], r"dual_clip_c must be 0 \(off\) or > 1 \(verl's default is 3.0\)"),
+        (["--algorithm.loss_agg_norm=-1"], r"loss_agg_norm must be >= 0"),
+        (["--algorithm.loss_agg_norm=512"], r"loss_agg_norm is only read by loss_agg = 'seq-mean-token-sum-norm'"),
+        (["--algorithm.name=gspo", "--algorithm.dual_clip_c=3"], r"dual_clip_c caps the clipped surrogate.*'gspo'"),
+        (["--algorithm.name=cispo", "--algorithm.dual_clip_c=3"], r"which 'cispo' does not use: set dual_clip_c = 0"),
+        (["--algorithm.name=sapo", "--algorithm.dual_clip_c=3"], r"which 'sapo' does not use"),
+        (["--algorithm.kl_clamp=sometimes"], r"Invalid value 'sometimes' for 'algorithm.kl_clamp'"),
+    ],
+)
+def test_new_options_reject_bad_values(args, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        validate_algorithm(load_config(args))
+
+
+def test_loss_agg_norm_zero_is_the_maximum_response_length():
+    config = load_config(["--algorithm.loss_agg=seq-mean-token-sum-norm", "--generator.max_new_tokens=48"])
+    validate_algorithm(config)
+    assert config.algorithm.loss_agg_norm == 48
+    config = load_config(
+        [
+            "--algorithm.loss_agg=seq-mean-token-sum-norm",
+            "--data.task=calculator",
+            "--env.name=calculator",
+            "--env.max_total_tokens=300",
+        ]
+    )
+    validate_algorithm(config)
+    assert config.algorithm.loss_agg_norm == 300
+    config = load_config(["--algorithm.loss_agg=seq-mean-token-sum-norm", "--algorithm.loss_agg_norm=1024"])
+    validate_algorithm(config)
+    assert config.algorithm.loss_agg_norm == 1024
+    defaults = load_config([])
+    validate_algorithm(defaults)
+    assert (defaults.algorithm.loss_agg_norm, defaults.algorithm.dual_clip_c, defaults.algorithm.kl_clamp) == (
+        0,
+        0.0,
+        True,
+    )

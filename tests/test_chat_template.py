@@ -9,7 +9,7 @@ pytest.importorskip("jinja2")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
-from real_vocab import QWEN_CONFIG, train_bpe, write_qwen_layout_folder  # noqa: E402
+from helpers.real_vocab import QWEN_CONFIG, train_bpe, write_qwen_layout_folder  # noqa: E402
 
 from titanrl.models.chat_template import ChatTemplate, load_chat_template  # noqa: E402
 from titanrl.models.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402

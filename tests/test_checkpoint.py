@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-from conftest import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from safetensors.torch import load_file
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")

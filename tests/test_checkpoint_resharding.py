@@ -4,7 +4,7 @@ Resharding runs the SFT recipe on the debug model: its data is fixed, so a resum
 losses can be compared with those of a run that never changed world size. (RL would do, too:
 sampling is seeded per sample. But a 1e-7 difference in logits can flip a sampled token and with
 it a reward, a discrete jump that says nothing about the checkpoint; and SFT starts faster.)
-Each docstring '<situation> -> <observed behaviour>' is a row of README's Reliability table.
+Each docstring '<situation> -> <observed behaviour>' is a row of the table in docs/reliability.md.
 
 Run as a script, this file is also the worker of its multi-rank and kill -9 tests.
 """
@@ -20,7 +20,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO_ROOT, run_cmd, run_torchrun, train_cmd
+from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 

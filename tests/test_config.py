@@ -6,7 +6,7 @@ import os
 import typing
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +65,7 @@ def test_typo_section_and_cli_key():
             ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=x"],
             r"selective_ac_option must be 'op' or a positive integer",
         ),
-        (["--data.task=jsonl"], r"task 'jsonl' needs data.path"),
+        (["--data.task=jsonl"], r"task = 'jsonl' has moved: data.path alone selects file data"),
         (["training.steps=3"], r"Unexpected argument 'training.steps=3'"),
         (["--steps=3"], r"must name a section and a key"),
         # Incompatible algorithm options fail at load, naming the fix.
@@ -74,12 +74,22 @@ def test_typo_section_and_cli_key():
         (["--algorithm.name=gspo", "--algorithm.loss_agg=token-mean"], r"set loss_agg = 'seq-mean-token-mean'"),
         (["--algorithm.name=rloo", "--algorithm.group_size=1"], r"'rloo' needs group_size >= 2"),
         (
-            ["--algorithm.name=ppo", "--critic.enable=true", "--algorithm.dynamic_sampling=true"],
+            ["--algorithm.name=ppo", "--critic.enable=true", "--rollout.dynamic_sampling=true"],
             r"dynamic_sampling .* not for 'ppo'",
         ),
         (["--algorithm.off_policy_correction=iss"], r"expected one of 'none', 'tis', 'mis'"),
         (["--algorithm.is_cap=0.5"], r"is_cap must be > 1"),
-        (["--algorithm.lam=1.5"], r"lam must be in \[0, 1\]"),
+        (["--algorithm.name=ppo", "--critic.enable=true", "--algorithm.ppo.lam=1.5"], r"lam must be in \[0, 1\]"),
+        # Settings that moved name their new place; an algorithm's own table is checked like a section.
+        (["--algorithm.lam=0.9"], r"'algorithm.lam' in the command line has moved: set \[algorithm.ppo\] lam"),
+        (["--algorithm.sapo_tau_pos=1"], r"has moved: set \[algorithm.sapo\] tau_pos"),
+        (["--algorithm.dynamic_sampling=true"], r"has moved: set \[rollout\] dynamic_sampling"),
+        (["--algorithm.normalize_std=false"], r"has moved: set \[algorithm.grpo\] normalize_std"),
+        (["--algorithm.grpo.normalise_std=false"], r"'algorithm.grpo.normalise_std'. Did you mean 'normalize_std'"),
+        (["--algorithm.grpo.normalize_std=maybe"], r"Invalid value 'maybe' for 'algorithm.grpo.normalize_std'"),
+        (["--algorithm.sapo.tau_pos=1"], r"\[algorithm.sapo\] is set but algorithm.name is 'grpo'"),
+        (["--algorithm.name=sapo", "--algorithm.sapo.tau_neg=0"], r"\[algorithm.sapo\] tau_neg must be > 0"),
+        (["--algorithm.name=rloo", "--algorithm.rloo.x=1"], r"'algorithm.rloo.x'. It takes no settings"),
         (["--reward.verifier_weight=0"], r"nothing gives a reward"),
         (["--job.recipe=ppo"], r"expected one of 'rl', 'sft', 'dpo', 'reward_model'"),
         (["--data.task=calculator"], r"task 'calculator' is multi-turn: set env.name = 'calculator'"),
@@ -88,8 +98,8 @@ def test_typo_section_and_cli_key():
         (["--dpo.label_smoothing=0.5"], r"label_smoothing must be in \[0, 0.5\)"),
         (["--rollout.partial=true"], r"set algorithm.off_policy_correction = 'tis'"),
         (
-            ["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--algorithm.dynamic_sampling=true"],
-            r"partial = true and algorithm.dynamic_sampling cannot be combined",
+            ["--rollout.partial=true", "--algorithm.off_policy_correction=tis", "--rollout.dynamic_sampling=true"],
+            r"partial = true and rollout.dynamic_sampling cannot be combined",
         ),
         (
             [
@@ -114,7 +124,21 @@ def test_typo_section_and_cli_key():
 )
 def test_invalid_values_are_clear_errors(args, pattern):
     with pytest.raises(ValueError, match=pattern):
-        load_config(args)
+        validate_algorithm(load_config(args))
+
+
+def test_algorithm_table_from_toml_and_cli(tmp_path):
+    """[algorithm.sapo] in TOML, one key overridden on the command line -> the algorithm reads both,
+    typed; the resolved config records every setting of the table and reloads to the same config"""
+    path = _write(tmp_path, '[algorithm]\nname = "sapo"\n[algorithm.sapo]\ntau_pos = 0.5\n')
+    config = load_config([f"--job.config_file={path}", "--algorithm.sapo.tau_neg=2"])
+    validate_algorithm(config)
+    assert config.algorithm.tables == {"sapo": {"normalize_std": True, "tau_pos": 0.5, "tau_neg": 2.0}}
+    settings_ = ALGORITHMS["sapo"](config.algorithm).settings
+    assert (settings_.tau_pos, settings_.tau_neg) == (0.5, 2.0)
+    (tmp_path / "resolved.toml").write_text(to_toml(config))
+    loaded = load_config([f"--job.config_file={tmp_path / 'resolved.toml'}"])
+    assert (loaded.algorithm, loaded.training) == (config.algorithm, config.training)
 
 
 def test_wrong_toml_type_and_malformed_toml(tmp_path):
@@ -140,12 +164,19 @@ def test_every_field_has_a_docstring_and_help_lists_it():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{section.name}.{f.name} has no docstring"
-            assert f"--{section.name}.{f.name} " in text
+            assert f"--{section.name}.{f.name} " in text or f"[{section.name}.<name>]" in text
+    for cls in ALGORITHMS.values():
+        docs = field_docs(cls.Settings) if dataclasses.fields(cls.Settings) else {}
+        for klass in cls.Settings.__mro__:  # inherited settings are documented where declared
+            if dataclasses.is_dataclass(klass) and klass is not object:
+                docs = {**field_docs(klass), **docs}
+        for f in dataclasses.fields(cls.Settings):
+            assert docs.get(f.name, "").strip(), f"[algorithm.{cls.name}] {f.name} has no docstring"
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO_ROOT, "train_configs", "*.toml"))))
 def test_shipped_configs_load(path):
-    load_config([f"--job.config_file={path}"])
+    validate_algorithm(load_config([f"--job.config_file={path}"]))
 
 
 # Property tests: any valid config survives TOML and CLI round-trips unchanged.
@@ -171,7 +202,7 @@ def _configs(draw):
     for section in dataclasses.fields(JobConfig):
         obj = getattr(config, section.name)
         for name, tp in typing.get_type_hints(type(obj)).items():
-            if draw(st.booleans()):
+            if name != "tables" and draw(st.booleans()):
                 # algorithm.name is free text checked against the registry: draw registered names.
                 registered = (section.name, name) == ("algorithm", "name")
                 setattr(obj, name, draw(st.sampled_from(list(ALGORITHMS)) if registered else _value_strategy(tp)))
@@ -208,8 +239,13 @@ def test_cli_roundtrip(config):
     args = []
     for section in dataclasses.fields(JobConfig):
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            args.append(f"--{section.name}.{key}={value}")
-    assert load_config(args) == config
+            if key == "tables":
+                args += [f"--{section.name}.{t}.{k}={v}" for t, table in value.items() for k, v in table.items()]
+            else:
+                args.append(f"--{section.name}.{key}={value}")
+    loaded = load_config(args)
+    validate_algorithm(loaded)  # types the algorithm's own table, given as text on the command line
+    assert loaded == config
 
 
 def test_parse_cli_args_forms():

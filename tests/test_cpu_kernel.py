@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 import torch
+from helpers.reference import greedy_reference, paged_decode_attention_reference
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams, cpu_kernel
-from titanrl.generator.reference import greedy_reference, paged_decode_attention_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.logprobs import token_logprobs
 

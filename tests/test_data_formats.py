@@ -160,7 +160,6 @@ def test_custom_column_names(tmp_path):
     # From the [data] section; a custom answer key does not fall back to verl's ground_truth.
     config = load_config(
         [
-            "--data.task=jsonl",
             f"--data.path={path}",
             "--data.prompt_key=question",
             "--data.answer_key=label",
@@ -194,9 +193,7 @@ def test_long_prompts_drop_or_error(tmp_path, capsys):
         load_samples(path, max_prompt_chars=2)
     # Messages count by their joined text; from the [data] section.
     verl = _jsonl(tmp_path / "verl.jsonl", VERL_ROWS)
-    config = load_config(
-        ["--data.task=jsonl", f"--data.path={verl}", "--data.max_prompt_chars=100", "--data.on_long_prompt=error"]
-    )
+    config = load_config([f"--data.path={verl}", "--data.max_prompt_chars=100", "--data.on_long_prompt=error"])
     with pytest.raises(ValueError, match=r"verl.jsonl:1: the prompt has \d+ characters"):
         samples_from_config(config.data)
     with pytest.raises(ValueError, match="max_prompt_chars must be >= 0"):

@@ -15,13 +15,13 @@ from titanrl.config import load_config
 from titanrl.data.encode import PromptEncoder, fit_demonstrations, fit_pairs, fit_prompts, fit_rows
 from titanrl.data.preferences import load_preferences
 from titanrl.data.prompts import held_out_split, load_samples
-from titanrl.envs.tasks import Sample
+from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import ByteTokenizer, build_tokenizer
 from titanrl.recipes import rl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from real_vocab import write_qwen_layout_folder  # noqa: E402
+from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +32,7 @@ def _jsonl(path, rows) -> str:
 
 
 def _config(path, *extra):
-    return load_config(["--data.task=jsonl", f"--data.path={path}", *extra])
+    return load_config([f"--data.path={path}", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,6 @@ def test_overlong_prompt_fails_the_job_before_step_1(tmp_path):
             [
                 f"--job.config_file={config}",
                 f"--job.dump_folder={tmp_path / 'run'}",
-                "--data.task=jsonl",
                 f"--data.path={path}",
                 "--data.on_long_prompt=error",
                 "--data.num_eval_samples=2",

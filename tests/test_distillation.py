@@ -1,4 +1,4 @@
-"""On-policy distillation (`titanrl/components/distillation.py`): the reverse-KL advantage and its
+"""On-policy distillation (`titanrl/rl/distillation.py`): the reverse-KL advantage and its
 mixing with task advantages against plain float64 loops, the chunked generalised JSD against a
 float64 reference (value, gradient, its beta limits, peak memory at a 151,936-token vocabulary),
 the teacher's checks, and short RL runs with a teacher HF folder."""
@@ -12,12 +12,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from tensordict import TensorDict
 
 from titanrl.algorithms import ALGORITHMS
 from titanrl.components import distillation
-from titanrl.components.distillation import (
+from titanrl.config import load_config
+from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models.hf import export_hf
+from titanrl.rl.distillation import (
     Distiller,
     DistillStats,
     build_teacher,
@@ -26,9 +29,6 @@ from titanrl.components.distillation import (
     distillation_advantages,
     mix_advantages,
 )
-from titanrl.config import load_config
-from titanrl.models import Transformer, TransformerModelArgs
-from titanrl.models.hf import export_hf
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "distill_reverse_debug.toml")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
@@ -174,7 +174,7 @@ def test_chunked_jsd_limits_are_forward_and_reverse_kl():
 
 MEMORY_SCRIPT = r"""
 import json, resource, sys, torch
-from titanrl.components.distillation import chunked_jsd
+from titanrl.rl.distillation import chunked_jsd
 N, D, V, chunk = 256, 16, 151_936, 8
 g = torch.Generator().manual_seed(0)
 h_s = torch.randn(N, D, generator=g).requires_grad_(True)
@@ -267,7 +267,7 @@ def test_teacher_with_another_vocabulary_is_rejected(tmp_path, monkeypatch):
 def test_only_algorithms_whose_loss_takes_per_token_advantages_are_accepted():
     config = load_config([f"--job.config_file={CONFIG}"])
     B, T = 3, 4
-    for name, cls in ALGORITHMS.items():
+    for _name, cls in ALGORITHMS.items():
         algorithm = cls(config.algorithm)
         if cls.token_advantages:
             check_distillation(config, algorithm, _trainer_stub(config))

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 
-from real_vocab import write_qwen_layout_folder  # noqa: E402
+from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 from test_envs import ScriptedModel  # noqa: E402
 
 from titanrl.config.rl_sections import Env  # noqa: E402
@@ -36,7 +36,7 @@ ARGS = TransformerModelArgs(
     max_seq_len=512,
 )
 PROMPT = "What is 6 times 7?"
-OBSERVATION = "<result>ok</result>"  # tests/env_fns.py's EchoEnv, at every step but the last
+OBSERVATION = "<result>ok</result>"  # tests/helpers/env_fns.py's EchoEnv, at every step but the last
 # Turn 1 ends on max tokens (its token count is max_new_tokens), turns 2 and 3 on eos (<|im_end|>).
 TURNS = ["Let's think step by step: 6 times 7", "The answer is 42.", "The answer is 42"]
 
@@ -66,7 +66,7 @@ def _run_episode(folder: str, role: str, system_prompt: str):
     expected = encoder.template.encode(tok, _conversation(encoder, role))
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"), tokenizer=tok)
     gen.model = ScriptedModel(expected, ARGS.vocab_size)
-    pool = EnvPool("env_fns:EchoEnv", {"turns": 3}, num_workers=1)
+    pool = EnvPool("helpers.env_fns:EchoEnv", {"turns": 3}, num_workers=1)
     try:
         rollout = MultiTurnRollout(
             pool,

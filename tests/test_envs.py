@@ -5,6 +5,7 @@ failing environments isolated per episode."""
 import math
 
 import torch
+from helpers.reference import greedy_reference
 from torch import nn
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
@@ -13,7 +14,6 @@ from titanrl.envs.builtin import CalculatorEnv, CalculatorTask, GuessNumberEnv, 
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.generator import Generator, SamplingParams
-from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.tokenizer import ByteTokenizer
 
@@ -161,7 +161,7 @@ def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
     model.eval()
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
-    pool = EnvPool("env_fns:EchoEnv", {"turns": 3}, num_workers=2)
+    pool = EnvPool("helpers.env_fns:EchoEnv", {"turns": 3}, num_workers=2)
     texts = ["abc ", "hello world ", "x"]
     try:
         rollout = _rollout(pool)
@@ -193,7 +193,7 @@ def test_failing_environments_end_only_their_episode():
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
     faults = ["", "raise", "hang", "garbage", "nan", "reset_raise", ""]
-    pool = EnvPool("env_fns:FaultyEnv", num_workers=len(faults), timeout_s=3.0)
+    pool = EnvPool("helpers.env_fns:FaultyEnv", num_workers=len(faults), timeout_s=3.0)
     try:
         rollout = _rollout(pool)
         samples = [{"prompt": f"q{i} ", "answer": "", "metadata": {"fault": f}} for i, f in enumerate(faults)]

@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_torchrun
+from helpers.launch import REPO_ROOT, run_torchrun
 from torch import nn
 
 from titanrl.components.float8 import (
@@ -212,11 +212,12 @@ def _train_tiny(float8: Float8 | None, dp_shard: int, world_size: int, precomput
     plain generator model receives from `copy_trainer_weights`, vs the trainer's full state dict."""
     import torch.distributed as dist
 
-    from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
+    from titanrl.components.loss import global_token_count, sft_loss
     from titanrl.components.model_builder import build_model, full_state_dict, init_full_state_dict
     from titanrl.config.job_config import JobConfig
     from titanrl.distributed import ParallelDims
     from titanrl.generator.weight_sync import copy_trainer_weights
+    from titanrl.models.logprobs import token_logprobs
 
     job_config = JobConfig()
     if float8 is not None:

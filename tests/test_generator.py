@@ -5,17 +5,17 @@ import os
 
 import pytest
 import torch
+from helpers.reference import greedy_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.components.loss import token_logprobs
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
-from titanrl.generator.reference import greedy_reference
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Seq
 from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models.logprobs import token_logprobs
 
 ARGS = TransformerModelArgs(
     family="qwen3",

@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from conftest import REPO_ROOT, run_torchrun
+from helpers.launch import REPO_ROOT, run_torchrun
 
 WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "generator_worker.py")
 

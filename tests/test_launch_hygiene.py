@@ -1,6 +1,6 @@
 """Launch and process hygiene through the real CLI (`titanrl run`, torchrun): one-line user
 errors, ranks dying with the launcher, the dump-folder lock, SIGTERM -> checkpoint -> exit 0,
-torchrun restarts, stragglers. Each test's docstring is a row of README's Reliability table."""
+torchrun restarts, stragglers. Each test's docstring is a row of the table in docs/reliability.md."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd
 from test_checkpoint import BASE, _assert_same_weights, _ok, _same, _steps
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
@@ -77,9 +77,9 @@ def _alive(pid: int) -> bool:
     [
         (["--training.stpes=3"], "Did you mean 'steps'"),
         (["--nproc", "3", DEBUG, "--parallelism.tp=2"], "does not divide the world size 3"),
-        (["--data.task=jsonl", "--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
-        (["--reward.function=reward_fns:no_such_function"], "reward_fns:no_such_function"),
-        (["--data.task=jsonl", "--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
+        (["--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
+        (["--reward.function=reward_fns:no_such_function"], "helpers.reward_fns:no_such_function"),
+        (["--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
         (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
     ],
 )

@@ -5,7 +5,7 @@ import ast
 import pathlib
 import re
 
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 
 PACKAGE = pathlib.Path(REPO_ROOT) / "titanrl"
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_torchrun
+from helpers.launch import REPO_ROOT, run_torchrun
 
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.logprobs import chunked_token_logprobs, token_logprobs

@@ -5,10 +5,10 @@ off-policy training on disaggregated rollout and trainer ranks."""
 import pytest
 import torch
 
-from titanrl.components.loss import token_logprobs
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, ResumedSample, SamplingParams
 from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models.logprobs import token_logprobs
 
 ARGS = TransformerModelArgs(
     family="qwen3",

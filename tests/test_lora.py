@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 
 from titanrl.rewards import math_verify as mv
 from titanrl.rewards.math_verify import MathVerifier, extract_answer, gold_answer, is_equiv, math_reward, normalize

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +16,7 @@ from titanrl import train
 from titanrl.algorithms import get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batches
+from titanrl.data.forward import DocumentFlexAttention, DocumentSDPA, forward_logprobs, forward_values
 from titanrl.data.packing import (
     first_fit_decreasing,
     group_rows,
@@ -27,7 +28,6 @@ from titanrl.data.packing import (
 )
 from titanrl.models.flavors import get_model_args
 from titanrl.models.model import Transformer
-from titanrl.models.packing import DocumentFlexAttention, DocumentSDPA, forward_logprobs, forward_values
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 # float32 forward of the debug model: packed and padded rows differ only in BLAS blocking.
@@ -194,7 +194,6 @@ def _rl_run(folder, packing, data):
             "--training.steps=2",
             "--sft_warmup.steps=0",
             "--reward.function=test_packing:varied_reward",
-            "--data.task=jsonl",
             f"--data.path={data}",
             "--training.batch_size=2",
             "--algorithm.group_size=4",
@@ -222,7 +221,7 @@ def test_rl_recipe_with_packing_on_matches_off(tmp_path, monkeypatch):
         )
     )
     packed_rows = []
-    import titanrl.models.packing as packing
+    import titanrl.data.forward as packing
 
     def spy(batch, mode):
         layout = layout_of(batch, mode)
@@ -269,7 +268,6 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
             "--training.steps=2",
             "--sft_warmup.steps=0",
             "--reward.function=test_packing:varied_reward",
-            "--data.task=jsonl",
             f"--data.path={data}",
             "--training.batch_size=2",
             "--algorithm.group_size=4",

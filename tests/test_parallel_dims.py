@@ -1,7 +1,6 @@
-
 import pytest
 import torch
-from conftest import run_torchrun
+from helpers.launch import run_torchrun
 
 from titanrl.distributed import ParallelDims, clip_grad_norm_
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_torchrun
+from helpers.launch import REPO_ROOT, run_torchrun
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
 import parity_worker  # noqa: E402

@@ -8,7 +8,7 @@ import struct
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 
 _spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(REPO_ROOT, "scripts", "plot_metrics.py"))
 plot_metrics = importlib.util.module_from_spec(_spec)

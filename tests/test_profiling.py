@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
 from torch.profiler import ProfilerAction
 
 from titanrl import train

@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
-from conftest import REPO_ROOT
+from helpers.launch import REPO_ROOT
+from helpers.reference import greedy_reference
 
 from titanrl.config import load_config
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.quantize import BLOCK_PROJECTIONS, check_quantize_supported, is_quantized
-from titanrl.generator.reference import greedy_reference
 from titanrl.generator.weight_sync import weight_bytes
 from titanrl.models import Transformer, TransformerModelArgs
 
@@ -148,9 +148,9 @@ def test_rl_step_with_int8_rollout_logs_the_mismatch_and_applies_tis(tmp_path):
     """Two GRPO steps with an int8 generator and TIS: sampler and trainer logprobs now differ
     (gen_logprob_diff > 0, mismatch_kl >= 0), the loss gets importance weights that are not all
     one, and losses and grad norms are finite."""
-    from titanrl.trainer import Trainer
+    from titanrl.train import build_trainer
 
-    trainer = Trainer(
+    trainer = build_trainer(
         load_config(
             [
                 f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml",
@@ -189,7 +189,7 @@ def test_int8_weight_memory_at_real_vocabulary():
     generator stores each block projection in 1 byte per weight plus a float32 scale and an int8
     zero point per row; the tied embedding/head stays float32. Measured: 663.8 MB fp32 ->
     574.5 MB int8 (0.865x), the block projections 119.3 -> 29.9 MB (3.98x); with all 24 blocks
-    (scripts/bench_quant_rollout.py, on the meta device) 1976.1 -> 904.2 MB (0.458x)."""
+    (benchmarks/bench_quant_rollout.py, on the meta device) 1976.1 -> 904.2 MB (0.458x)."""
     args = TransformerModelArgs(
         family="qwen2",
         dim=896,

@@ -13,13 +13,13 @@ pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
 pyarrow = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
-from conftest import REPO_ROOT  # noqa: E402
-from real_vocab import write_qwen_layout_folder  # noqa: E402
+from helpers.launch import REPO_ROOT  # noqa: E402
+from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
 from titanrl.config import load_config  # noqa: E402
 from titanrl.models import Transformer, TransformerModelArgs  # noqa: E402
 from titanrl.models.hf import export_hf  # noqa: E402
-from titanrl.trainer import Trainer  # noqa: E402
+from titanrl.train import build_trainer  # noqa: E402
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_qwen2.5_0.5b_gsm8k.toml")
 QUESTIONS = [
@@ -99,7 +99,7 @@ def _args(assets, folder):
 
 
 def test_real_model_recipe_runs_on_cpu_at_real_vocabulary(assets, tmp_path):
-    trainer = Trainer(load_config(_args(assets, tmp_path)))
+    trainer = build_trainer(load_config(_args(assets, tmp_path)))
     assert trainer.model_args.vocab_size == trainer.tokenizer.vocab_size == 151_936
     assert trainer.recipe.generator.eos_ids == {151645, 151643}
     # The recipe's bf16: float32 master weights, a bf16 generator (on one rank, as on one GPU).

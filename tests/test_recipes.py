@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd
 
 from titanrl import train
 
@@ -334,7 +334,6 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
     for name, rows in [("sft.jsonl", sft_rows), ("pairs.jsonl", pairs)]:
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = [
-        "--data.task=jsonl",
         "--data.num_eval_samples=2",
         "--training.steps=3",
         "--training.batch_size=2",

@@ -2,8 +2,8 @@
 sample alone, with a counted reason, in bounded time; plus one real run under torchrun.
 
 The runner is built directly (workers are plain interpreters, ~50 ms to start); the reward
-functions are in tests/reward_fns.py. Each fault test's docstring is a row of README's
-Reliability table ('<fault> -> <observed behaviour>').
+functions are in tests/helpers/reward_fns.py. Each fault test's docstring is a row of the table
+in docs/reliability.md ('<fault> -> <observed behaviour>').
 """
 
 import json
@@ -12,8 +12,8 @@ import sys
 import time
 
 import pytest
-import reward_fns
-from conftest import REPO_ROOT, run_cmd
+from helpers import reward_fns
+from helpers.launch import REPO_ROOT, run_cmd
 
 from titanrl.rewards.runner import OUTPUT_KEEP_BYTES, RewardItem, RewardOutputLog, RewardRunner
 
@@ -194,7 +194,7 @@ def test_reward_function_raising_system_exit_in_a_real_run(tmp_path):
         "titanrl.train",
         f"--job.config_file={CONFIG}",
         f"--job.dump_folder={tmp_path}",
-        "--reward.function=reward_fns:raises_system_exit",
+        "--reward.function=helpers.reward_fns:raises_system_exit",
         "--sft_warmup.steps=2",
         "--sft_warmup.batch_size=8",
         "--training.batch_size=4",
@@ -222,7 +222,7 @@ def test_reward_function_raising_system_exit_in_a_real_run(tmp_path):
 def test_worker_module_imports_no_torch():
     # A worker (and a replacement for a dead one) starts in the time its imports take: the
     # worker's module must stay free of torch and of titanrl modules that import it.
-    code = "import sys, titanrl.components.workers; print('torch' in sys.modules)"
+    code = "import sys, titanrl.rewards.worker; print('torch' in sys.modules)"
     proc = run_cmd([sys.executable, "-c", code], {**os.environ})
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from titanrl.data.prompts import DatasetStream, TaskStream, build_prompt_loader, load_jsonl
-from titanrl.envs.tasks import Arithmetic, Countdown, NumericMath, Reverse, Sort, build_task, safe_arithmetic
+from titanrl.data.tasks import Arithmetic, Countdown, NumericMath, Reverse, Sort, build_task, safe_arithmetic
 from titanrl.rewards.runner import RewardItem, RewardRunner
 
 

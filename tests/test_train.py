@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from conftest import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd
 
 from titanrl import train
 
@@ -40,7 +40,7 @@ def _run_single(folder, extra=()):
         f"--job.dump_folder={folder}",
         *extra,
     ]
-    # tests/ on the path so that 'reward_fns:...' imports, in the trainer and its reward workers.
+    # tests/ on the path so that 'helpers.reward_fns:...' imports, in the trainer and its reward workers.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     return run_cmd(cmd, env)
 
@@ -174,7 +174,7 @@ def test_bad_data_row_fails_fast_with_the_line(tmp_path):
     """JSONL data row without 'prompt' -> fails before the model is built, naming file:line and the field"""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"answer": 3}\n')
-    proc = _run_single(tmp_path, ["--data.task=jsonl", f"--data.path={data}"])
+    proc = _run_single(tmp_path, [f"--data.path={data}"])
     assert proc.returncode != 0
     assert "prompts.jsonl:2: missing or empty 'prompt'" in proc.stderr
 
@@ -189,7 +189,7 @@ def test_config_typo_fails_with_suggestion(tmp_path):
 def test_failing_user_reward_function_is_isolated_and_counted(tmp_path):
     """User reward function raising, returning NaN or hanging inside a real run -> the run finishes; failures counted in reward_failures"""
     proc = _run_single(
-        tmp_path, ["--reward.function=reward_fns:flaky", "--reward.timeout_s=2", "--reward.failure_reward=-1.0"]
+        tmp_path, ["--reward.function=helpers.reward_fns:flaky", "--reward.timeout_s=2", "--reward.failure_reward=-1.0"]
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _rl_steps(_metrics(tmp_path))
@@ -217,9 +217,9 @@ def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path):
     with open(data, "w") as f:
         for i in range(40):
             f.write(json.dumps({"prompt": f"{i}+{i}=", "answer": 2 * i, "solution": f"#### {2 * i}"}) + "\n")
-    steps = _rl_steps(_train_in_process(tmp_path, ["--data.task=jsonl", f"--data.path={data}"]))
+    steps = _rl_steps(_train_in_process(tmp_path, [f"--data.path={data}"]))
     assert len(steps) == 3 and steps[-1]["eval_samples"] == 8
     few = tmp_path / "few.jsonl"
     few.write_text(data.read_text().splitlines()[0] + "\n")
-    proc = _run_single(tmp_path / "b", ["--data.task=jsonl", f"--data.path={few}"])
+    proc = _run_single(tmp_path / "b", [f"--data.path={few}"])
     assert proc.returncode == 2 and "not more than data.num_eval_samples" in proc.stderr

@@ -11,14 +11,15 @@ import weakref
 
 import pytest
 import torch
-from conftest import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd
 
 from titanrl import train
-from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm
+from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm, validate_algorithm
 from titanrl.components import launch
 from titanrl.config import load_config
 from titanrl.models import Transformer
 from titanrl.recipes.sft import demonstration
+from titanrl.train import build_trainer
 from titanrl.trainer import Trainer
 
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
@@ -63,7 +64,7 @@ def _rows(folder) -> list[dict]:
 def test_one_rl_step_in_process(tmp_path):
     """One GRPO step: the policy moves, on-policy ratios are exactly 1, generator and trainer
     logprobs agree, and the advantages the step trained on are GRPO's of its rewards."""
-    trainer = Trainer(load_config([*RL_SMALL, f"--job.dump_folder={tmp_path}"]))
+    trainer = build_trainer(load_config([*RL_SMALL, f"--job.dump_folder={tmp_path}"]))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     seen = {}
     advantages = trainer.recipe.algorithm.advantages
@@ -88,7 +89,7 @@ def test_bf16_on_one_rank_float32_master_weights_and_bitwise_generator_parity(tm
     mode sampler and trainer logprobs are bitwise equal. close() leaves no process group behind."""
     import torch.distributed as dist
 
-    trainer = Trainer(
+    trainer = build_trainer(
         load_config(
             [
                 *RL_SMALL,
@@ -117,7 +118,7 @@ def test_bf16_on_one_rank_float32_master_weights_and_bitwise_generator_parity(tm
 def test_one_sft_step_in_process_matches_a_float64_reference(tmp_path):
     """The SFT recipe's logged loss is the token-mean NLL of its batch, computed here in float64
     with the model's weights before the step."""
-    trainer = Trainer(load_config(_offline_args("sft", tmp_path)))
+    trainer = build_trainer(load_config(_offline_args("sft", tmp_path)))
     samples = next(iter(trainer.recipe.loader))  # a fresh iterator yields the same first batch
     model64 = type(trainer.model)(trainer.model.args).double()
     model64.load_state_dict({k: v.double() for k, v in trainer.model.state_dict().items()})
@@ -137,7 +138,7 @@ def test_one_sft_step_in_process_matches_a_float64_reference(tmp_path):
 def test_first_dpo_step_has_zero_margin_and_loss_log_2(tmp_path):
     """At step 1 the policy is its own reference: every implicit-reward margin is 0 and the DPO
     loss is exactly -log sigmoid(0) = log 2."""
-    trainer = Trainer(load_config(_offline_args("dpo", tmp_path)))
+    trainer = build_trainer(load_config(_offline_args("dpo", tmp_path)))
     metrics = trainer.recipe.step(iter(trainer.recipe.loader), 1)
     trainer.close()
     assert metrics["margin"] == 0.0 and metrics["pref_accuracy"] == 0.0
@@ -196,27 +197,35 @@ def test_offline_recipe_hang_is_reported_by_the_watchdog(tmp_path):
 def test_registry_names_and_errors():
     assert set(ALGORITHMS) == {"grpo", "rloo", "remax", "reinforce_pp", "gspo", "cispo", "sapo", "ppo"}
     with pytest.raises(ValueError, match=r"unknown name 'grpoo'.*Did you mean 'grpo'"):
-        load_config(["--algorithm.name=grpoo"])
+        validate_algorithm(load_config(["--algorithm.name=grpoo"]))
     with pytest.raises(ValueError, match=r"'torch:Tensor' is not a subclass of .*Algorithm"):
         get_algorithm("torch:Tensor")
     with pytest.raises(ValueError, match=r"'no_such_module:X' cannot be imported"):
-        load_config(["--algorithm.name=no_such_module:X"])
+        validate_algorithm(load_config(["--algorithm.name=no_such_module:X"]))
 
 
 def test_plugin_algorithm_loads_validates_and_computes(monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(REPO_ROOT, "tests"))
-    cls = get_algorithm("plugin_algorithms:MaxBaseline")
+    cls = get_algorithm("helpers.plugin_algorithms:MaxBaseline")
+    name = "--algorithm.name=helpers.plugin_algorithms:MaxBaseline"
     with pytest.raises(ValueError, match="'max_baseline' needs group_size >= 2"):
-        load_config(["--algorithm.name=plugin_algorithms:MaxBaseline", "--algorithm.group_size=1"])
-    algo = cls(load_config(["--algorithm.name=plugin_algorithms:MaxBaseline", "--algorithm.group_size=2"]).algorithm)
+        validate_algorithm(load_config([name, "--algorithm.group_size=1"]))
+    # Its own setting: typos get did-you-mean, its own check runs, a value reaches the class.
+    with pytest.raises(ValueError, match=r"'algorithm.max_baseline.margn'. Did you mean 'margin'"):
+        validate_algorithm(load_config([name, "--algorithm.max_baseline.margn=1"]))
+    with pytest.raises(ValueError, match=r"margin must be >= 0"):
+        validate_algorithm(load_config([name, "--algorithm.max_baseline.margin=-1"]))
+    config = load_config([name, "--algorithm.group_size=2", "--algorithm.max_baseline.margin=0.5"])
+    validate_algorithm(config)
+    algo = cls(config.algorithm)
     rewards = torch.tensor([1.0, 3.0, 2.0, 2.0])
     out = algo.advantages(AdvantageInputs(rewards, torch.ones(4, 3), None, None, None, None, None))
-    torch.testing.assert_close(out.advantages, torch.tensor([-2.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(out.advantages, torch.tensor([-2.5, -0.5, -0.5, -0.5]))
 
 
 @pytest.mark.multirank
 def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
-    """algorithm.name = 'plugin_algorithms:MaxBaseline' (defined in tests/, not in titanrl) runs
+    """algorithm.name = 'helpers.plugin_algorithms:MaxBaseline' (defined in tests/, not in titanrl) runs
     a 2-rank GRPO-style job: both ranks compute its advantages every step."""
     env = {
         **os.environ,
@@ -234,14 +243,16 @@ def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
         "titanrl.train",
         *RL_SMALL,
         f"--job.dump_folder={tmp_path}",
-        "--algorithm.name=plugin_algorithms:MaxBaseline",
+        "--algorithm.name=helpers.plugin_algorithms:MaxBaseline",
+        "--algorithm.max_baseline.margin=0.25",
         "--parallelism.dp_shard=2",
     ]
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         lines = (tmp_path / f"plugin.{rank}").read_text().split()
-        assert lines == ["8", "True"] * 2  # 2 prompts x 4 samples per rank, all advantages <= 0
+        # 2 prompts x 4 samples per rank, all advantages <= 0, the setting from the command line
+        assert lines == ["8", "True", "0.25"] * 2
     steps = [r for r in _rows(tmp_path) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(math.isfinite(r["grad_norm"]) for r in steps)
 

@@ -71,6 +71,7 @@ def world_size(opts: list[str]) -> int | None:
 def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     """Everything a rank would reject before step 1, checked once here: the job's config, or
     ValueError on a user error."""
+    from titanrl.algorithms import validate_algorithm
     from titanrl.components import launch
     from titanrl.components.plugins import load_object
     from titanrl.config import load_config
@@ -81,6 +82,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.recipes import get_recipe
 
     config = load_config(config_args)
+    validate_algorithm(config)
     p = config.parallelism
     if ranks is not None:
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks)

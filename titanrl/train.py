@@ -6,9 +6,17 @@
 the `Trainer` (`titanrl/trainer.py`) builds everything and runs the loop.
 """
 
+from titanrl.algorithms import validate_algorithm
 from titanrl.components import launch
-from titanrl.components.async_rollouts import RolloutWorker, split_world
+from titanrl.config import JobConfig
+from titanrl.recipes import get_recipe
+from titanrl.rl.one_step import RolloutWorker, split_world
 from titanrl.trainer import Trainer
+
+
+def build_trainer(config: JobConfig) -> Trainer:
+    """The Trainer of the job's recipe (`job.recipe`)."""
+    return Trainer(config, get_recipe(config.job.recipe))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -17,10 +25,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     config = launch.parse_args(argv)
     if config is None:  # --help
         return {}
+    validate_algorithm(config)
     if config.rollout.mode == "one_step" and split_world(config).rollout:  # this rank only generates
         RolloutWorker(config).run()
         return {}
-    trainer = Trainer(config)
+    trainer = build_trainer(config)
     result = trainer.train()
     trainer.close()
     return result

@@ -1,6 +1,6 @@
 """The Trainer: builds everything a job needs from its `JobConfig`, then runs the loop.
 
-    trainer = Trainer(config)   # mesh, tokenizer, model, optimizer, lr schedule, checkpointer,
+    trainer = Trainer(config, recipe_cls)   # mesh, tokenizer, model, optimizer, lr schedule, checkpointer,
                                 # metrics, watchdog, then the recipe's own parts (data, generator,
                                 # rewards, reference, critic ...): complete when it returns
     trainer.train()             # resume or prepare; for each step: recipe.step(...), eval, log,
@@ -18,11 +18,11 @@ import signal
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from titanrl.components import launch
-from titanrl.components.checkpoint import CheckpointManager, fault_active, fault_point
+from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.faults import fault_active, fault_point
 from titanrl.components.float8 import precompute_float8_scales
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
@@ -30,17 +30,18 @@ from titanrl.components.profiling import MemorySnapshot, maybe_enable_memory_sna
 from titanrl.components.timer import phase, straggler_metrics
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
-from titanrl.data.batch import micro_batch_plan, num_micro_batches
+from titanrl.data.batch import plan_micro_batches
 from titanrl.data.encode import PromptEncoder
-from titanrl.distributed import all_reduce_values, clip_grad_norm_
+from titanrl.distributed import clip_grad_norm_, dp_sum
 from titanrl.models.hf import export_hf, export_lora
 from titanrl.models.tokenizer import build_tokenizer
-from titanrl.recipes import get_recipe
 
 
 class Trainer:
-    def __init__(self, config: JobConfig) -> None:
-        recipe_cls = get_recipe(config.job.recipe)
+    def __init__(self, config: JobConfig, recipe_cls: type) -> None:
+        """`recipe_cls`: what the job trains, a `titanrl.recipes.base.Recipe` subclass
+        (`titanrl.recipes.get_recipe(config.job.recipe)`). Recipes build on the Trainer, which
+        sits below them in the layers, so the class is handed in rather than looked up here."""
         data = recipe_cls.load_data(config)  # bad data fails before anything is built
         self.config = config
         self.rank, self.dims, self.device = launch.start(config)
@@ -216,24 +217,11 @@ class Trainer:
 
     def dp_sum(self, values: list[float]) -> list[float]:
         """Host numbers summed over data-parallel ranks (TP peers hold equal copies, not counted)."""
-        return all_reduce_values(values, self.dp_group)
-
-    def dp_max(self, values: list[float]) -> list[float]:
-        return all_reduce_values(values, self.dp_group, op=dist.ReduceOp.MAX)
+        return dp_sum(values, self.dp_group)
 
     def plan_micro_batches(self, lengths: list[int], sort_single: bool = False) -> list[torch.Tensor]:
-        """Row indices of this rank's micro-batches: each about training.micro_batch_tokens padded
-        tokens (`lengths` = padded tokens per row), as many on every dp rank (FSDP runs
-        collectives in every forward and backward); none when some rank has no rows. A single
-        micro-batch keeps the rows in order unless `sort_single` (order changes the sums' rounding)."""
-        needed = num_micro_batches(lengths, self.config.training.micro_batch_tokens)
-        most, fewest_rows = all_reduce_values([needed, -len(lengths)], self.dp_group, op=dist.ReduceOp.MAX)
-        n = int(min(most, -fewest_rows))
-        if n == 0:
-            return []
-        if n == 1 and not sort_single:
-            return [torch.arange(len(lengths))]
-        return micro_batch_plan(torch.tensor(lengths), n)
+        """This rank's micro-batches of training.micro_batch_tokens (`data.batch.plan_micro_batches`)."""
+        return plan_micro_batches(lengths, self.config.training.micro_batch_tokens, self.dp_group, sort_single)
 
     # ---- checkpoints ----
 

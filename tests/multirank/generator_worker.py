@@ -11,14 +11,15 @@ import json
 import torch
 import torch.distributed as dist
 
-from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
+from tests.helpers.reference import greedy_reference
+from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.generator import Generator, SamplingParams
-from titanrl.generator.reference import greedy_reference
 from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models.logprobs import token_logprobs
 
 ARGS = TransformerModelArgs(
     family="qwen3",

@@ -10,11 +10,12 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from titanrl.components.loss import global_token_count, sft_loss, token_logprobs
+from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed import ParallelDims, clip_grad_norm_, init_distributed
 from titanrl.models.args import TransformerModelArgs
+from titanrl.models.logprobs import token_logprobs
 
 STEPS = 3
 GLOBAL_BATCH, SEQ_LEN = 8, 16

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
-from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
+from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm, NoSettings
 from titanrl.algorithms.cispo import CISPO
 from titanrl.algorithms.grpo import GRPO
 from titanrl.algorithms.gspo import GSPO
@@ -46,9 +46,32 @@ def get_algorithm(name: str) -> type[Algorithm]:
 
 
 def validate_algorithm(config: JobConfig) -> None:
-    """The configured algorithm's own checks (what it needs: critic, group size, aggregation)."""
+    """The configured algorithm's own checks (its settings table; what it needs: critic, group
+    size, aggregation). Then its table holds every setting, typed, defaults included, and
+    loss_agg_norm = 0 of 'seq-mean-token-sum-norm' is replaced by the maximum response length
+    (`max_response_length`), so the resolved config (`to_toml`) records them."""
     critic_algorithms = [name for name, cls in ALGORITHMS.items() if cls.needs_critic]
-    get_algorithm(config.algorithm.name).validate(config, critic_algorithms)
+    cls = get_algorithm(config.algorithm.name)
+    cls.validate(config, critic_algorithms)
+    config.algorithm.tables = {cls.name: cls.settings_table(config.algorithm)} if cls.Settings is not NoSettings else {}
+    if config.algorithm.loss_agg == "seq-mean-token-sum-norm" and config.algorithm.loss_agg_norm == 0:
+        config.algorithm.loss_agg_norm = max_response_length(config)
 
 
-__all__ = ["ALGORITHMS", "AdvantageInputs", "Advantages", "Algorithm", "get_algorithm", "validate_algorithm"]
+def max_response_length(config: JobConfig) -> int:
+    """The most completion tokens of one sample: generator.max_new_tokens, or with an environment
+    env.max_total_tokens (model and environment tokens of an episode). The constant C that
+    loss_agg = 'seq-mean-token-sum-norm' divides by when loss_agg_norm is 0."""
+    return config.env.max_total_tokens if config.env.name else config.generator.max_new_tokens
+
+
+__all__ = [
+    "ALGORITHMS",
+    "AdvantageInputs",
+    "Advantages",
+    "Algorithm",
+    "NoSettings",
+    "get_algorithm",
+    "max_response_length",
+    "validate_algorithm",
+]

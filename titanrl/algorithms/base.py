@@ -10,13 +10,15 @@ or load your own with `algorithm.name = "package.module:Class"`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from titanrl.algorithms.common import LossOutput, clipped_pg_loss
+from titanrl.algorithms.common import LossOutput, clipped_pg_loss, kl_estimate
+from titanrl.config.manager import parse_table
 
 if TYPE_CHECKING:  # the config imports nothing of ours at run time; only type hints need it
     from titanrl.config.job_config import JobConfig
@@ -59,10 +61,20 @@ class Advantages:
     """The critic's regression targets (algorithms with `needs_critic`)."""
 
 
+@dataclass
+class NoSettings:
+    """The settings of an algorithm that has none of its own."""
+
+
 class Algorithm:
-    """Base class: the clipped policy-gradient loss and the checks every algorithm shares."""
+    """Base class: the clipped policy-gradient loss and the checks every algorithm shares.
+
+    An algorithm with settings of its own declares them as a dataclass `Settings` (a docstring
+    under each field, an optional `validate()`), read from the table `[algorithm.<name>]`; a
+    subclass extends its parent's `Settings` by subclassing it."""
 
     name: ClassVar[str] = ""
+    Settings: ClassVar[type] = NoSettings
     needs_critic: ClassVar[bool] = False
     """The recipe trains a value model beside the policy and passes its values in."""
 
@@ -77,8 +89,30 @@ class Algorithm:
     """Advantages are relative to the sample's own group, so a group of equal rewards carries no
     signal (what makes DAPO's dynamic sampling meaningful)."""
 
+    dual_clip: ClassVar[bool] = True
+    """`loss` is the shared clipped surrogate, which `algorithm.dual_clip_c` caps; an algorithm
+    with a loss of its own sets False, and dual_clip_c > 0 is then rejected at load."""
+
     def __init__(self, config: AlgorithmConfig) -> None:
         self.config = config
+        self.settings = self.read_settings(config)
+
+    @classmethod
+    def read_settings(cls, config: AlgorithmConfig) -> Any:
+        """This algorithm's `Settings` from `[algorithm.<name>]`: unknown keys get did-you-mean, a
+        table written for another algorithm is an error (its settings would be silently unused)."""
+        others = [name for name in config.tables if name != cls.name]
+        if others:
+            raise ValueError(
+                f"[algorithm.{others[0]}] is set but algorithm.name is '{config.name}' (its settings table is "
+                f"[algorithm.{cls.name}]): remove the table or change algorithm.name"
+            )
+        return parse_table(cls.Settings, config.tables.get(cls.name, {}), f"algorithm.{cls.name}")
+
+    @classmethod
+    def settings_table(cls, config: AlgorithmConfig) -> dict[str, Any]:
+        """Every setting of this algorithm, defaults included, typed (what a resolved config records)."""
+        return dataclasses.asdict(cls.read_settings(config))
 
     @property
     def needs_reference(self) -> bool:
@@ -89,6 +123,7 @@ class Algorithm:
         """Reject configurations this algorithm cannot run; `critic_algorithms` names the
         registered algorithms that use a critic (for the message)."""
         algo = config.algorithm
+        cls.read_settings(algo)
         if cls.needs_critic and not config.critic.enable:
             raise ValueError(f"[algorithm] '{algo.name}' needs a value model: add [critic] with enable = true")
         if config.critic.enable and not cls.needs_critic:
@@ -96,9 +131,14 @@ class Algorithm:
                 f"[critic] enable = true, but algorithm '{algo.name}' uses no critic; use "
                 + " or ".join(f"'{name}'" for name in critic_algorithms)
             )
-        if algo.dynamic_sampling and not cls.group_baseline:
+        if algo.dual_clip_c > 0 and not cls.dual_clip:
             raise ValueError(
-                f"[algorithm] dynamic_sampling drops groups with equal rewards, which only carry no signal "
+                f"[algorithm] dual_clip_c caps the clipped surrogate, which '{algo.name}' does not use: "
+                "set dual_clip_c = 0"
+            )
+        if config.rollout.dynamic_sampling and not cls.group_baseline:
+            raise ValueError(
+                f"[rollout] dynamic_sampling drops groups with equal rewards, which only carry no signal "
                 f"for group baselines, not for '{algo.name}'"
             )
 
@@ -134,15 +174,27 @@ class Algorithm:
             clip_low=c.clip_eps_low,
             clip_high=c.clip_eps_high,
             loss_agg=c.loss_agg,
+            loss_agg_norm=c.loss_agg_norm,
             num_global_tokens=num_global_tokens,
             num_global_seqs=num_global_seqs,
             **self.kl_term(ref_logprobs_BT),
             is_weights_BT=is_weights_BT,
+            dual_clip_c=c.dual_clip_c,
         )
 
     def kl_term(self, ref_logprobs_BT: torch.Tensor | None) -> dict:
         """The loss's KL arguments: none when the KL goes in the reward instead."""
         c = self.config
         if c.kl_coef > 0 and not c.kl_in_reward:
-            return {"ref_logprobs_BT": ref_logprobs_BT, "kl_coef": c.kl_coef, "kl_estimator": c.kl_estimator}
-        return {"ref_logprobs_BT": None, "kl_coef": 0.0, "kl_estimator": c.kl_estimator}
+            return {
+                "ref_logprobs_BT": ref_logprobs_BT,
+                "kl_coef": c.kl_coef,
+                "kl_estimator": c.kl_estimator,
+                "kl_clamp": c.kl_clamp,
+            }
+        return {"ref_logprobs_BT": None, "kl_coef": 0.0, "kl_estimator": c.kl_estimator, "kl_clamp": c.kl_clamp}
+
+    def kl(self, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
+        """Per-token KL to the reference with the configured estimator and clamp (what the recipe
+        puts in the reward with `kl_in_reward`, and logs)."""
+        return kl_estimate(logprobs_BT, ref_logprobs_BT, self.config.kl_estimator, self.config.kl_clamp)

@@ -48,6 +48,8 @@ def cispo_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     is_weights_BT: torch.Tensor | None = None,
+    kl_clamp: bool = True,
+    loss_agg_norm: float = 0.0,
 ) -> LossOutput:
     """CISPO's loss; `advantages` per sequence [B] or per token [B, T], `is_weights_BT` the
     off-policy (generator vs trainer) weights, KL to the reference added as in `clipped_pg_loss`.
@@ -68,6 +70,8 @@ def cispo_loss(
         kl_coef,
         kl_estimator,
         is_weights_BT,
+        loss_agg_norm=loss_agg_norm,
+        kl_clamp=kl_clamp,
     )
 
 
@@ -75,6 +79,7 @@ class CISPO(GRPO):
     """GRPO's group-relative advantages with CISPO's clipped-IS-weight loss (`cispo_loss`)."""
 
     name = "cispo"
+    dual_clip = False  # the clip is on the IS weight, not the surrogate
 
     def loss(
         self,
@@ -97,6 +102,7 @@ class CISPO(GRPO):
             clip_low=c.clip_eps_low,
             clip_high=c.clip_eps_high,
             loss_agg=c.loss_agg,
+            loss_agg_norm=c.loss_agg_norm,
             num_global_tokens=num_global_tokens,
             num_global_seqs=num_global_seqs,
             **self.kl_term(ref_logprobs_BT),

@@ -1,8 +1,14 @@
 """Pieces shared by policy-gradient algorithms: KL estimators, the clipped surrogate loss,
-aggregation, masked whitening, token-level rewards, off-policy importance weights.
+aggregation, masked whitening, token-level rewards, group baselines, off-policy importance weights.
 
 Aggregation divides by *global* counts (summed over data-parallel ranks and micro-batches)
 that the caller passes in, so the gradient is the same however a batch is split.
+
+Advantages are computed in float64 and returned in `advantage_dtype` of the rewards (float32 for
+the float32 rewards of a run, float64 for float64 inputs): in float32 the mean of G equal rewards
+that are not exact binary fractions (0.1, 0.3, 0.7) can come out one rounding step off, and
+GRPO's division by the (near-zero) std + 1e-6 turned that step into an advantage of ~0.06 for
+the whole group; a group whose max equals its min now gets exactly 0 (`equal_groups`).
 """
 
 from dataclasses import dataclass
@@ -11,21 +17,68 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+K3_LOG_RATIO_BOUND = 20.0
+"""With `clamp`, k3's log ratio is clamped to [-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND] before the exponential."""
+
+K3_BOUND = 10.0
+"""With `clamp`, the k3 estimate is clamped to [-K3_BOUND, K3_BOUND] (k3 >= 0, so to [0, K3_BOUND])."""
 
 
-def kl_estimate(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_estimate(
+    logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, estimator: str, clamp: bool = True
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
     divergence", 2020): k1 = log r', k2 = (log r')^2 / 2, k3 = r - 1 - log r, with
-    log r' = logp - logp_ref and r = pi_ref / pi. k3 is unbiased and non-negative."""
+    log r' = logp - logp_ref and r = pi_ref / pi. k3 is unbiased and non-negative.
+
+    `clamp` (k3 only; verl's `low_var_kl`, verl/trainer/ppo/core_algos.py `kl_penalty`):
+    log r' is clamped to [-20, 20] before the exponential and k3 to [-10, 10],
+
+        k3_clamped = clamp(exp(-x) - 1 + x, -10, 10),   x = clamp(logp - logp_ref, -20, 20),
+
+    so one token the policy has moved far from the reference (r up to e^20) cannot dominate the
+    loss or the reward; outside the bounds the term is constant and passes no gradient. Where
+    k3 < 10 (-2.61 < log r' < 11.0) it is the plain k3."""
     log_ratio = logprobs_BT - ref_logprobs_BT
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
         return 0.5 * log_ratio**2
     if estimator == "k3":
+        if clamp:
+            log_ratio = log_ratio.clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+            return (torch.exp(-log_ratio) - 1.0 + log_ratio).clamp(-K3_BOUND, K3_BOUND)
         return torch.exp(-log_ratio) - 1.0 + log_ratio
     raise ValueError(f"unknown KL estimator '{estimator}'; choose k1, k2 or k3")
+
+
+def advantage_dtype(rewards: torch.Tensor) -> torch.dtype:
+    """The dtype advantages are returned in: the rewards' own floating dtype, at least float32
+    (float32 rewards of a run give float32 advantages, float64 inputs float64)."""
+    return torch.promote_types(rewards.dtype, torch.float32)
+
+
+def group_rewards(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Rewards laid out as consecutive groups of `group_size`, as float64 [P, G]."""
+    if rewards_N.numel() % group_size:
+        raise ValueError(f"{rewards_N.numel()} rewards do not form groups of {group_size}")
+    return rewards_N.double().view(-1, group_size)
+
+
+def equal_groups(r_PG: torch.Tensor) -> torch.Tensor:
+    """[P, 1] bool: True where a group's rewards are all equal (max == min), whose advantages are
+    set to exactly 0 whatever rounding left in r - mean."""
+    return r_PG.max(dim=1, keepdim=True).values == r_PG.min(dim=1, keepdim=True).values
+
+
+def group_centred(rewards_N: torch.Tensor, group_size: int) -> torch.Tensor:
+    """r_i - mean(r of i's group) in float64 [N], exactly 0 in groups of equal rewards (the
+    baseline of REINFORCE++-baseline; GRPO's numerator)."""
+    r_PG = group_rewards(rewards_N, group_size)
+    centred = r_PG - r_PG.mean(dim=1, keepdim=True)
+    return torch.where(equal_groups(r_PG), 0.0, centred).view(-1)
 
 
 def per_token(advantages: torch.Tensor, like_BT: torch.Tensor) -> torch.Tensor:
@@ -39,19 +92,42 @@ def clipped_surrogate(
     advantages_BT: torch.Tensor,
     clip_low: float,
     clip_high: float,
+    dual_clip_c: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's pessimistic clipped objective as a loss: max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).
 
-    Returns (loss_BT, clipped_BT) where clipped marks tokens whose clipped term was chosen.
+    Dual clip (`dual_clip_c` = c > 1; 0 is off): Ye et al., "Mastering complex control in MOBA
+    games with deep reinforcement learning" (AAAI 2020), arXiv:1912.09729; verl's
+    `clip_ratio_c` (default 3.0 there). For A < 0 the clipped loss grows without bound in r
+    (-A r with r -> inf); the dual clip caps it at -c A:
+
+        L = min(max(-A r, -A clip(r, 1-eps_low, 1+eps_high)), -c A)    if A < 0
+        L = max(-A r, -A clip(r, 1-eps_low, 1+eps_high))               if A >= 0
+
+    so a token whose ratio exceeds c (r > c) contributes a constant and no gradient.
+
+    Returns (loss_BT, clipped_BT) where clipped marks tokens whose clipped term (or the dual
+    clip's cap) was chosen.
     """
     ratio_BT = torch.exp(logprobs_BT - old_logprobs_BT)
     unclipped = -advantages_BT * ratio_BT
     clipped = -advantages_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped)
+    loss_BT, clipped_BT = torch.maximum(unclipped, clipped), clipped > unclipped
+    if dual_clip_c > 0:
+        cap_BT = -advantages_BT * dual_clip_c
+        capped_BT = (advantages_BT < 0) & (loss_BT > cap_BT)
+        loss_BT = torch.where(capped_BT, cap_BT, loss_BT)
+        clipped_BT = clipped_BT | capped_BT
+    return loss_BT, clipped_BT
 
 
 def aggregate(
-    loss_BT: torch.Tensor, mask_BT: torch.Tensor, agg: LossAgg, num_global_tokens: float, num_global_seqs: float
+    loss_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    agg: LossAgg,
+    num_global_tokens: float,
+    num_global_seqs: float,
+    norm: float = 0.0,
 ) -> torch.Tensor:
     """Reduce per-token losses to the local share of the global loss.
 
@@ -59,6 +135,12 @@ def aggregate(
     seq-mean-token-mean: mean over each sequence's tokens, then / global sequence count (GRPO).
     seq-mean-token-sum: sum over each sequence's tokens, then / global sequence count (Dr.GRPO,
     whose constant length normaliser is absorbed in the learning rate).
+    seq-mean-token-sum-norm: sum over each sequence's tokens / `norm`, then / global sequence
+    count: L = 1/B * sum_b sum_t m_bt l_bt / C with a constant C (`norm`, algorithm.loss_agg_norm:
+    the maximum response length by default). Dr.GRPO (Liu et al., arXiv:2503.20783, sec. 3.2)
+    with its constant normaliser written out, as verl's `seq-mean-token-sum-norm` (which divides
+    by the padded response length, or its `loss_scale_factor`); equal to seq-mean-token-mean
+    when every sequence is C tokens long.
     """
     masked = loss_BT * mask_BT
     if agg == "token-mean":
@@ -66,6 +148,13 @@ def aggregate(
     per_seq = masked.sum(-1)
     if agg == "seq-mean-token-mean":
         per_seq = per_seq / mask_BT.sum(-1).clamp(min=1.0)
+    elif agg == "seq-mean-token-sum-norm":
+        if not norm > 0:
+            raise ValueError(
+                f"loss aggregation 'seq-mean-token-sum-norm' needs a constant normaliser > 0, got {norm}: set "
+                "algorithm.loss_agg_norm (0 is resolved to the maximum response length by validate_algorithm)"
+            )
+        per_seq = per_seq / norm
     elif agg != "seq-mean-token-sum":
         raise ValueError(f"unknown loss aggregation '{agg}'")
     return per_seq.sum() / num_global_seqs
@@ -74,8 +163,15 @@ def aggregate(
 def masked_whiten(
     values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
-    """(x - mean) / std over the masked entries of the *global* batch (summed over `dp_group`),
-    zero outside the mask. std is the population std (as OpenRLHF/verl whiten)."""
+    """(x - mean) / (std + eps) over the masked entries of the *global* batch (summed over
+    `dp_group`), zero outside the mask, with statistics in float64.
+
+    std is the *population* std, sqrt(sum (x - mean)^2 / n), as OpenRLHF normalises advantages
+    globally. verl's `masked_whiten` (verl/utils/torch_functional.py) uses the unbiased variance,
+    sum (x - mean)^2 / (n - 1), and adds eps to the variance under rsqrt: the two differ by a
+    factor sqrt(n / (n - 1)), below 1e-3 relative for the thousands of tokens of a batch. titanrl
+    keeps the population estimator on purpose: it is the one defined for n = 1 and it is what the
+    dp-summed moments give without a second all-reduce."""
     stats = torch.stack([(values_BT * mask_BT).sum(), (values_BT**2 * mask_BT).sum(), mask_BT.sum()]).double()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(stats, group=dp_group)
@@ -86,6 +182,18 @@ def masked_whiten(
     return (values_BT - mean) / (var**0.5 + eps) * mask_BT
 
 
+def discounted_returns(rewards_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over masked tokens (masked positions pass G through unchanged);
+    with gamma = 1 the reward-to-go sum_{s >= t} r_s."""
+    returns_BT = torch.zeros_like(rewards_BT)
+    running_B = torch.zeros_like(rewards_BT[:, 0])
+    for t in reversed(range(rewards_BT.shape[1])):
+        m = mask_BT[:, t]
+        running_B = torch.where(m > 0, rewards_BT[:, t] + gamma * running_B, running_B)
+        returns_BT[:, t] = running_B * m
+    return returns_BT
+
+
 def token_rewards(
     scores_B: torch.Tensor,
     mask_BT: torch.Tensor,
@@ -94,13 +202,14 @@ def token_rewards(
     turn_scores: list[list[float]] | None = None,
 ) -> torch.Tensor:
     """Per-token rewards: -kl_coef * KL_t on every completion token, plus the sequence's score on
-    its last completion token (the token-level KL-in-reward of PPO / REINFORCE++).
+    its last completion token (the token-level KL-in-reward of PPO / REINFORCE++ / ReMax's
+    reward-to-go), in `advantage_dtype(scores_B)`.
 
     Multi-turn: with `turn_scores` (a list of per-turn rewards per row, non-empty), reward k of a
     row goes on the last token of its k-th model turn (the k-th run of 1s in the mask; surplus
     rewards go on the last turn) instead of `scores_B`.
     """
-    rewards_BT = torch.zeros_like(mask_BT, dtype=torch.float32)
+    rewards_BT = torch.zeros_like(mask_BT, dtype=advantage_dtype(scores_B))
     if kl_BT is not None and kl_coef > 0:
         rewards_BT = rewards_BT - kl_coef * kl_BT * mask_BT
     if turn_scores is not None:
@@ -171,6 +280,9 @@ def clipped_pg_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     is_weights_BT: torch.Tensor | None = None,
+    dual_clip_c: float = 0.0,
+    loss_agg_norm: float = 0.0,
+    kl_clamp: bool = True,
 ) -> LossOutput:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), shared by GRPO, Dr.GRPO,
     DAPO, RLOO, ReMax, REINFORCE++ and PPO, which differ only in their advantages:
@@ -178,11 +290,14 @@ def clipped_pg_loss(
         L_t = w_t * max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)) + beta * KL_t,
         r_t = pi(y_t) / pi_old(y_t),
 
-    `advantages` is per sequence [B] or per token [B, T]; w_t are off-policy importance weights
-    (`importance_weights`, 1 when None); KL_t one of k1/k2/k3 to the reference policy.
+    and, with `dual_clip_c` = c > 1, the policy term of a token with A_t < 0 capped at -c A_t
+    (`clipped_surrogate`). `advantages` is per sequence [B] or per token [B, T]; w_t are off-policy
+    importance weights (`importance_weights`, 1 when None); KL_t one of k1/k2/k3 to the reference
+    policy (k3 clamped with `kl_clamp`, `kl_estimate`); `loss_agg_norm` is the constant of
+    'seq-mean-token-sum-norm' (`aggregate`).
     """
     advantages_BT = per_token(advantages, logprobs_BT)
-    pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high)
+    pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high, dual_clip_c)
     return _finish(
         pg_BT,
         clipped_BT,
@@ -196,6 +311,8 @@ def clipped_pg_loss(
         kl_coef,
         kl_estimator,
         is_weights_BT,
+        loss_agg_norm=loss_agg_norm,
+        kl_clamp=kl_clamp,
     )
 
 
@@ -212,6 +329,9 @@ def _finish(
     kl_coef,
     kl_estimator,
     is_weights_BT,
+    *,
+    loss_agg_norm: float = 0.0,
+    kl_clamp: bool = True,
 ) -> LossOutput:
     """Weigh the policy term by the off-policy importance weights (when given), add the KL term,
     aggregate, and collect the statistics every policy loss reports."""
@@ -221,9 +341,9 @@ def _finish(
     kl_BT = torch.zeros_like(pg_BT)
     if kl_coef > 0:
         assert ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
-        kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kl_estimator)
+        kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kl_estimator, kl_clamp)
         loss_BT = loss_BT + kl_coef * kl_BT
-    loss = aggregate(loss_BT, mask_BT, loss_agg, num_global_tokens, num_global_seqs)
+    loss = aggregate(loss_BT, mask_BT, loss_agg, num_global_tokens, num_global_seqs, loss_agg_norm)
     with torch.no_grad():
         ratio = torch.exp(logprobs_BT - old_logprobs_BT)
         return LossOutput(

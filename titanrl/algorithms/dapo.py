@@ -6,7 +6,7 @@ arXiv:2503.14476. DAPO trains with group-relative advantages (`grpo.py`), clip-h
 
 - Dynamic sampling: a group whose G rewards are all equal has zero advantage and no gradient;
   such groups are dropped and more prompts are sampled until the batch is full
-  (`informative_groups`; the loop, its cap and its metrics are in `components/rollouts.py`).
+  (`informative_groups`; the loop, its cap and its metrics are in `rl/rollouts.py`).
 - Overlong reward shaping: with the length limit L_max and a buffer L_cache,
 
       R_len(y) = 0                                if |y| <= L_max - L_cache

@@ -15,7 +15,7 @@ import torch
 
 from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
 from titanrl.algorithms.common import LossOutput, _finish
-from titanrl.algorithms.grpo import group_advantages
+from titanrl.algorithms.grpo import GroupSettings, group_advantages
 
 
 def gspo_loss(
@@ -32,6 +32,7 @@ def gspo_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     is_weights_BT: torch.Tensor | None = None,
+    kl_clamp: bool = True,
 ) -> LossOutput:
     lengths_B = mask_BT.sum(-1).clamp(min=1.0)
     seq_log_ratio_B = ((logprobs_BT - old_logprobs_BT) * mask_BT).sum(-1) / lengths_B
@@ -56,6 +57,7 @@ def gspo_loss(
         kl_coef,
         kl_estimator,
         is_weights_BT,
+        kl_clamp=kl_clamp,
     )
 
 
@@ -63,7 +65,9 @@ class GSPO(Algorithm):
     """Group-relative advantages with one clipped ratio per sequence (`gspo_loss`)."""
 
     name = "gspo"
+    Settings = GroupSettings
     token_advantages = False  # one ratio, so one advantage, per sequence
+    dual_clip = False  # its clip is on the sequence ratio
 
     @classmethod
     def validate(cls, config, critic_algorithms: list[str]) -> None:
@@ -76,7 +80,7 @@ class GSPO(Algorithm):
 
     def advantages(self, inputs: AdvantageInputs) -> Advantages:
         c = self.config
-        return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, c.normalize_std))
+        return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, self.settings.normalize_std))
 
     def loss(
         self,

@@ -16,6 +16,8 @@ and the critic minimises the clipped value loss
 The policy loss is `common.clipped_pg_loss` on the (globally whitened) A_t.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
@@ -62,11 +64,28 @@ def value_loss(
     return 0.5 * (loss_BT * mask_BT).sum() / num_global_tokens, n_clipped
 
 
+@dataclass
+class PPOSettings:
+    """`[algorithm.ppo]`: GAE's discount and lambda."""
+
+    gamma: float = 1.0
+    """Discount of token rewards."""
+
+    lam: float = 1.0
+    """GAE lambda: 1 gives Monte-Carlo returns minus the value, 0 one-step TD errors."""
+
+    def validate(self) -> None:
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"[algorithm.ppo] {name} must be in [0, 1], got {getattr(self, name)}")
+
+
 class PPO(Algorithm):
     """GAE advantages (whitened over the global batch) from the critic's values; the critic
     regresses on the returns with `value_loss`."""
 
     name = "ppo"
+    Settings = PPOSettings
     needs_critic = True
     group_baseline = False
 
@@ -74,5 +93,5 @@ class PPO(Algorithm):
         c = self.config
         assert inputs.values_BT is not None, "PPO needs the critic's values"
         rewards_BT = token_rewards(inputs.rewards_N, inputs.mask_BT, inputs.kl_BT, c.kl_coef, inputs.turn_scores)
-        adv_BT, returns_BT = gae(rewards_BT, inputs.values_BT, inputs.mask_BT, c.gamma, c.lam)
+        adv_BT, returns_BT = gae(rewards_BT, inputs.values_BT, inputs.mask_BT, self.settings.gamma, self.settings.lam)
         return Advantages(masked_whiten(adv_BT, inputs.mask_BT, inputs.dp_group), returns_BT)

@@ -15,13 +15,15 @@ so on-policy (r_t = 1, w_t = 1) it is the plain policy gradient, and as r_t leav
 decays smoothly to 0, faster for larger tau: no token's gradient is cut off at a boundary as in
 PPO's clip. The paper sets tau_neg > tau_pos (1.05 vs 1.0) because negative updates raise the
 logits of many unsampled tokens and destabilise training sooner. The temperatures are
-`algorithm.sapo_tau_pos` / `sapo_tau_neg`; `clip_eps_low` / `clip_eps_high` are not used.
+`[algorithm.sapo] tau_pos` / `tau_neg`; `clip_eps_low` / `clip_eps_high` are not used.
 """
+
+from dataclasses import dataclass
 
 import torch
 
 from titanrl.algorithms.common import LossAgg, LossOutput, _finish, per_token
-from titanrl.algorithms.grpo import GRPO
+from titanrl.algorithms.grpo import GRPO, GroupSettings
 
 
 def sapo_gate(
@@ -52,6 +54,8 @@ def sapo_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     is_weights_BT: torch.Tensor | None = None,
+    kl_clamp: bool = True,
+    loss_agg_norm: float = 0.0,
 ) -> LossOutput:
     """SAPO's loss; `advantages` per sequence [B] or per token [B, T], `is_weights_BT` the
     off-policy (generator vs trainer) weights, KL to the reference added as in `clipped_pg_loss`.
@@ -74,20 +78,34 @@ def sapo_loss(
         kl_coef,
         kl_estimator,
         is_weights_BT,
+        loss_agg_norm=loss_agg_norm,
+        kl_clamp=kl_clamp,
     )
+
+
+@dataclass
+class SAPOSettings(GroupSettings):
+    """`[algorithm.sapo]`: the soft gate's temperatures (and GRPO's normalize_std)."""
+
+    tau_pos: float = 1.0
+    """Temperature of the soft gate on tokens with a positive advantage."""
+
+    tau_neg: float = 1.05
+    """Temperature of the soft gate on tokens with a negative advantage (the paper's choice is a
+    little above tau_pos, so negative updates decay faster off-policy)."""
+
+    def validate(self) -> None:
+        for name in ("tau_pos", "tau_neg"):
+            if not getattr(self, name) > 0:  # the gate divides by tau
+                raise ValueError(f"[algorithm.sapo] {name} must be > 0, got {getattr(self, name)}")
 
 
 class SAPO(GRPO):
     """GRPO's group-relative advantages with SAPO's soft-gated loss (`sapo_loss`)."""
 
     name = "sapo"
-
-    @classmethod
-    def validate(cls, config, critic_algorithms: list[str]) -> None:
-        super().validate(config, critic_algorithms)
-        for name in ("sapo_tau_pos", "sapo_tau_neg"):
-            if not getattr(config.algorithm, name) > 0:  # the gate divides by tau
-                raise ValueError(f"[algorithm] 'sapo' needs {name} > 0, got {getattr(config.algorithm, name)}")
+    Settings = SAPOSettings
+    dual_clip = False  # a soft gate, no clip
 
     def loss(
         self,
@@ -107,9 +125,10 @@ class SAPO(GRPO):
             old_logprobs_BT,
             advantages,
             mask_BT,
-            tau_pos=c.sapo_tau_pos,
-            tau_neg=c.sapo_tau_neg,
+            tau_pos=self.settings.tau_pos,
+            tau_neg=self.settings.tau_neg,
             loss_agg=c.loss_agg,
+            loss_agg_norm=c.loss_agg_norm,
             num_global_tokens=num_global_tokens,
             num_global_seqs=num_global_seqs,
             **self.kl_term(ref_logprobs_BT),

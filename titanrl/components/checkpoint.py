@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanrl.components.faults import fault_point
 from titanrl.models.lora import has_lora, is_lora_key
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -349,19 +350,3 @@ def _check_finite(name: str, model: nn.Module) -> None:
         dist.all_reduce(bad)
     if bad.item():
         raise FloatingPointError(f"refusing to checkpoint '{name}': it has non-finite parameters")
-
-
-def fault_active(where: str, step: int) -> bool:
-    """Fault-injection hook for tests: TITANRL_FAULT='<where>:<step>:<rank>' names one place."""
-    spec = os.environ.get("TITANRL_FAULT")
-    # Only the first launch: workers that torchrun restarts (--max-restarts) inherit the variable.
-    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        return False
-    target_where, target_step, target_rank = spec.split(":")
-    return where == target_where and step == int(target_step) and _rank() == int(target_rank)
-
-
-def fault_point(where: str, step: int) -> None:
-    """SIGKILL this rank here if TITANRL_FAULT names this place (kill -9 tests)."""
-    if fault_active(where, step):
-        os.kill(os.getpid(), 9)

@@ -37,8 +37,8 @@ def parse_args(argv: list[str] | None) -> JobConfig | None:
 def return_freed_cpu_memory() -> None:
     """On Linux CPU runs, have glibc serve allocations of 1 MiB and more with mmap, so that a
     freed tensor goes back to the system. By default glibc raises that threshold after each large
-    free (up to 32 MiB) and keeps freed blocks below it in its heap: measured on the qwen2.5-0.5b
-    flavor, ~2.9 GiB of freed activations and gradients stayed resident between RL steps."""
+    free (up to 32 MiB) and keeps freed blocks below it in its heap, so gigabytes of freed
+    activations and gradients stay resident between RL steps."""
     if device_type() != "cpu" or not sys.platform.startswith("linux"):
         return
     try:

@@ -8,8 +8,6 @@ so sampler and trainer logprobs agree by construction.
 import torch
 import torch.distributed as dist
 
-from titanrl.models.logprobs import token_logprobs
-
 
 def global_token_count(mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Number of loss tokens summed over data-parallel ranks (at least 1)."""
@@ -28,4 +26,4 @@ def sft_loss(logprobs_BT: torch.Tensor, mask_BT: torch.Tensor, num_global_tokens
     return (-logprobs_BT * mask_BT).sum() / num_global_tokens
 
 
-__all__ = ["global_token_count", "sft_loss", "token_logprobs"]
+__all__ = ["global_token_count", "sft_loss"]

@@ -44,8 +44,8 @@ class LoRA:
 
     generator: Literal["merged", "runtime"] = "merged"
     """How the generator serves base + adapter: 'merged' folds (alpha / rank) * B @ A into its own
-    copy of the weights at every sync (plain matmuls while decoding: 1.1-2.2x the decode tokens/s
-    of 'runtime' on CPU, benchmarks/bench_lora.json); 'runtime' applies the adapters in its
+    copy of the weights at every sync (plain matmuls while decoding, faster than 'runtime': see
+    bench_lora in docs/benchmarks.md); 'runtime' applies the adapters in its
     forward (on one rank it shares the trainer's storage: no second copy of the weights)."""
 
     export_peft: bool = True
@@ -116,7 +116,7 @@ class Distillation:
     Jensen-Shannon divergence with weight jsd_beta, over the full vocabulary at every completion
     position, as a loss term (coef x its token mean; the advantages keep only the task term), in
     chunks of training.logprob_chunk_tokens; one rank without FSDP for now
-    (`titanrl/components/distillation.py`)."""
+    (`titanrl/rl/distillation.py`)."""
 
     jsd_beta: float = 0.5
     """Interpolation weight of the generalised JSD (0 -> forward KL, 1 -> reverse KL)."""

@@ -87,6 +87,10 @@ class JobConfig:
                 "[generator] quantize cannot shard quantised weights over tp ranks yet: set "
                 "generator.quantize = 'none' or parallelism.tp = 1"
             )
+        if self.rollout.dynamic_sampling and self.algorithm.group_size < 2:
+            raise ValueError(
+                "[rollout] dynamic_sampling needs algorithm.group_size >= 2 (it drops groups of equal rewards)"
+            )
         if self.rollout.partial:
             self._validate_partial_rollouts()
         if self.rollout.mode == "one_step":
@@ -121,8 +125,8 @@ class JobConfig:
             )
         if self.env.name:
             raise ValueError("[rollout] partial = true does not support multi-turn environments ([env] name)")
-        if self.algorithm.dynamic_sampling:
-            raise ValueError("[rollout] partial = true and algorithm.dynamic_sampling cannot be combined")
+        if self.rollout.dynamic_sampling:
+            raise ValueError("[rollout] partial = true and rollout.dynamic_sampling cannot be combined")
 
     def _validate_one_step(self) -> None:
         if self.rollout.staleness and self.algorithm.off_policy_correction == "none":
@@ -132,7 +136,7 @@ class JobConfig:
             )
         unsupported = {
             "env.name": self.env.name,
-            "algorithm.dynamic_sampling": self.algorithm.dynamic_sampling,
+            "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
             "reward.model_path": self.reward.model_path,
             "parallelism.tp > 1": self.parallelism.tp > 1,
             "job.recipe != 'rl'": self.job.recipe != "rl",

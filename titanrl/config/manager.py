@@ -16,12 +16,31 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli
 
-from titanrl.algorithms import validate_algorithm
 from titanrl.config.job_config import JobConfig
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 _NONE = {"none", "null"}
+
+# Keys that moved: the old name gets an error naming the new one (a config written for an older
+# titanrl must not silently train with a default).
+MOVED_KEYS = {
+    "algorithm.normalize_std": "[algorithm.grpo] normalize_std (also read by 'gspo', 'cispo', 'sapo')",
+    "algorithm.gamma": "[algorithm.ppo] gamma or [algorithm.reinforce_pp] gamma",
+    "algorithm.lam": "[algorithm.ppo] lam",
+    "algorithm.sapo_tau_pos": "[algorithm.sapo] tau_pos",
+    "algorithm.sapo_tau_neg": "[algorithm.sapo] tau_neg",
+    "algorithm.dynamic_sampling": "[rollout] dynamic_sampling",
+    "algorithm.max_sampling_rounds": "[rollout] max_sampling_rounds",
+    "algorithm.overlong_filter": "[rollout] overlong_filter",
+    "algorithm.overlong_buffer_len": "[reward] overlong_buffer_len",
+    "algorithm.overlong_penalty_factor": "[reward] overlong_penalty_factor",
+}
+
+
+class CliValue(str):
+    """A value given on the command line, kept as text until its type is known (the settings of
+    an algorithm's own table are typed by the algorithm class, after loading)."""
 
 
 def _did_you_mean(name: str, choices: list[str]) -> str:
@@ -30,18 +49,18 @@ def _did_you_mean(name: str, choices: list[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
-def _section_types(section_cls: type) -> dict[str, Any]:
+def section_types(section_cls: type) -> dict[str, Any]:
     return get_type_hints(section_cls)
 
 
-def _describe_type(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(c) for c in get_args(tp))
     if _is_optional(tp):
         inner = [a for a in get_args(tp) if a is not type(None)][0]
-        return f"{_describe_type(inner)} or none"
+        return f"{describe_type(inner)} or none"
     if get_origin(tp) is list:
-        return f"list of {_describe_type(get_args(tp)[0])}"
+        return f"list of {describe_type(get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -53,7 +72,7 @@ def convert_value(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     """Check `value` against annotation `tp`; CLI values arrive as strings and are parsed first."""
 
     def fail(reason: str = "") -> ValueError:
-        return ValueError(f"Invalid value {value!r} for '{key}': expected {_describe_type(tp)}{reason}")
+        return ValueError(f"Invalid value {value!r} for '{key}': expected {describe_type(tp)}{reason}")
 
     if _is_optional(tp):
         if value is None or (from_cli and isinstance(value, str) and value.lower() in _NONE):
@@ -119,15 +138,51 @@ def apply_overrides(config: JobConfig, overrides: dict[str, dict[str, Any]], sou
         if not isinstance(values, dict):
             raise ValueError(f"[{section_name}] in {source} must be a table of key = value, got {values!r}")
         section = getattr(config, section_name)
-        field_types = _section_types(type(section))
         for key, value in values.items():
-            if key not in field_types:
-                keys = list(field_types)
-                raise ValueError(
-                    f"Unknown config key '{section_name}.{key}' in {source}.{_did_you_mean(key, keys)} "
-                    f"Valid keys of [{section_name}]: {', '.join(keys)}"
-                )
-            setattr(section, key, convert_value(f"{section_name}.{key}", value, field_types[key], from_cli))
+            _set_key(section, section_name, key, value, source, from_cli)
+
+
+def _set_key(section: Any, section_name: str, key: str, value: Any, source: str, from_cli: bool) -> None:
+    field_types = section_types(type(section))
+    tables = getattr(section, "tables", None) if "tables" in field_types else None
+    name, dot, sub_key = key.partition(".")
+    if tables is not None and (dot or isinstance(value, dict)):
+        # A sub-table ([algorithm.sapo] in TOML, --algorithm.sapo.tau_pos on the CLI): kept as
+        # given; the class that owns it types and validates it.
+        table = tables.setdefault(name, {})
+        if not dot:
+            table.update(value)
+        else:
+            table[sub_key] = CliValue(value) if from_cli else value
+        return
+    if key not in field_types or key == "tables":
+        moved = MOVED_KEYS.get(f"{section_name}.{key}")
+        if moved:
+            raise ValueError(f"'{section_name}.{key}' in {source} has moved: set {moved} instead")
+        keys = [k for k in field_types if k != "tables"]
+        raise ValueError(
+            f"Unknown config key '{section_name}.{key}' in {source}.{_did_you_mean(key, keys)} "
+            f"Valid keys of [{section_name}]: {', '.join(keys)}"
+        )
+    setattr(section, key, convert_value(f"{section_name}.{key}", value, field_types[key], from_cli))
+
+
+def parse_table(cls: type, values: dict[str, Any], table_name: str) -> Any:
+    """An instance of the dataclass `cls` from a sub-table's raw values (TOML values, or
+    `CliValue` text from the command line), with the same type checks and did-you-mean as a
+    section; its `validate()` runs if it has one."""
+    field_types = section_types(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in field_types:
+            keys = list(field_types)
+            valid = f"Valid keys: {', '.join(keys)}" if keys else "It takes no settings."
+            raise ValueError(f"Unknown config key '{table_name}.{key}'.{_did_you_mean(key, keys)} {valid}")
+        kwargs[key] = convert_value(f"{table_name}.{key}", value, field_types[key], isinstance(value, CliValue))
+    instance = cls(**kwargs)
+    if hasattr(instance, "validate"):
+        instance.validate()
+    return instance
 
 
 def parse_cli_args(args: list[str]) -> dict[str, dict[str, Any]]:
@@ -176,7 +231,6 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
         apply_overrides(config, load_toml(config_file), source=config_file, from_cli=False)
     apply_overrides(config, cli, source="the command line", from_cli=True)
     config.validate()
-    validate_algorithm(config)
     return config
 
 
@@ -185,6 +239,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, CliValue):
+        return str(value)  # text from the command line, written as it was given there
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         return f'"{escaped}"'
@@ -198,10 +254,18 @@ def to_toml(config: JobConfig) -> str:
     lines = []
     for section_field in dataclasses.fields(config):
         lines.append(f"[{section_field.name}]")
-        for key, value in dataclasses.asdict(getattr(config, section_field.name)).items():
-            if value is not None:
+        section = getattr(config, section_field.name)
+        tables = {}
+        for key, value in dataclasses.asdict(section).items():
+            if key == "tables":
+                tables = value
+            elif value is not None:
                 lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for table_name, values in tables.items():
+            lines.append(f"[{section_field.name}.{table_name}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -231,8 +295,11 @@ def help_text() -> str:
         section = getattr(config, section_field.name)
         docs = field_docs(type(section))
         lines.append(f"[{section_field.name}]")
-        for key, tp in _section_types(type(section)).items():
-            lines.append(f"  --{section_field.name}.{key}  ({_describe_type(tp)}, default {getattr(section, key)!r})")
+        for key, tp in section_types(type(section)).items():
+            if key == "tables":
+                lines.append(f"  [{section_field.name}.<name>]  {docs.get(key, '')}")
+                continue
+            lines.append(f"  --{section_field.name}.{key}  ({describe_type(tp)}, default {getattr(section, key)!r})")
             lines.append(f"      {docs.get(key, '')}")
         lines.append("")
     return "\n".join(lines)

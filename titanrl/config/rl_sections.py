@@ -2,8 +2,8 @@
 the critic, rewards, environments, and the SFT warm-up before RL; and the DPO recipe's section.
 ([rollout] is in rollout_sections.py.)"""
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 
 @dataclass
@@ -58,8 +58,7 @@ class Generator:
     batch buckets under cpu_kernel.MIN_COMPILED_BUCKET rows decode 'inplace') and prefills as
     'sdpa'. 'auto': 'cpu_kernel' where it can run (in bfloat16 under `compile` only: eager
     'sdpa' runs the trainer's own SDPA and matches its bfloat16 logprobs closest), else
-    'inplace' for the compiled decode step (K pages stored transposed; at batch 256 on CPU 2.1x
-    faster than 'sdpa' at head_dim 64, 2.4x at head_dim 16), else 'sdpa'."""
+    'inplace' for the compiled decode step (K pages stored transposed), else 'sdpa'."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
     """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;
@@ -122,11 +121,28 @@ class Algorithm:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator (Schulman's k1/k2/k3) used for the penalty."""
 
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How per-token losses become one number: over all tokens, per sequence then mean, or Dr.GRPO."""
+    kl_clamp: bool = True
+    """Clamp the k3 estimate as verl's 'low_var_kl' does: log ratio to [-20, 20] before the
+    exponential, the estimate to [-10, 10] (constant, no gradient, beyond); false is plain k3.
+    k1 and k2 are never clamped."""
 
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group std (off for Dr.GRPO)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses become one number: over all tokens, per sequence then mean, per
+    sequence summed (Dr.GRPO), or per sequence summed and divided by the constant loss_agg_norm
+    (Dr.GRPO with its normaliser, verl's 'seq-mean-token-sum-norm')."""
+
+    loss_agg_norm: int = 0
+    """The constant C of loss_agg = 'seq-mean-token-sum-norm': each sequence's summed token losses
+    are divided by C (then averaged over sequences). 0 takes the maximum response length:
+    generator.max_new_tokens, or env.max_total_tokens with an environment. Only that mode reads it."""
+
+    dual_clip_c: float = 0.0
+    """Dual-clip PPO (Ye et al. 2020, arXiv:1912.09729): the clipped loss of a token with a
+    negative advantage A is capped at -dual_clip_c * A, so ratios above dual_clip_c stop pushing.
+    0 is off; otherwise > 1 (verl's clip_ratio_c, 3.0 by default there). For the algorithms with
+    the clipped surrogate (not gspo, cispo, sapo)."""
 
     kl_in_reward: bool = False
     """Put the KL penalty in the reward instead of the loss: per token for 'ppo' and
@@ -138,30 +154,6 @@ class Algorithm:
     num_minibatches: int = 1
     """Optimizer steps per pass; more than one (or several epochs) makes later updates off-policy."""
 
-    gamma: float = 1.0
-    """Discount of token rewards ('ppo' GAE, 'reinforce_pp' returns)."""
-
-    lam: float = 1.0
-    """GAE lambda ('ppo')."""
-
-    dynamic_sampling: bool = False
-    """DAPO: drop groups whose rewards are all equal and sample more prompts until the batch is full."""
-
-    max_sampling_rounds: int = 4
-    """Cap on generation rounds per step with dynamic_sampling; if the batch is still short, it
-    is filled with dropped groups (zero advantage), counted in the 'sampling_short_groups' metric."""
-
-    overlong_buffer_len: int = 0
-    """DAPO overlong shaping: completions longer than max_new_tokens - this get a linear penalty
-    reaching -overlong_penalty_factor at max_new_tokens; 0 disables it."""
-
-    overlong_penalty_factor: float = 1.0
-    """Scale of the overlong penalty."""
-
-    overlong_filter: bool = False
-    """DAPO overlong filtering: truncated completions (no stop within max_new_tokens) are masked
-    out of the loss."""
-
     off_policy_correction: Literal["none", "tis", "mis"] = "none"
     """Importance weights pi_trainer / pi_generator on the loss: 'tis' truncates them at
     is_cap, 'mis' drops tokens whose ratio is outside [1/is_cap, is_cap]."""
@@ -169,29 +161,35 @@ class Algorithm:
     is_cap: float = 2.0
     """Cap C of the off-policy importance ratio (tis, mis)."""
 
-    sapo_tau_pos: float = 1.0
-    """SAPO: temperature of the soft gate on tokens with a positive advantage."""
-
-    sapo_tau_neg: float = 1.05
-    """SAPO: temperature of the soft gate on tokens with a negative advantage (the paper's
-    choice is a little above sapo_tau_pos, so negative updates decay faster off-policy)."""
+    tables: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each algorithm's own settings, written as a table named after it: `[algorithm.sapo]`
+    `tau_pos = 1.0` in TOML, `--algorithm.sapo.tau_pos=1.0` on the command line. The algorithm
+    class declares and validates them (its `Settings` dataclass); docs/configuration.md lists them."""
 
     def validate(self) -> None:
-        for name in ("ppo_epochs", "num_minibatches", "max_sampling_rounds"):
+        for name in ("ppo_epochs", "num_minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[algorithm] {name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 1:
             raise ValueError(f"[algorithm] group_size must be >= 1, got {self.group_size}")
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "overlong_buffer_len", "overlong_penalty_factor"):
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[algorithm] {name} must be >= 0, got {getattr(self, name)}")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"[algorithm] {name} must be in [0, 1], got {getattr(self, name)}")
         if not self.is_cap > 1.0:
             raise ValueError(f"[algorithm] is_cap must be > 1, got {self.is_cap}")
-        if self.dynamic_sampling and self.group_size < 2:
-            raise ValueError("[algorithm] dynamic_sampling needs group_size >= 2 (it drops groups of equal rewards)")
+        if not (self.dual_clip_c == 0 or self.dual_clip_c > 1.0):
+            raise ValueError(
+                f"[algorithm] dual_clip_c must be 0 (off) or > 1 (verl's default is 3.0), got {self.dual_clip_c}"
+            )
+        if self.loss_agg_norm < 0:
+            raise ValueError(
+                f"[algorithm] loss_agg_norm must be >= 0 (0 = the maximum response length), got {self.loss_agg_norm}"
+            )
+        if self.loss_agg_norm and self.loss_agg != "seq-mean-token-sum-norm":
+            raise ValueError(
+                f"[algorithm] loss_agg_norm is only read by loss_agg = 'seq-mean-token-sum-norm', not "
+                f"'{self.loss_agg}': remove loss_agg_norm or change loss_agg"
+            )
 
 
 @dataclass
@@ -262,7 +260,17 @@ class Reward:
     (single-turn rollouts); the step then waits only for what is left (timeout_s counts from
     there). Off: the batch is scored once generation has ended. Same rewards either way."""
 
+    overlong_buffer_len: int = 0
+    """DAPO's overlong reward shaping: completions longer than generator.max_new_tokens minus this
+    get a linear penalty reaching -overlong_penalty_factor at max_new_tokens; 0 disables it."""
+
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty."""
+
     def validate(self) -> None:
+        for name in ("overlong_buffer_len", "overlong_penalty_factor"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[reward] {name} must be >= 0, got {getattr(self, name)}")
         if not self.timeout_s > 0:
             raise ValueError(f"[reward] timeout_s must be > 0, got {self.timeout_s}")
         if self.num_workers < 1:

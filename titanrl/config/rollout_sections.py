@@ -46,7 +46,21 @@ class Rollout:
     versions behind the current weights is restarted from its prompt (its tokens discarded,
     counted in 'restarted_groups'); 0: no bound."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal under a group
+    baseline) and sample more prompts until the batch is full."""
+
+    max_sampling_rounds: int = 4
+    """Cap on generation rounds per step with dynamic_sampling; if the batch is still short, it
+    is filled with dropped groups (zero advantage), counted in the 'sampling_short_groups' metric."""
+
+    overlong_filter: bool = False
+    """DAPO's overlong filtering: truncated completions (no stop within generator.max_new_tokens)
+    are masked out of the loss."""
+
     def validate(self) -> None:
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"[rollout] max_sampling_rounds must be >= 1, got {self.max_sampling_rounds}")
         if self.max_step_tokens < 0:
             raise ValueError(f"[rollout] max_step_tokens must be >= 0, got {self.max_step_tokens}")
         if self.rollout_ranks < 1:

@@ -103,9 +103,9 @@ class Training:
 
     logprob_chunk_tokens: int = 256
     """Positions whose logits are computed at once for logprobs and entropy (forward, and again
-    in backward); memory for logits is this x vocab floats instead of tokens x vocab. 256 at a
-    151,936 vocabulary: ~0.16 GB per buffer, and still a matrix product big enough to run at
-    full speed (512 or 1024 were no faster on CPU and held 2-4x the memory)."""
+    in backward); memory for logits is this x vocab floats instead of tokens x vocab. Large enough
+    for the matrix product to run at full speed, small enough to keep the buffer small at a
+    150k vocabulary (docs/benchmarks.md: bench_logprob_memory)."""
 
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     """Dtype of parameters in forward/backward (FSDP2's mixed precision, also on one rank; master
@@ -122,8 +122,8 @@ class Training:
     """RL recipe: run the model over packed rows (sequences concatenated, attention within each,
     positions restarting at 0; `titanrl/data/packing.py`) instead of right-padded ones, for the
     policy update, reference / old logprobs and critic. Same losses up to float rounding (bitwise
-    in batch-invariant mode). 'auto' = on when the padded micro-batches would hold >= 1.15x the
-    packed token slots (long-tailed lengths); 'off' = padded, as before."""
+    in batch-invariant mode). 'auto' = on when the padded micro-batches would hold at least 1.15
+    times the packed token slots (long-tailed lengths); 'off' = padded rows."""
 
     balance_tokens: bool = True
     """RL recipe, dp > 1: before the logprob passes and the update, whole groups move between dp
@@ -225,10 +225,10 @@ class Compile:
 @dataclass
 class Data:
     task: str = "arithmetic"
-    """Embedded task name (e.g. 'arithmetic'), or 'jsonl' to read prompts from `path`."""
+    """Embedded task name (e.g. 'arithmetic', 'reverse'); not used when `path` names a file."""
 
     path: str = ""
-    """Prompt data for task 'jsonl', by extension: a .jsonl file (one JSON object per line), a
+    """Your own data, read instead of an embedded task, by extension: a .jsonl file (one JSON object per line), a
     .parquet file, or a Hugging Face `datasets` folder written by save_to_disk (Parquet and Arrow
     need the 'data' extra); rows with a prompt and an answer (see prompt_key, answer_key)."""
 
@@ -261,12 +261,15 @@ class Data:
     the file and line."""
 
     num_eval_samples: int = 64
-    """Held-out prompts used by the periodic greedy evaluation (task 'jsonl': the file's first
+    """Held-out prompts used by the periodic greedy evaluation (with `path`: the file's first
     rows, which are then not trained on)."""
 
     def validate(self) -> None:
-        if self.task == "jsonl" and not self.path:
-            raise ValueError("[data] task 'jsonl' needs data.path (a .jsonl or .parquet file or a datasets folder)")
+        if self.task == "jsonl":
+            raise ValueError(
+                "[data] task = 'jsonl' has moved: data.path alone selects file data (.jsonl, .parquet or a "
+                "datasets folder); remove data.task"
+            )
         if self.num_eval_samples < 0:
             raise ValueError(f"[data] num_eval_samples must be >= 0, got {self.num_eval_samples}")
         if self.system_prompt and not self.chat_template:

@@ -5,7 +5,10 @@ completion tokens), gen_logprobs (the generator's logprobs), later old/ref logpr
 """
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
+
+from titanrl.distributed.utils import dp_max
 
 
 def build_sequence_batch(
@@ -93,3 +96,20 @@ def micro_batch_plan(lengths_B: torch.Tensor, num_chunks: int) -> list[torch.Ten
 def micro_batches(batch: TensorDict, num_chunks: int) -> list[TensorDict]:
     """`micro_batch_plan`'s micro-batches of `batch`, padding trimmed per micro-batch."""
     return [trim_padding(batch[rows]) for rows in micro_batch_plan(batch["length"], num_chunks)]
+
+
+def plan_micro_batches(
+    lengths: list[int], micro_batch_tokens: int, dp_group: dist.ProcessGroup | None, sort_single: bool = False
+) -> list[torch.Tensor]:
+    """Row indices of this rank's micro-batches: each about `micro_batch_tokens` padded tokens
+    (`lengths` = padded tokens per row), as many on every rank of `dp_group` (FSDP runs
+    collectives in every forward and backward); none when some rank has no rows. A single
+    micro-batch keeps the rows in order unless `sort_single` (order changes the sums' rounding)."""
+    needed = num_micro_batches(lengths, micro_batch_tokens)
+    most, fewest_rows = dp_max([needed, -len(lengths)], dp_group)
+    n = int(min(most, -fewest_rows))
+    if n == 0:
+        return []
+    if n == 1 and not sort_single:
+        return [torch.arange(len(lengths))]
+    return micro_batch_plan(torch.tensor(lengths), n)

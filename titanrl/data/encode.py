@@ -6,8 +6,7 @@ no file or line to find it by. The `fit_*` functions encode every row of a data 
 exactly as its recipe will (chat template included), and treat the ones over the limit as
 `data.on_long_prompt` says, like `data.max_prompt_chars` at load: 'drop' (the default) drops
 them and prints how many, naming the first rows' file:line; 'error' stops on the first, naming
-it. Their cost is the tokenizer's (about 1M tokens/s on one core for a Rust `tokenizers` BPE:
-~2 s for 10k chat-template prompts of ~150 tokens), paid once per rank, at the same time.
+it. Their cost is the tokenizer's, paid once per rank, at the same time.
 """
 
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 from titanrl.config.sections import Data
 from titanrl.data.formats import sample_where
 from titanrl.data.prompts import is_rank0, listed
-from titanrl.envs.tasks import Sample
+from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
 
@@ -140,7 +139,7 @@ def fit_prompts(
     completion (generator.max_new_tokens) in the context; with an SFT warm-up, every training
     row's prompt + solution fits it too. Embedded tasks (short, generated) and environments (the
     first prompt is the environment's observation, not the row's) are not checked."""
-    if config.data.task != "jsonl" or config.env.name:
+    if not config.data.path or config.env.name:
         return train, held_out
     max_prompt, limit = prompt_room(max_seq_len, config.generator.max_new_tokens)
     on_long = config.data.on_long_prompt
@@ -173,7 +172,7 @@ def fit_demonstrations(
     config: "JobConfig", max_seq_len: int, encode: PromptEncoder, train: list[Sample], held_out: list[Sample]
 ) -> tuple[list[Sample], list[Sample]]:
     """SFT on a data file: every row's encoded prompt + solution + eos fits the context."""
-    if config.data.task != "jsonl":
+    if not config.data.path:
         return train, held_out
     return fit_rows(
         train,
@@ -196,7 +195,7 @@ def fit_pairs(
 ) -> tuple[list["PreferencePair"], list["PreferencePair"]]:
     """DPO / reward model on a data file: every pair's encoded prompt + its longer answer + eos
     fits the context (as `recipes.preference` encodes them)."""
-    if config.data.task != "jsonl":
+    if not config.data.path:
         return train, held_out
     tokenizer = encode.tokenizer
 

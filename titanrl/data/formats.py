@@ -26,7 +26,7 @@ import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from titanrl.envs.tasks import Sample
+from titanrl.data.tasks import Sample
 
 DATA_EXTRA = 'pip install -e ".[data]"'
 VERL_ANSWER_KEY = "reward_model.ground_truth"

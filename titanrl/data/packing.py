@@ -5,7 +5,7 @@ response lengths (most short, some at the length cap) most of a padded [B, T] ba
 Packing places each row's T_b - 1 inputs (the model reads tokens[:-1] and predicts tokens[1:])
 into packed rows of `capacity` slots, never splitting a document (first-fit decreasing, the
 capacity is the batch's padded width T - 1, so attention never costs more than in the padded
-batch). Attention stays within a document (`models/packing.py`) and positions restart at 0 for
+batch). Attention stays within a document (`data/forward.py`) and positions restart at 0 for
 each, so every token computes what it computes in its own padded row. `PackLayout.unpack` puts
 per-slot results back into the [B, T-1] layout the algorithms use: loss normalisation and the
 algorithm code see the same tensors as without packing.
@@ -24,8 +24,8 @@ from titanrl.data.batch import micro_batch_plan, num_micro_batches
 from titanrl.distributed.utils import all_reduce_values
 
 # "auto" packs when the padded layout holds at least this many times the packed layout's token
-# slots (scripts/bench_packing.py: per token slot, packed rows cost up to ~10% more on CPU:
-# the masked SDPA path and the gather / scatter; below ~1.15x that eats the gain).
+# slots: per token slot, packed rows cost more (the masked attention path, the gather / scatter),
+# which eats the gain below this ratio (bench_packing in docs/benchmarks.md).
 AUTO_MIN_GAIN = 1.15
 
 

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 
 from titanrl.data.formats import check_unicode, read_rows, shown
-from titanrl.envs.tasks import Task
+from titanrl.data.tasks import Task
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torchdata.nodes as tn
 
 from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
-from titanrl.envs.tasks import Sample, Task
+from titanrl.data.tasks import Sample, Task
 
 if TYPE_CHECKING:
     from titanrl.config.sections import Data

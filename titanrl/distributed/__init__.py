@@ -7,7 +7,7 @@ from titanrl.distributed.parallelize import (
     clip_grad_norm_,
     parallelize_model,
 )
-from titanrl.distributed.utils import all_reduce_values, init_distributed, set_determinism
+from titanrl.distributed.utils import all_reduce_values, dp_max, dp_sum, init_distributed, set_determinism
 
 __all__ = [
     "ParallelDims",
@@ -18,6 +18,8 @@ __all__ = [
     "apply_tp",
     "clip_grad_norm_",
     "device_type",
+    "dp_max",
+    "dp_sum",
     "init_distributed",
     "parallelize_model",
     "set_determinism",

@@ -60,3 +60,13 @@ def all_reduce_values(
     if group is not None:
         dist.all_reduce(t, op=op, group=group)
     return t.tolist()
+
+
+def dp_sum(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """Host numbers summed over the data-parallel `group` (TP peers hold equal copies, not counted)."""
+    return all_reduce_values(values, group)
+
+
+def dp_max(values: list[float], group: dist.ProcessGroup | None) -> list[float]:
+    """Host numbers' maximum over the data-parallel `group`."""
+    return all_reduce_values(values, group, op=dist.ReduceOp.MAX)

@@ -8,8 +8,7 @@
 
 Each env's task (`ENV_TASKS`) yields samples whose metadata holds a demonstration episode,
 `demo = [[text, from_model], ...]`, for the supervised warm-up (environment text masked).
-The task registry (`titanrl/envs/tasks.py`) imports `ENV_TASKS`; this module imports only the
-shared base types (`titanrl/envs/task_base.py`), never the registry.
+`ALL_TASKS` is the registry of every embedded task: `titanrl/data/tasks.py`'s and these.
 """
 
 import ast
@@ -17,8 +16,9 @@ import random
 import subprocess
 import sys
 
+from titanrl.data.task import Sample, Task, safe_arithmetic
+from titanrl.data.tasks import TASKS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
-from titanrl.envs.task_base import Sample, Task, safe_arithmetic
 
 # ---- calculator ----
 
@@ -244,3 +244,6 @@ class GuessNumberEnv(Environment):
 
 ENVS = {"calculator": CalculatorEnv, "python": PythonSandboxEnv, "guess_number": GuessNumberEnv}
 ENV_TASKS = {"calculator": CalculatorTask, "python": PythonTask, "guess_number": GuessNumberTask}
+ALL_TASKS = {**TASKS, **ENV_TASKS}
+"""Every embedded task by name: the single-turn ones (`titanrl/data/tasks.py`) and the
+multi-turn environments' tasks."""

@@ -2,7 +2,7 @@
 
 Each episode lives in one worker (its state is there); calls are sent without waiting and their
 results collected by `poll`, so the generator keeps decoding other samples meanwhile. Isolation
-is the reward runner's (`titanrl/components/workers.py`): a per-worker address-space limit,
+is the reward runner's (`titanrl/components/workers.py: init_worker`): a per-worker address-space limit,
 death with the trainer. A call that raises, returns garbage or runs past the timeout fails
 *its episode* (recorded, never raised); a hung or dead worker is killed and replaced, failing
 the episodes it held.

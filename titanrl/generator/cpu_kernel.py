@@ -3,9 +3,8 @@
 The compiled pure-PyTorch form (`DecodeAttention._attend_in_place`) reads the pages in place
 but pays index arithmetic per position; `csrc/paged_decode_attention.c` walks each row's pages
 with whole-register loads (a page's keys per feature, a value row; rows and KV heads in
-parallel; pages prefetched ahead of use). On its own it is 1.8-4x faster than the compiled form
-(`scripts/bench_decode_attention.py`, most with long rows); in whole decode steps the step gains
-less (`scripts/bench_generate.py`). Eager decode steps gain the most: they otherwise gather the
+parallel; pages prefetched ahead of use); bench_decode_attention and bench_generate in
+docs/benchmarks.md measure it. Eager decode steps gain the most: they otherwise gather the
 pages and run SDPA on the copy.
 
 It is built on first use with the system C compiler (`$CC`, else `cc`; torch.compile needs one
@@ -37,10 +36,7 @@ _LIBS = ["-lmvec", "-lm"]
 MIN_COMPILED_BUCKET = 128
 """A compiled decode step calls the kernel from batch buckets of this many rows (smaller ones run
 the compiled in-place attention): the call (dispatch to Python, the compiled graph split around
-it) costs ~0.03 ms, more than the kernel saves at small batches (negligible model, one thread,
-with the kernel vs without, ms per step: 0.18 vs 0.15 at batch 1, 0.47 vs 0.42 at 64; at 256
-0.87 vs 1.00 in that bench run, 0.77 vs 0.76 in the next, 0.57 vs 0.63 in a 9-run A/B).
-Eager steps always call it."""
+it) costs more than the kernel saves at small batches. Eager steps always call it."""
 
 
 def unusable_reason(device: torch.device, dtype: torch.dtype, block_size: int, head_dim: int) -> str | None:
@@ -179,8 +175,8 @@ def _paged_decode_attention_fake(q_NGRD, k_pages, v_pages, table_NM, pos_N):
 
 
 def _register_op() -> None:
-    """A plain `torch.library` op (not `custom_op`, whose Python wrapper costs ~15-30 us per call,
-    a tenth of a decode step at batch 256 on the negligible model). The registrations live in
+    """A plain `torch.library` op (not `custom_op`, whose Python wrapper costs a noticeable share
+    of a small decode step). The registrations live in
     torch.library (not in this module), so a re-import finds the op defined and keeps it."""
     if hasattr(torch.ops.titanrl, "paged_decode_attention"):
         return

@@ -29,9 +29,7 @@ from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant
 def _stored(x_N: torch.Tensor) -> torch.Tensor:
     """`x_N`'s values through an indexed store, which the compiler must write to memory: the
     attention kernel then reads the query instead of inlining its norm and rotary embedding
-    (pointwise, so fused by default) and recomputing them once per KV page. At batch 256 on CPU:
-    a decode step 0.75 -> 0.58 ms (negligible model), generation 1.2-1.3x faster (bench model,
-    bfloat16); scripts/bench_generate.py."""
+    (pointwise, so fused by default) and recomputing them once per KV page."""
     return torch.zeros_like(x_N).index_put_((torch.arange(x_N.shape[0], device=x_N.device),), x_N)
 
 
@@ -158,14 +156,13 @@ def uses_cuda_graphs(compile: bool, backend: str, device: torch.device) -> bool:
 def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tuple[nn.Module, object]:
     """The compiled model (prefill) and decode step. On CUDA, CUDA graphs (`reduce-overhead`'s
     option). Guards on modules are skipped: the generator's modules never change type or
-    structure (weights are updated in place), and guarding on them costs ~0.2 ms per decode step
-    on CPU."""
+    structure (weights are updated in place), and guarding on them costs Python time at every
+    decode step."""
     options: dict = {"triton.cudagraphs": True} if uses_cuda_graphs(True, backend, device) else {}
     model_fn = torch.compile(model, backend=backend, options=dict(options) or None)
     options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     if backend == "inductor":
-        # No stride checks of the step's ~20 matmul / view outputs on every call: ~10-15 us of
-        # Python per step (negligible model at batch 256 on CPU: a step 0.447 -> 0.435 ms).
+        # No stride checks of the step's matmul / view outputs on every call (Python per step).
         options["size_asserts"] = False
     return model_fn, torch.compile(decode_step, backend=backend, options=options)
 
@@ -239,7 +236,7 @@ def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.devi
     (padding rows dead: 1 token left), and the block tables `[bucket, M]` padded with `scratch`."""
     P = bucket - len(rows.tokens)
     M = max(2, max(len(t) for t in rows.tables))  # >= 2: keeps the dynamic width off 0/1 specialisation
-    # One host buffer (built as one flat list: ~3x faster than a nested list into torch.tensor)
+    # One host buffer (built as one flat list: faster than a nested list into torch.tensor)
     # and one copy to the device: the state [4, bucket] (padding rows dead: 1 token left), then
     # the block tables [bucket, M] padded with the scratch block.
     pad = [scratch] * M

@@ -114,8 +114,8 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 class KVCachePool:
     """K and V tensors of every layer: V [num_blocks, block_size, n_kv_heads, head_dim]; K the
     same, or with `k_transposed` [num_blocks, n_kv_heads, head_dim, block_size] (a page's keys
-    contiguous per feature: the compiled in-place decode attention then vectorises over keys,
-    1.9x faster than over features at head_dim 64). `write` and `gather` hide the layout.
+    contiguous per feature: the compiled in-place decode attention then vectorises over keys
+    rather than features). `write` and `gather` hide the layout.
 
     The tensors start uninitialised (no page is touched, so waking the generator costs nothing
     up front); a block is zeroed the first time it is handed out (`prepare`). Zero, not stale
@@ -197,8 +197,7 @@ def write_kv(
 
 def rows_of(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`pool[index]` along the first dimension, as index_select: a copy per row, where advanced
-    indexing computes every element's offset (eager on CPU, gathering a decode batch's pages:
-    5x faster)."""
+    indexing computes every element's offset."""
     return pool.index_select(0, index.reshape(-1)).view(*index.shape, *pool.shape[1:])
 
 

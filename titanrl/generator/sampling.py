@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titanrl.components.loss import token_logprobs
+from titanrl.models.logprobs import token_logprobs
 
 
 @dataclass
@@ -109,8 +109,8 @@ def counter_uniform(key_N: torch.Tensor, counter_N: torch.Tensor) -> torch.Tenso
 
 def first_argmax(logits_NV: torch.Tensor) -> torch.Tensor:
     """`torch.argmax(logits_NV, -1)` (the first index of the row's maximum) as a max and a min
-    over indices: compiled on CPU, plain vectorised reductions instead of argmax's (index, value)
-    one; the decode step's sampler kernel at batch 256 took 0.11 -> 0.06 ms. A row with a NaN
+    over indices: compiled, plain vectorised reductions instead of argmax's (index, value) one.
+    A row with a NaN
     gives the last index (argmax: the NaN's)."""
     max_N1 = logits_NV.amax(-1, keepdim=True)
     index_V = torch.arange(logits_NV.shape[-1], device=logits_NV.device)
@@ -123,8 +123,8 @@ def sample_tokens(
     """One token id per row: argmax for temperature 0, else a draw from the filtered softmax.
 
     A draw is one uniform number from the row's stateless stream (`counter_uniform`), inverted
-    through the row's CDF: at a 150k vocabulary `torch.multinomial` on a row costs ~35 ms on CPU
-    (one random number per vocabulary entry); this costs one. All tensor ops: it runs inside the
+    through the row's CDF: `torch.multinomial` draws one random number per vocabulary entry
+    (150k per row at a real vocabulary); this draws one. All tensor ops: it runs inside the
     compiled decode step.
     """
     if params.temperature == 0:

@@ -4,8 +4,7 @@ BLAS picks different kernels, thread splits and summation orders for different m
 the same token gets slightly different logits when the generator decodes it among 3 sequences and
 when the trainer scores it among 40 positions. Under `batch_invariant_mode()` (and with
 `attend_exact*` / `ExactCausalAttention` for attention) generator and trainer logprobs are bitwise
-identical, at a small cost over the ordinary kernels (~1.15x the RL step of the README's main job
-on CPU, `scripts/bench_bitwise.py`):
+identical, at a small cost over the ordinary kernels (bench_bitwise in docs/benchmarks.md):
 
 - Linear layers (aten.mm / addmm): the rows are padded to a multiple of `TILE_ROWS` and cut into
   tiles of exactly `TILE_ROWS` rows, all multiplied by the weight in one batched GEMM. Every row

@@ -1,6 +1,6 @@
 """What DPO and reward-model training share: preference pairs, batched chosen-then-rejected.
 
-Data: `data.task = "jsonl"` reads {prompt, chosen, rejected} rows from data.path (the first
+Data: `data.path` reads {prompt, chosen, rejected} rows from data.path (the first
 data.num_eval_samples rows are held out), or an embedded task gives synthetic pairs (its
 solution is chosen, a one-character near miss rejected). A subclass says how a batch of pairs
 gives margins and losses (`margins`).
@@ -20,26 +20,14 @@ from titanrl.components.timer import phase
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.encode import fit_pairs
-from titanrl.data.preferences import PreferencePair, load_preferences, synthetic_preferences
-from titanrl.data.prompts import DatasetStream, build_prompt_loader, held_out_split
-from titanrl.envs.tasks import build_task
+from titanrl.data.loader import load_data
+from titanrl.data.preferences import PreferencePair
+from titanrl.data.prompts import DatasetStream, build_prompt_loader
+from titanrl.envs.builtin import ALL_TASKS
 from titanrl.recipes.base import Recipe
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
-
-
-def preference_data(config: JobConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    """(train pairs, held-out pairs)."""
-    n_eval = config.data.num_eval_samples
-    if config.data.task == "jsonl":
-        return held_out_split(load_preferences(config.data.path), n_eval)
-    task = build_task(config.data.task)
-    n_train = config.training.steps * config.training.batch_size
-    return (
-        synthetic_preferences(task, "train", n_train, config.job.seed),
-        synthetic_preferences(task, "eval", n_eval, config.job.seed),
-    )
 
 
 @dataclasses.dataclass
@@ -65,7 +53,8 @@ class PreferenceRecipe(Recipe):
 
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
-        return preference_data(config)
+        split = load_data(config, "preferences", ALL_TASKS)
+        return split.train, split.held_out
 
     def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
         super().__init__(trainer, data)

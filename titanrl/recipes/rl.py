@@ -24,82 +24,32 @@ from torch import nn
 from titanrl.algorithms import AdvantageInputs, get_algorithm
 from titanrl.algorithms.common import importance_weights, kl_estimate
 from titanrl.algorithms.ppo import value_loss
-from titanrl.components.distillation import DistillStats, build_distiller
 from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
-from titanrl.components.rollouts import Rollouts, build_generator, build_reward_runner, rollout_collector_class
-from titanrl.components.stats import StepStats, finite_max, maximum
+from titanrl.components.stats import finite_max
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
+from titanrl.data.forward import forward_logprobs, forward_values
+from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
-from titanrl.data.prompts import build_prompt_loader, held_out_split, prompt_stream, samples_from_config
+from titanrl.data.prompts import build_prompt_loader, prompt_stream
+from titanrl.data.tasks import Sample, Task
+from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.tasks import NumericMath, Sample, Task, build_task
 from titanrl.generator import SamplingParams
-from titanrl.models.packing import forward_logprobs, forward_values
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
-from titanrl.rewards.runner import RewardItem, RewardOutputLog, RewardStats
+from titanrl.rewards.runner import RewardItem, RewardOutputLog
+from titanrl.rl.builders import rollout_collector_class
+from titanrl.rl.distillation import build_distiller
+from titanrl.rl.rollouts import Rollouts, build_generator, build_reward_runner
+from titanrl.rl.stats import RLStats
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
-
-
-@dataclasses.dataclass
-class RLStats(DistillStats, RewardStats, StepStats):
-    """One RL step's sums (and maxima) on this rank; `reduced` combines the ranks."""
-
-    samples: float = 0.0
-    reward_sum: float = 0.0
-    reward_sq_sum: float = 0.0
-    correct: float = 0.0
-    response_tokens: float = 0.0
-    gen_tokens: float = 0.0
-    rm_score_sum: float = 0.0
-    baseline_reward_sum: float = 0.0
-    baseline_samples: float = 0.0
-    env_turns: float = 0.0
-    env_failures: float = 0.0
-    sampling_rounds: float = maximum(0.0)
-    dropped_groups: float = 0.0
-    short_groups: float = 0.0
-    overlong_filtered: float = 0.0
-    update_tokens: float = 0.0
-    kl: float = 0.0
-    entropy: float = 0.0
-    clipped: float = 0.0
-    gen_diff: float = 0.0
-    mismatch_kl: float = 0.0
-    is_dropped: float = 0.0
-    ratio_max: float = maximum(0.0)
-    mismatch_ratio_max: float = maximum(0.0)
-    skipped_updates: float = maximum(0.0)  # counted alike on every rank (the grad norm is global)
-    value_loss: float = 0.0
-    value_clipped: float = 0.0
-    value_tokens: float = 0.0
-
-    def add_rollouts(self, generated: Rollouts) -> None:
-        rewards = torch.tensor(generated.rewards)
-        self.samples += len(generated.results)
-        self.reward_sum += rewards.sum().item()
-        self.reward_sq_sum += (rewards**2).sum().item()
-        self.correct += sum(r.correct for r in generated.results)
-        self.response_tokens += sum(len(c.token_ids) for c in generated.completions)
-        self.add_reward_results(generated.results)
-        self.baseline_reward_sum += sum(generated.baseline_rewards)
-        self.baseline_samples += len(generated.baseline_rewards)
-
-
-def prompt_data(config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
-    """(verifier task, training prompts or None for the task's endless stream, held-out prompts)."""
-    if config.data.task == "jsonl":
-        train, held_out = held_out_split(samples_from_config(config.data), config.data.num_eval_samples)
-        return NumericMath(), train, held_out
-    task = build_task(config.data.task)
-    return task, None, task.samples("eval", config.data.num_eval_samples, config.job.seed)
 
 
 class RLRecipe(Recipe):
@@ -127,7 +77,8 @@ class RLRecipe(Recipe):
 
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
-        return prompt_data(config)
+        split = load_data(config, "prompts", ALL_TASKS)
+        return split.task, split.train, split.held_out
 
     def __init__(self, trainer: Trainer, data: tuple[Task, list[Sample] | None, list[Sample]]) -> None:
         super().__init__(trainer, data)
@@ -261,7 +212,7 @@ class RLRecipe(Recipe):
             [c.logprobs for c in completions],
             [c.model_mask for c in completions],  # environment tokens are not trained on
         ).to(self.trainer.device)
-        if self.config.algorithm.overlong_filter:
+        if self.config.rollout.overlong_filter:
             truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.trainer.device)
             batch["loss_mask"] = batch["loss_mask"] * (~truncated)[:, None]
             stats.overlong_filtered += truncated.sum().item()
@@ -272,7 +223,7 @@ class RLRecipe(Recipe):
         kl_BT = None
         if self.reference is not None and algo.kl_in_reward:
             policy_lp = batch["old_logprobs"] if "old_logprobs" in batch.keys() else batch["gen_logprobs"]
-            kl_BT = kl_estimate(policy_lp, batch["ref_logprobs"], algo.kl_estimator) * mask
+            kl_BT = self.algorithm.kl(policy_lp, batch["ref_logprobs"]) * mask
         return AdvantageInputs(
             rewards_N=torch.tensor(train.rewards).to(self.trainer.device),
             mask_BT=mask,
@@ -339,12 +290,12 @@ class RLRecipe(Recipe):
             trainer.backward(out.loss + distill_loss, step)
             with torch.no_grad():
                 if self.reference is not None:
-                    stats.kl += (kl_estimate(logprobs, mb["ref_logprobs"], algo.kl_estimator) * mask).sum().item()
+                    stats.kl += (self.algorithm.kl(logprobs, mb["ref_logprobs"]) * mask).sum().item()
                 stats.entropy += (entropy * mask).sum().item()
                 stats.clipped += out.clipped_tokens.item()
                 stats.update_tokens += mask.sum().item()
                 stats.gen_diff += ((old - mb["gen_logprobs"]).abs() * mask).sum().item()
-                stats.mismatch_kl += (kl_estimate(mb["gen_logprobs"], old, "k3") * mask).sum().item()
+                stats.mismatch_kl += (kl_estimate(mb["gen_logprobs"], old, "k3", clamp=False) * mask).sum().item()
                 stats.is_dropped += (is_dropped.float() * mask).sum().item()
                 stats.ratio_max = max(stats.ratio_max, out.ratio_max.item())
                 if mask.any():
@@ -400,11 +351,11 @@ class RLRecipe(Recipe):
         }
         if algo.off_policy_correction != "none":
             metrics["is_dropped_frac"] = s.is_dropped / per_token
-        if algo.dynamic_sampling:
+        if self.config.rollout.dynamic_sampling:
             metrics.update(
                 sampling_rounds=s.sampling_rounds, dropped_groups=s.dropped_groups, sampling_short_groups=s.short_groups
             )
-        if algo.overlong_filter:
+        if self.config.rollout.overlong_filter:
             metrics["overlong_filtered"] = s.overlong_filtered
         metrics.update(self.rollouts.metrics())
         if self.config.reward.model_path:

@@ -2,7 +2,7 @@
 
     python -m titanrl.train --job.config_file train_configs/sft_reverse_debug.toml
 
-Data: `data.task = "jsonl"` reads {prompt, answer[, solution]} rows from data.path (the first
+Data: `data.path` reads {prompt, answer[, solution]} rows from data.path (the first
 data.num_eval_samples rows are held out), or an embedded task gives worked solutions. The same
 step is the RL recipe's supervised warm-up (`warmup`, configured by [sft_warmup]).
 """
@@ -21,8 +21,10 @@ from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.encode import fit_demonstrations
-from titanrl.data.prompts import DatasetStream, build_prompt_loader, held_out_split, prompt_stream, samples_from_config
-from titanrl.envs.tasks import Sample, Task, build_task
+from titanrl.data.loader import load_data
+from titanrl.data.prompts import DatasetStream, build_prompt_loader, prompt_stream
+from titanrl.data.tasks import Sample, Task
+from titanrl.envs.builtin import ALL_TASKS
 from titanrl.models.model import Transformer
 from titanrl.recipes.base import Recipe
 
@@ -114,23 +116,14 @@ def warmup(trainer: Trainer, task: Task, train_samples: list[Sample] | None) -> 
             )
 
 
-def sft_data(config: JobConfig) -> tuple[list[Sample], list[Sample]]:
-    """(train rows, held-out rows): data.path's rows, or the embedded task's worked solutions."""
-    n_eval = config.data.num_eval_samples
-    if config.data.task == "jsonl":
-        return held_out_split(samples_from_config(config.data), n_eval)
-    task = build_task(config.data.task)
-    n_train = config.training.steps * config.training.batch_size
-    return task.samples("train", n_train, config.job.seed), task.samples("eval", n_eval, config.job.seed)
-
-
 class SFTRecipe(Recipe):
     name = "sft"
     console = {"loss": "loss", "grad_norm": "gnorm", "lr": "lr", "eval_loss": "EVAL_LOSS", "eta_s": "eta"}
 
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[list[Sample], list[Sample]]:
-        return sft_data(config)
+        split = load_data(config, "demonstrations", ALL_TASKS)
+        return split.train, split.held_out
 
     def __init__(self, trainer: Trainer, data: tuple[list[Sample], list[Sample]]) -> None:
         super().__init__(trainer, data)

@@ -1,6 +1,6 @@
 """Math-answer verifier for RL rewards (GSM8K / MATH style); model text is never `eval`-ed.
 
-Use: `--data.task=jsonl --data.path=math.jsonl --reward.function=titanrl.rewards.math_verify:math_verifier`
+Use: `--data.path=math.jsonl --reward.function=titanrl.rewards.math_verify:math_verifier`
 (rows {"prompt", "answer"}). `math_verifier = MathVerifier()` is a `Task`: the reward workers call
 its `score(completion, answer, metadata)` with the row's answer (reward 1.0 if correct, else 0.0).
 Also `gsm8k_verifier`, `boxed_verifier`, your own `MathVerifier(mode=..., format_weight=...)` in
@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from titanrl.envs.task_base import Task
+from titanrl.data.task import Task
 
 MAX_ANSWER_CHARS, MAX_TOKENS, MAX_EXPONENT, MAX_DIGITS = 400, 200, 1000.0, 1000.0
 REL_TOL, ABS_TOL = 1e-6, 1e-9

@@ -10,7 +10,7 @@ step goes on:
   'crash'   its worker died (os._exit, a segfault, a signal, killed for memory);
   'timeout' it was unfinished, running or still queued, when the batch's deadline passed.
 
-Workers (`titanrl/components/workers.py`) are plain interpreters that import only the reward
+Workers (`titanrl/rewards/worker.py`) are plain interpreters that import only the reward
 function's module, each leading its own process group, so that what the function forks dies
 with its worker. A hung worker is killed at the deadline; a dead one is replaced at once, unless
 the same slot's workers die twice in a row within a batch (a function that kills every worker):
@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from titanrl.components.workers import OUTPUT_KEEP_BYTES, RewardWorker
-from titanrl.envs.tasks import Task
+from titanrl.data.tasks import Task
+from titanrl.rewards.worker import OUTPUT_KEEP_BYTES, RewardWorker
 
 __all__ = [
     "FAILURE_REASONS",

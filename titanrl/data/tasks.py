@@ -4,22 +4,21 @@ Each task makes `Sample`s (prompt text, reference answer, and a worked solution 
 warm-up) from a seeded RNG; train and eval splits use disjoint seeds. Rewards: `correct` (1 if
 the extracted answer is right) plus `format_weight` if the completion is well-formed at all.
 
-`Sample`, `Score`, `Task` and `safe_arithmetic` live in `titanrl/envs/task_base.py` (re-exported
-here) so that the built-in multi-turn envs (`titanrl/envs/builtin.py`, whose tasks this registry
-includes) need not import this module.
+`Sample`, `Score`, `Task` and `safe_arithmetic` live in `titanrl/data/task.py` (re-exported
+here). The tasks of the multi-turn environments live with them (`titanrl/envs/builtin.py`);
+`titanrl.envs.builtin.ALL_TASKS` is this registry and theirs.
 """
 
+import difflib
 import random
 import re
 from collections.abc import Callable
 
-from titanrl.envs.builtin import ENV_TASKS
-from titanrl.envs.task_base import Sample, Score, Task, safe_arithmetic
+from titanrl.data.task import Sample, Score, Task, safe_arithmetic
 
 __all__ = [
     "Arithmetic",
     "Countdown",
-    "ENV_TASKS",
     "NumericMath",
     "Reverse",
     "Sample",
@@ -141,10 +140,14 @@ TASKS: dict[str, Callable[[], Task]] = {
 }
 
 
-def build_task(name: str) -> Task:
-    tasks = {**TASKS, **ENV_TASKS}  # the embedded tasks and the multi-turn envs' tasks
+def build_task(name: str, tasks: dict[str, Callable[[], Task]] = TASKS) -> Task:
+    """The task registered as `name` in `tasks`; an unknown name lists the registered ones."""
     if name not in tasks:
-        raise ValueError(f"Unknown task '{name}'; embedded tasks: {', '.join(tasks)} (or 'jsonl')")
+        close = difflib.get_close_matches(name, list(tasks), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ValueError(
+            f"Unknown task '{name}'; embedded tasks: {', '.join(tasks)} (or data.path for your own file).{hint}"
+        )
     return tasks[name]()
 
 

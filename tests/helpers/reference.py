@@ -3,7 +3,7 @@ float64 paged decode attention, the oracle of the CPU decode kernel (test and be
 
 import torch
 
-from titanrl.components.loss import token_logprobs
+from titanrl.models.logprobs import token_logprobs
 from titanrl.models.model import Transformer
 
 

@@ -19,13 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from titanrl.components.rollouts import RolloutCollector, Rollouts
 from titanrl.components.timer import PhaseTimer
-from titanrl.envs.tasks import Sample
+from titanrl.data.tasks import Sample
+from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
+from titanrl.rl.rollouts import RolloutCollector, Rollouts
 
 if TYPE_CHECKING:
-    from titanrl.recipes.rl import RLStats
+    from titanrl.rl.stats import RLStats
 
 
 @dataclass
@@ -71,7 +72,7 @@ class PartialRolloutCollector(RolloutCollector):
 
     def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         cfg = self.config
-        quota = cfg.training.batch_size // self.trainer.dims.dp_size  # this rank's share
+        quota = cfg.training.batch_size // self.host.dims.dp_size  # this rank's share
         version = step - 1
         restarted = self._restart_stale(version)
         groups = list(self.in_flight)
@@ -117,10 +118,10 @@ class PartialRolloutCollector(RolloutCollector):
     def _new_groups(self, samples: list[Sample]) -> list[Group]:
         """Groups of a loader batch; their ids count this rank's share of the global stream (the
         loader hands rank r prompts r, r + dp, ... of each global batch)."""
-        dims = self.trainer.dims
+        dims = self.host.dims
         first, self.drawn = self.drawn, self.drawn + len(samples)
         return [
-            Group(s, self.trainer.encode_prompt(s.prompt, s.metadata), (first + i) * dims.dp_size + dims.dp_rank)
+            Group(s, self.host.encode_prompt(s.prompt, s.metadata), (first + i) * dims.dp_size + dims.dp_rank)
             for i, s in enumerate(samples)
         ]
 
@@ -136,7 +137,7 @@ class PartialRolloutCollector(RolloutCollector):
         return pause_when
 
     def _rollouts(self, done: list[Group]) -> Rollouts:
-        tokenizer = self.trainer.tokenizer
+        tokenizer = self.host.tokenizer
         completions = [
             Completion(i, j, s.token_ids, s.logprobs, s.finish_reason, text=tokenizer.decode(s.token_ids), key=s.key)
             for i, g in enumerate(done)
@@ -161,7 +162,7 @@ class PartialRolloutCollector(RolloutCollector):
     def metrics(self) -> dict[str, float]:
         """Staleness of the trained samples and the tail, over data-parallel ranks (collective)."""
         s = self.last
-        stale, tokens, lag_sum, samples, in_flight, paused, restarted = self.trainer.dp_sum(
+        stale, tokens, lag_sum, samples, in_flight, paused, restarted = dp_sum(
             [
                 s["stale_tokens"],
                 s["tokens"],
@@ -170,9 +171,10 @@ class PartialRolloutCollector(RolloutCollector):
                 s["in_flight_groups"],
                 s["paused_samples"],
                 s["restarted_groups"],
-            ]
+            ],
+            self.host.dp_group,
         )
-        (lag_max,) = self.trainer.dp_max([s["lag_max"]])
+        (lag_max,) = dp_max([s["lag_max"]], self.host.dp_group)
         return {
             **super().metrics(),
             "stale_token_frac": stale / max(tokens, 1.0),
@@ -185,18 +187,18 @@ class PartialRolloutCollector(RolloutCollector):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        dims = self.trainer.dims
+        dims = self.host.dims
         return {"layout": _layout(dims), "in_flight": self.in_flight, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
             return
         # Another layout: the groups are another data shard's, or TP peers would disagree.
-        if state["layout"] != _layout(self.trainer.dims):
-            if self.trainer.rank == 0:
+        if state["layout"] != _layout(self.host.dims):
+            if self.host.rank == 0:
                 print(
                     f"partial rollouts: the groups in flight were saved with another parallel layout "
-                    f"({state['layout']}, now {_layout(self.trainer.dims)}): dropped",
+                    f"({state['layout']}, now {_layout(self.host.dims)}): dropped",
                     flush=True,
                 )
             return

@@ -1,4 +1,4 @@
-"""User reward functions for tests: importable as 'reward_fns:<name>' with tests/ on PYTHONPATH."""
+"""User reward functions for tests: importable as 'helpers.reward_fns:<name>' with tests/ on PYTHONPATH."""
 
 import math
 import time

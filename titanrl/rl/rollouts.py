@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
-from titanrl.components.checkpoint import fault_active
+from titanrl.components.faults import fault_active
 from titanrl.components.plugins import load_object
 from titanrl.components.timer import PhaseTimer
-from titanrl.data.batch import build_sequence_batch, trim_padding
-from titanrl.distributed import balance
+from titanrl.data.batch import build_sequence_batch, plan_micro_batches, trim_padding
+from titanrl.data.tasks import Sample, Task
+from titanrl.distributed import balance, dp_max
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.rollout import MultiTurnRollout
-from titanrl.envs.tasks import Sample, Task
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import read_generation_eos_ids
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
     from titanrl.config import JobConfig
     from titanrl.models.tokenizer import Tokenizer
-    from titanrl.recipes.rl import RLStats
-    from titanrl.trainer import Trainer
+    from titanrl.rl.host import RolloutHost
+    from titanrl.rl.stats import RLStats
 
 
 def build_generator(
@@ -115,14 +115,14 @@ class _StreamedResults:
 class RolloutCollector:
     def __init__(
         self,
-        trainer: Trainer,
+        host: RolloutHost,
         generator: Generator,
         rewards: RewardRunner,
         envs: EnvPool | None,
         reward_model: Transformer | None,
         baseline_rollout: bool,
     ) -> None:
-        self.trainer, self.config = trainer, trainer.config
+        self.host, self.config = host, host.config
         self.generator, self.rewards, self.envs, self.reward_model = generator, rewards, envs, reward_model
         self.baseline_rollout = baseline_rollout
         self.lengths: list[int] = []
@@ -137,12 +137,12 @@ class RolloutCollector:
         """The tail of this step's responses over data-parallel ranks (collective): what sets a
         synchronous step's length."""
         gathered = [self.lengths]
-        if self.trainer.dp_group is not None:
-            gathered = [None] * self.trainer.dims.dp_size
-            dist.all_gather_object(gathered, self.lengths, group=self.trainer.dp_group)
+        if self.host.dp_group is not None:
+            gathered = [None] * self.host.dims.dp_size
+            dist.all_gather_object(gathered, self.lengths, group=self.host.dp_group)
         lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
-        (decode_steps,) = self.trainer.dp_max([float(self.decode_steps)])
+        (decode_steps,) = dp_max([float(self.decode_steps)], self.host.dp_group)
         return {
             "response_len_p50": q50,
             "response_len_p90": q90,
@@ -180,7 +180,7 @@ class RolloutCollector:
         `stream`, their verifier results, scored in the reward workers as samples finish."""
         if self.envs is not None:  # environment steps run inside generation, overlapped with decoding
             return self.generate_episodes(samples, params, prompt_ids)
-        prompts = [self.trainer.encode_prompt(s.prompt, s.metadata) for s in samples]
+        prompts = [self.host.encode_prompt(s.prompt, s.metadata) for s in samples]
         if not stream:
             completions, gen_stats = self.generator.generate(prompts, params, prompt_ids)
             return prompts, completions, None, gen_stats
@@ -205,11 +205,11 @@ class RolloutCollector:
         env = self.config.env
         turns = MultiTurnRollout(
             self.envs,
-            self.trainer.tokenizer,
+            self.host.tokenizer,
             env.max_turns,
             env.max_total_tokens,
             self.config.reward.failure_reward,
-            prompt_encoder=self.trainer.encode_prompt,
+            prompt_encoder=self.host.encode_prompt,
             observation_role=env.observation_role,
         )
         prompts = turns.start(
@@ -245,22 +245,23 @@ class RolloutCollector:
             )
             rewards_N = rewards_N + cfg.reward.model_weight * scores
             rm_sum = scores.sum().item()
-        if cfg.algorithm.overlong_buffer_len:
+        if cfg.reward.overlong_buffer_len:
             lengths = torch.tensor([len(c.token_ids) for c in completions])
             rewards_N = rewards_N + overlong_penalty(
                 lengths,
                 cfg.generator.max_new_tokens,
-                cfg.algorithm.overlong_buffer_len,
-                cfg.algorithm.overlong_penalty_factor,
+                cfg.reward.overlong_buffer_len,
+                cfg.reward.overlong_penalty_factor,
             )
         return results, rewards_N, rm_sum
 
     def reward_model_scores(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """The reward model's score of each sequence [N], in micro-batches, in row order."""
-        trainer = self.trainer
-        batch = build_sequence_batch(prompts, completions, trainer.tokenizer.pad_id).to(trainer.device)
+        host = self.host
+        batch = build_sequence_batch(prompts, completions, host.tokenizer.pad_id).to(host.device)
         scores_N = torch.zeros(len(prompts))
-        for rows in trainer.plan_micro_batches(batch["length"].tolist()):
+        lengths = batch["length"].tolist()
+        for rows in plan_micro_batches(lengths, self.config.training.micro_batch_tokens, host.dp_group):
             mb = trim_padding(batch[rows])
             scores_N[rows] = sequence_scores(self.reward_model, mb["tokens"], mb["length"]).cpu()
         return scores_N
@@ -268,7 +269,7 @@ class RolloutCollector:
     def rollout(self, samples: list[Sample], step: int, round_idx: int, timer: PhaseTimer, stats: RLStats) -> Rollouts:
         """Generate G samples per prompt with the current weights (and a baseline rollout when
         the algorithm needs one), then score them."""
-        cfg, dims = self.config, self.trainer.dims
+        cfg, dims = self.config, self.host.dims
         params = self.sampling_params(step, round_idx)
         # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
         prompt_ids = [i * dims.dp_size + dims.dp_rank for i in range(len(samples))]
@@ -305,13 +306,13 @@ class RolloutCollector:
         """`train`'s groups spread over the trainer's dp ranks by tokens (training.balance_tokens):
         whole groups, each rank keeping at least one. Collective."""
         cfg = self.config
-        if not cfg.training.balance_tokens or self.trainer.dims.dp_size == 1 or cfg.algorithm.num_minibatches > 1:
+        if not cfg.training.balance_tokens or self.host.dims.dp_size == 1 or cfg.algorithm.num_minibatches > 1:
             return train
         with timer("balance"):
             return self._balance(train)
 
     def _balance(self, train: Rollouts) -> Rollouts:
-        G, group = self.config.algorithm.group_size, self.trainer.dp_group
+        G, group = self.config.algorithm.group_size, self.host.dp_group
         assert len(train.completions) == G * len(train.prompts)
         groups = [train.group(i, G) for i in range(len(train.prompts))]
         costs = [sum(len(g.prompts[0]) + len(c.token_ids) for c in g.completions) for g in groups]
@@ -339,20 +340,20 @@ class RolloutCollector:
         prompts are drawn until this rank has its share of batch_size groups, for at most max_sampling_rounds
         rounds, all ranks in step; a batch still short is filled with dropped groups (zero advantage).
         """
-        algo, G = self.config.algorithm, self.config.algorithm.group_size
+        sampling, G = self.config.rollout, self.config.algorithm.group_size
         first = self.rollout(next(batches), step, 0, timer, stats)
         quota = len(first.prompts)  # this rank's share of training.batch_size
-        if not algo.dynamic_sampling:
+        if not sampling.dynamic_sampling:
             return first, first
         generated, kept, dropped = [first], [], []
         latest = first
-        for round_idx in range(1, algo.max_sampling_rounds + 1):
+        for round_idx in range(1, sampling.max_sampling_rounds + 1):
             if latest is not None:  # sort the groups of this round's new rollout, once
                 for i, keep in enumerate(informative_groups(torch.tensor(latest.rewards), G).tolist()):
                     (kept if keep else dropped).append(latest.group(i, G))
             # Every dp rank runs the same number of rounds (generation may be collective over tp).
-            (deficit,) = self.trainer.dp_max([float(quota - len(kept))])
-            if deficit <= 0 or round_idx == algo.max_sampling_rounds:
+            (deficit,) = dp_max([float(quota - len(kept))], self.host.dp_group)
+            if deficit <= 0 or round_idx == sampling.max_sampling_rounds:
                 break
             samples = next(batches)  # drawn on every rank: the loaders stay in step
             latest = None
@@ -364,16 +365,3 @@ class RolloutCollector:
         stats.dropped_groups += len(dropped)
         stats.short_groups += short
         return Rollouts.concat(kept[:quota] + dropped[:short]), Rollouts.concat(generated)
-
-
-def rollout_collector_class(config) -> type[RolloutCollector]:
-    """The collector of `config.rollout`: colocated (synchronous or partial) or one-step."""
-    if config.rollout.mode == "one_step":
-        from titanrl.components.async_rollouts import RemoteRolloutCollector
-
-        return RemoteRolloutCollector
-    if config.rollout.partial:
-        from titanrl.components.partial_rollouts import PartialRolloutCollector
-
-        return PartialRolloutCollector
-    return RolloutCollector

@@ -25,24 +25,24 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from titanrl.algorithms import get_algorithm
 from titanrl.components.launch import StopSignals, die_with_launcher, local_device, model_args
-from titanrl.components.rollouts import RolloutCollector, Rollouts, build_generator, build_reward_runner
 from titanrl.components.timer import PhaseTimer
 from titanrl.components.watchdog import Watchdog
 from titanrl.config import JobConfig
 from titanrl.data.encode import PromptEncoder, fit_prompts
+from titanrl.data.loader import load_data
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
-from titanrl.distributed import set_determinism
+from titanrl.distributed import dp_max, set_determinism
+from titanrl.envs.builtin import ALL_TASKS
 from titanrl.models.tokenizer import build_tokenizer
-
-if TYPE_CHECKING:
-    from titanrl.recipes.rl import RLStats
+from titanrl.rl.rollouts import RolloutCollector, Rollouts, build_generator, build_reward_runner
+from titanrl.rl.stats import RLStats
 
 
 @dataclass
@@ -201,8 +201,8 @@ class RemoteRolloutCollector(RolloutCollector):
 
     def metrics(self) -> dict[str, float]:
         s = self.last
-        lag_max, gen_s, idle_s, wait_s = self.trainer.dp_max(
-            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]]
+        lag_max, gen_s, idle_s, wait_s = dp_max(
+            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]], self.host.dp_group
         )
         return {
             **super().metrics(),
@@ -223,14 +223,17 @@ class _Shard:
 
 
 @dataclass
-class RolloutHost:
-    """What `RolloutCollector` needs of a Trainer, on a rollout rank (no model to train)."""
+class RolloutRankHost:
+    """A rollout rank's `RolloutHost`: what `RolloutCollector` needs, without a model to train
+    (its collector runs no collective over dp ranks: each rollout rank feeds its own trainer rank)."""
 
     config: JobConfig
     dims: _Shard
     tokenizer: Any
     encode_prompt: Any
     device: torch.device
+    dp_group: None = None
+    rank: int = 0
 
 
 class RolloutWorker:
@@ -238,8 +241,6 @@ class RolloutWorker:
     batches for its trainer rank and takes the new weights as they come."""
 
     def __init__(self, config: JobConfig) -> None:
-        from titanrl.recipes.rl import prompt_data  # the recipes import this module's collector
-
         r, cfg = roles(), config
         self.config, self.roles = config, r
         die_with_launcher()
@@ -253,12 +254,13 @@ class RolloutWorker:
         device = local_device()
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        task, train, held_out = prompt_data(cfg)
+        split = load_data(cfg, "prompts", ALL_TASKS)
+        task, train, held_out = split.task, split.train, split.held_out
         train, _ = fit_prompts(cfg, args.max_seq_len, encode, train, held_out)
         self.generator = build_generator(cfg, args, device, tokenizer)
         self.rewards = build_reward_runner(cfg, task)
         baseline = get_algorithm(cfg.algorithm.name)(cfg.algorithm).needs_baseline_rollout
-        host = RolloutHost(cfg, _Shard(r.index, r.num_pairs), tokenizer, encode, device)
+        host = RolloutRankHost(cfg, _Shard(r.index, r.num_pairs), tokenizer, encode, device)
         self.collector = RolloutCollector(host, self.generator, self.rewards, None, None, baseline)
         self.loader = build_prompt_loader(
             prompt_stream(train, task, cfg.job.seed), cfg.training.batch_size, r.index, r.num_pairs
@@ -266,8 +268,6 @@ class RolloutWorker:
         self.watchdog = Watchdog(cfg.job.phase_timeout_s, -1)
 
     def run(self) -> None:
-        from titanrl.recipes.rl import RLStats
-
         r, cfg = self.roles, self.config
         message = recv_object(r)
         if message is STOP:

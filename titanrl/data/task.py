@@ -1,4 +1,4 @@
-"""Base types of the embedded tasks, shared by the task registry (`titanrl/envs/tasks.py`) and
+"""Base types of the embedded tasks, shared by the task registry (`titanrl/data/tasks.py`) and
 the built-in multi-turn environments (`titanrl/envs/builtin.py`), which both import it and not
 each other's counterpart: `Sample`, `Score`, `Task`, and `safe_arithmetic` (the expression
 evaluator used by the countdown task and the calculator tool).

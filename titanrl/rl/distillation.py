@@ -47,15 +47,15 @@ from torch.distributed.fsdp import FSDPModule
 from titanrl.algorithms.base import Algorithm
 from titanrl.algorithms.common import per_token
 from titanrl.components.model_builder import build_model
+from titanrl.data.forward import forward_logprobs, packed_backend
 from titanrl.data.packing import layout_of
 from titanrl.models.hf import read_hf_config
 from titanrl.models.logprobs import linear_backward
 from titanrl.models.model import Transformer
-from titanrl.models.packing import forward_logprobs, packed_backend
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
-    from titanrl.trainer import Trainer
+    from titanrl.rl.host import TrainerHost
 
 
 def distillation_advantages(
@@ -159,7 +159,7 @@ def completion_hidden_states(model: Transformer, batch: TensorDict) -> torch.Ten
 # ---- the teacher and the recipe's hooks ----
 
 
-def build_teacher(folder: str, trainer: Trainer) -> Transformer:
+def build_teacher(folder: str, trainer: TrainerHost) -> Transformer:
     """The frozen teacher from an HF folder, with its own shape, on the trainer's mesh."""
     args = read_hf_config(folder)
     student = trainer.model_args
@@ -185,7 +185,7 @@ def build_teacher(folder: str, trainer: Trainer) -> Transformer:
     ).requires_grad_(False)
 
 
-def check_distillation(config: JobConfig, algorithm: Algorithm, trainer: Trainer) -> None:
+def check_distillation(config: JobConfig, algorithm: Algorithm, trainer: TrainerHost) -> None:
     """Reject what distillation cannot run with, naming the fix."""
     name = config.algorithm.name
     if not algorithm.token_advantages:
@@ -194,10 +194,10 @@ def check_distillation(config: JobConfig, algorithm: Algorithm, trainer: Trainer
             "sequence (GSPO's sequence ratio); use a token-level one (grpo, rloo, cispo, sapo, ppo, ...), or unset "
             "distillation.teacher_hf_checkpoint"
         )
-    if config.algorithm.dynamic_sampling:
+    if config.rollout.dynamic_sampling:
         raise ValueError(
-            "[distillation] algorithm.dynamic_sampling drops groups of equal task reward, which still "
-            "carry the teacher's signal: set algorithm.dynamic_sampling = false"
+            "[distillation] rollout.dynamic_sampling drops groups of equal task reward, which still "
+            "carry the teacher's signal: set rollout.dynamic_sampling = false"
         )
     sharded = trainer.dims.world_size > 1 or isinstance(trainer.model, FSDPModule)
     if config.distillation.divergence == "jsd" and sharded:
@@ -276,7 +276,7 @@ class Distiller:
         return self.config.coef * jsd_N.sum() / num_global_tokens
 
 
-def build_distiller(config: JobConfig, algorithm: Algorithm, trainer: Trainer) -> Distiller | None:
+def build_distiller(config: JobConfig, algorithm: Algorithm, trainer: TrainerHost) -> Distiller | None:
     """The distiller when distillation.teacher_hf_checkpoint is set (after the checks), else None."""
     folder = config.distillation.teacher_hf_checkpoint
     if not folder:

@@ -1,0 +1,31 @@
+"""`ruff check` and `ruff format --check` over the repository (rules in pyproject.toml): part of
+the README's test command, so CI runs them with the suite."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers.launch import REPO_ROOT
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff(command):
+    ruff = shutil.which("ruff") or pytest.fail("ruff is not installed: pip install -e '.[dev]'")
+    proc = subprocess.run([ruff, *command, "."], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, f"ruff {' '.join(command)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+
+
+def test_no_line_over_120_characters_in_the_package():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import pathlib; print(max(len(l) for p in pathlib.Path('titanrl').rglob('*.py') "
+            "for l in p.read_text().splitlines()))",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert int(proc.stdout) <= 120

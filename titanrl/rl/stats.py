@@ -1,0 +1,61 @@
+"""One RL step's statistics: sums and maxima on this rank, reduced over ranks in one collective
+(`StepStats.reduced`); the recipe turns them into the logged metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from titanrl.components.stats import StepStats, maximum
+from titanrl.rewards.runner import RewardStats
+from titanrl.rl.distillation import DistillStats
+
+if TYPE_CHECKING:
+    from titanrl.rl.rollouts import Rollouts
+
+
+@dataclasses.dataclass
+class RLStats(DistillStats, RewardStats, StepStats):
+    """One RL step's sums (and maxima) on this rank; `reduced` combines the ranks."""
+
+    samples: float = 0.0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    correct: float = 0.0
+    response_tokens: float = 0.0
+    gen_tokens: float = 0.0
+    rm_score_sum: float = 0.0
+    baseline_reward_sum: float = 0.0
+    baseline_samples: float = 0.0
+    env_turns: float = 0.0
+    env_failures: float = 0.0
+    sampling_rounds: float = maximum(0.0)
+    dropped_groups: float = 0.0
+    short_groups: float = 0.0
+    overlong_filtered: float = 0.0
+    update_tokens: float = 0.0
+    kl: float = 0.0
+    entropy: float = 0.0
+    clipped: float = 0.0
+    gen_diff: float = 0.0
+    mismatch_kl: float = 0.0
+    is_dropped: float = 0.0
+    ratio_max: float = maximum(0.0)
+    mismatch_ratio_max: float = maximum(0.0)
+    skipped_updates: float = maximum(0.0)  # counted alike on every rank (the grad norm is global)
+    value_loss: float = 0.0
+    value_clipped: float = 0.0
+    value_tokens: float = 0.0
+
+    def add_rollouts(self, generated: Rollouts) -> None:
+        rewards = torch.tensor(generated.rewards)
+        self.samples += len(generated.results)
+        self.reward_sum += rewards.sum().item()
+        self.reward_sq_sum += (rewards**2).sum().item()
+        self.correct += sum(r.correct for r in generated.results)
+        self.response_tokens += sum(len(c.token_ids) for c in generated.completions)
+        self.add_reward_results(generated.results)
+        self.baseline_reward_sum += sum(generated.baseline_rewards)
+        self.baseline_samples += len(generated.baseline_rewards)
