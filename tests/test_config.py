@@ -84,7 +84,7 @@ def test_typo_section_and_cli_key():
         (["--algorithm.lam=0.9"], r"'algorithm.lam' in the command line has moved: set \[algorithm.ppo\] lam"),
         (["--algorithm.sapo_tau_pos=1"], r"has moved: set \[algorithm.sapo\] tau_pos"),
         (["--algorithm.dynamic_sampling=true"], r"has moved: set \[rollout\] dynamic_sampling"),
-        (["--algorithm.normalize_std=false"], r"has moved: set \[algorithm.grpo\] normalize_std"),
+        (["--algorithm.normalize_std=false"], r"has moved: set \[algorithm.<name>\] normalize_std"),
         (["--algorithm.grpo.normalise_std=false"], r"'algorithm.grpo.normalise_std'. Did you mean 'normalize_std'"),
         (["--algorithm.grpo.normalize_std=maybe"], r"Invalid value 'maybe' for 'algorithm.grpo.normalize_std'"),
         (["--algorithm.sapo.tau_pos=1"], r"\[algorithm.sapo\] is set but algorithm.name is 'grpo'"),
@@ -250,3 +250,18 @@ def test_cli_roundtrip(config):
 
 def test_parse_cli_args_forms():
     assert parse_cli_args(["--a.b=1", "--c.d", "2", "--e.f"]) == {"a": {"b": "1"}, "c": {"d": "2"}, "e": {"f": "true"}}
+
+
+def test_text_settings_from_the_command_line_write_valid_toml(tmp_path):
+    """A text (Literal) setting of an algorithm's table given on the command line -> the resolved
+    config is valid TOML that reloads to the same settings (before and after validation)"""
+    args = ["--algorithm.name=reinforce_pp", "--algorithm.reinforce_pp.baseline=group"]
+    config = load_config(args)
+    for stage in ("raw", "validated"):
+        if stage == "validated":
+            validate_algorithm(config)
+        path = tmp_path / f"{stage}.toml"
+        path.write_text(to_toml(config))
+        loaded = load_config([f"--job.config_file={path}"])
+        validate_algorithm(loaded)
+        assert loaded.algorithm.tables["reinforce_pp"]["baseline"] == "group"

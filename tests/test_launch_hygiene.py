@@ -78,7 +78,7 @@ def _alive(pid: int) -> bool:
         (["--training.stpes=3"], "Did you mean 'steps'"),
         (["--nproc", "3", DEBUG, "--parallelism.tp=2"], "does not divide the world size 3"),
         (["--data.path=/nonexistent.jsonl"], "/nonexistent.jsonl"),
-        (["--reward.function=reward_fns:no_such_function"], "helpers.reward_fns:no_such_function"),
+        (["--reward.function=helpers.reward_fns:no_such_function"], "helpers.reward_fns:no_such_function"),
         (["--data.path={latin1}"], "latin1.jsonl:2: not valid UTF-8"),
         (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
     ],

@@ -172,7 +172,7 @@ def test_streaming_rewards_train_like_batch_scoring(tmp_path):
     import json
     import os
 
-    from conftest import REPO_ROOT, run_cmd, train_cmd
+    from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 
     def run(folder, streaming):
         args = [
@@ -204,7 +204,7 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
     import json
     import os
 
-    from conftest import REPO_ROOT, run_cmd, train_cmd
+    from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 
     args = [
         f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
@@ -234,7 +234,7 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
 def _one_step_args(folder, *extra):
     import os
 
-    from conftest import REPO_ROOT
+    from helpers.launch import REPO_ROOT
 
     return [
         f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
@@ -262,7 +262,7 @@ def _rl_steps(folder) -> dict[int, dict]:
 def _run_ok(args, nproc):
     import os
 
-    from conftest import run_cmd, train_cmd
+    from helpers.launch import run_cmd, train_cmd
 
     proc = run_cmd(train_cmd(args, nproc), {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -304,7 +304,7 @@ def test_one_step_on_2_plus_2_ranks_trains_one_version_behind(tmp_path):
 def test_one_step_world_must_split_in_two_halves(tmp_path):
     import os
 
-    from conftest import run_cmd, train_cmd
+    from helpers.launch import run_cmd, train_cmd
 
     args = _one_step_args(
         tmp_path, "--rollout.mode=one_step", "--rollout.rollout_ranks=2", "--algorithm.off_policy_correction=tis"

@@ -247,7 +247,7 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
     """2 FSDP ranks under torchrun with a 64-token micro-batch budget: each rank packs its own
     rollouts into several micro-batches and the ranks agree on a count (MAX all-reduce, fuller
     rows split when a rank has fewer); losses and gradients match the padded run."""
-    from conftest import run_cmd, train_cmd
+    from helpers.launch import run_cmd, train_cmd
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(

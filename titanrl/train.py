@@ -15,7 +15,9 @@ from titanrl.trainer import Trainer
 
 
 def build_trainer(config: JobConfig) -> Trainer:
-    """The Trainer of the job's recipe (`job.recipe`)."""
+    """The Trainer of the job's recipe (`job.recipe`), after the algorithm's own checks (which also
+    resolve its settings table)."""
+    validate_algorithm(config)
     return Trainer(config, get_recipe(config.job.recipe))
 
 

@@ -173,7 +173,7 @@ class Trainer:
             print(
                 f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
                 f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params) | "
-                f"task {self.config.data.task}",
+                f"data {self.config.data.path or 'task ' + self.config.data.task}",
                 flush=True,
             )
 

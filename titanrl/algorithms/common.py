@@ -4,7 +4,7 @@ aggregation, masked whitening, token-level rewards, group baselines, off-policy 
 Aggregation divides by *global* counts (summed over data-parallel ranks and micro-batches)
 that the caller passes in, so the gradient is the same however a batch is split.
 
-Advantages are computed in float64 and returned in `advantage_dtype` of the rewards (float32 for
+Group-baseline advantages are computed in float64 and returned in `advantage_dtype` of the rewards (float32 for
 the float32 rewards of a run, float64 for float64 inputs): in float32 the mean of G equal rewards
 that are not exact binary fractions (0.1, 0.3, 0.7) can come out one rounding step off, and
 GRPO's division by the (near-zero) std + 1e-6 turned that step into an advantage of ~0.06 for
@@ -164,7 +164,8 @@ def masked_whiten(
     values_BT: torch.Tensor, mask_BT: torch.Tensor, dp_group: dist.ProcessGroup | None = None, eps: float = 1e-8
 ) -> torch.Tensor:
     """(x - mean) / (std + eps) over the masked entries of the *global* batch (summed over
-    `dp_group`), zero outside the mask, with statistics in float64.
+    `dp_group`), zero outside the mask; the sums are taken in the values' dtype, then reduced and
+    combined in float64.
 
     std is the *population* std, sqrt(sum (x - mean)^2 / n), as OpenRLHF normalises advantages
     globally. verl's `masked_whiten` (verl/utils/torch_functional.py) uses the unbiased variance,

@@ -25,7 +25,7 @@ _NONE = {"none", "null"}
 # Keys that moved: the old name gets an error naming the new one (a config written for an older
 # titanrl must not silently train with a default).
 MOVED_KEYS = {
-    "algorithm.normalize_std": "[algorithm.grpo] normalize_std (also read by 'gspo', 'cispo', 'sapo')",
+    "algorithm.normalize_std": "[algorithm.<name>] normalize_std (<name> = grpo, gspo, cispo or sapo)",
     "algorithm.gamma": "[algorithm.ppo] gamma or [algorithm.reinforce_pp] gamma",
     "algorithm.lam": "[algorithm.ppo] lam",
     "algorithm.sapo_tau_pos": "[algorithm.sapo] tau_pos",
@@ -178,7 +178,8 @@ def parse_table(cls: type, values: dict[str, Any], table_name: str) -> Any:
             keys = list(field_types)
             valid = f"Valid keys: {', '.join(keys)}" if keys else "It takes no settings."
             raise ValueError(f"Unknown config key '{table_name}.{key}'.{_did_you_mean(key, keys)} {valid}")
-        kwargs[key] = convert_value(f"{table_name}.{key}", value, field_types[key], isinstance(value, CliValue))
+        converted = convert_value(f"{table_name}.{key}", value, field_types[key], isinstance(value, CliValue))
+        kwargs[key] = str(converted) if isinstance(converted, CliValue) else converted  # text is text now
     instance = cls(**kwargs)
     if hasattr(instance, "validate"):
         instance.validate()
@@ -239,8 +240,12 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, CliValue):
-        return str(value)  # text from the command line, written as it was given there
+    if isinstance(value, CliValue):  # command-line text not typed yet: a TOML value if it reads as one
+        try:
+            tomli.loads(f"v = {value}")
+            return str(value)
+        except tomli.TOMLDecodeError:
+            value = str(value)
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
         return f'"{escaped}"'
@@ -264,7 +269,7 @@ def to_toml(config: JobConfig) -> str:
         lines.append("")
         for table_name, values in tables.items():
             lines.append(f"[{section_field.name}.{table_name}]")
-            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
             lines.append("")
     return "\n".join(lines)
 

@@ -145,8 +145,9 @@ class Algorithm:
     the clipped surrogate (not gspo, cispo, sapo)."""
 
     kl_in_reward: bool = False
-    """Put the KL penalty in the reward instead of the loss: per token for 'ppo' and
-    'reinforce_pp', as kl_coef * (sequence KL) subtracted from the reward otherwise."""
+    """Put the KL penalty in the reward instead of the loss: per token for 'ppo', 'reinforce_pp'
+    and 'remax' with kl_reward = 'reward_to_go', as kl_coef * (sequence KL) subtracted from the
+    reward otherwise."""
 
     ppo_epochs: int = 1
     """Passes over each rollout batch."""

@@ -179,7 +179,7 @@ def group_rows(rows: list[list[int]], n: int) -> list[list[list[int]]]:
 def packed_micro_batches(batch: TensorDict, budget: int, dp_group: dist.ProcessGroup | None) -> list[TensorDict]:
     """`plan_packed_micro_batches` of `batch`: each micro-batch its documents (in packed-row
     order, at the batch's width, so every one fits a row) with "pack_row", the packed row of
-    each, which `models.packing` reads to pack them as planned."""
+    each, which `data.forward` reads to pack them as planned."""
     out = []
     for rows in plan_packed_micro_batches(batch["length"].tolist(), budget, dp_group):
         mb = batch[torch.tensor([b for row in rows for b in row], dtype=torch.long)]

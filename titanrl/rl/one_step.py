@@ -233,7 +233,7 @@ class RolloutRankHost:
     encode_prompt: Any
     device: torch.device
     dp_group: None = None
-    rank: int = 0
+    rank: int = dataclasses.field(default_factory=lambda: dist.get_rank() if dist.is_initialized() else 0)
 
 
 class RolloutWorker:
