@@ -51,7 +51,11 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
 def _mm_invariant(a_MK: torch.Tensor, b_KN: torch.Tensor) -> torch.Tensor:
     M, K = a_MK.shape
     N = b_KN.shape[1]
-    tiles_GTK = _pad_rows(a_MK, TILE_ROWS).reshape(-1, TILE_ROWS, K)
+    # At least two tiles: a one-batch bmm is routed to a plain GEMM, which MKL may split over
+    # threads along the reduction (other bits than the batched path, where each tile's GEMM runs
+    # on one thread in a fixed order).
+    padded_MK = _pad_rows(a_MK, TILE_ROWS) if M > TILE_ROWS else F.pad(a_MK, (0, 0, 0, 2 * TILE_ROWS - M))
+    tiles_GTK = padded_MK.reshape(-1, TILE_ROWS, K)
     out_GTN = torch.bmm(tiles_GTK, b_KN.expand(tiles_GTK.shape[0], K, N))
     return out_GTN.view(-1, N)[:M]
 
