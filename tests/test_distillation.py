@@ -16,10 +16,10 @@ from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from tensordict import TensorDict
 
 from titanrl.algorithms import ALGORITHMS
-from titanrl.rl import distillation
 from titanrl.config import load_config
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf
+from titanrl.rl import distillation
 from titanrl.rl.distillation import (
     Distiller,
     DistillStats,
