@@ -9,6 +9,7 @@ from helpers.reference import greedy_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from titanrl.components import launch
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
@@ -493,6 +494,9 @@ def _resident_bytes() -> int:
 def test_sleep_returns_the_pool_memory_to_the_system():
     """Time-slicing: after sleep() the process's resident memory drops by (about) the pool size;
     wake() touches no page until blocks are used (they are zeroed when first handed out)."""
+    # As in every run (launch.start): large allocations are mmapped, so freeing them returns the
+    # pages; without it, whether glibc reuses heap pages depends on what earlier tests freed.
+    launch.return_freed_cpu_memory()
     gen = _generator(_trainer_model(), block_size=16, num_blocks=25_000)  # ~205 MB of K/V
     pool_bytes = gen.kv_cache_bytes
     assert pool_bytes > 150 * 2**20
