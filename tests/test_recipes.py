@@ -182,7 +182,10 @@ def test_ppo_critic_resumes_exactly(tmp_path):
 
 # ---- multi-turn tool use ----
 
-CALC = [*SMALL, "--generator.max_new_tokens=20", "--env.num_workers=1"]
+# Batch-invariant: on 2 ranks each generator decodes half the episodes, and with the ordinary kernels
+# a row's logits depend in the last bits on its batch, enough to flip a sampled token on some
+# machines (seen with Intel MKL); the comparison with 1 rank is about the environments, not that.
+CALC = [*SMALL, "--generator.max_new_tokens=20", "--env.num_workers=1", "--generator.batch_invariant=true"]
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +369,10 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
 @pytest.mark.multirank
 def test_reward_model_trains_then_scores_rl_on_tp2(tmp_path, sft_export):
     """Bradley-Terry reward model from the SFT export, exported as *ForSequenceClassification,
-    then used (weighted with the verifier) by GRPO on 1 rank and on tp=2 with equal scores."""
+    then used (weighted with the verifier) by GRPO on 1 rank and on tp=2: equal scores of the first
+    step's samples (the same weights sample the same tokens), finite scores after. After an update
+    the two layouts' weights differ in the last bits and a sampled token may differ (seen at step 3
+    on an Intel MKL machine), which is the parallel parity tests' business, not the reward model's."""
     _train(
         "reward_model_reverse_debug",
         tmp_path / "rm",
@@ -380,6 +386,6 @@ def test_reward_model_trains_then_scores_rl_on_tp2(tmp_path, sft_export):
     _train("grpo_reverse_debug", tmp_path / "one", rl)
     _train("grpo_reverse_debug", tmp_path / "tp", [*rl, "--parallelism.tp=2", "--parallelism.dp_shard=1"], nproc=2)
     one, tp = _rl_steps(tmp_path / "one"), _rl_steps(tmp_path / "tp")
-    for a, b in zip(one, tp, strict=True):
-        assert math.isfinite(a["rm_score"]) and a["rm_score"] == pytest.approx(b["rm_score"], abs=1e-5)
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-5)
+    assert len(one) == len(tp) and all(math.isfinite(r["rm_score"]) for r in one + tp)
+    assert one[0]["rm_score"] == pytest.approx(tp[0]["rm_score"], abs=1e-5)
+    assert one[0]["reward_mean"] == pytest.approx(tp[0]["reward_mean"], abs=1e-5)
