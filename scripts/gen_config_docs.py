@@ -17,21 +17,12 @@ from titanrl.config.manager import describe_type, field_docs, section_types
 PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
-def _docs(cls: type) -> dict[str, str]:
-    """Field docstrings of a dataclass, inherited fields included (documented where declared)."""
-    docs: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            docs.update(field_docs(klass))
-    return docs
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
 def _table(cls: type, instance: object, skip: tuple[str, ...] = ()) -> list[str]:
-    docs = _docs(cls)
+    docs = field_docs(cls)
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, tp in section_types(cls).items():
         if key in skip:

@@ -166,10 +166,7 @@ def test_every_field_has_a_docstring_and_help_lists_it():
             assert docs.get(f.name, "").strip(), f"{section.name}.{f.name} has no docstring"
             assert f"--{section.name}.{f.name} " in text or f"[{section.name}.<name>]" in text
     for cls in ALGORITHMS.values():
-        docs = field_docs(cls.Settings) if dataclasses.fields(cls.Settings) else {}
-        for klass in cls.Settings.__mro__:  # inherited settings are documented where declared
-            if dataclasses.is_dataclass(klass) and klass is not object:
-                docs = {**field_docs(klass), **docs}
+        docs = field_docs(cls.Settings)
         for f in dataclasses.fields(cls.Settings):
             assert docs.get(f.name, "").strip(), f"[algorithm.{cls.name}] {f.name} has no docstring"
 

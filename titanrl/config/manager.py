@@ -276,10 +276,15 @@ def to_toml(config: JobConfig) -> str:
 
 @cache
 def field_docs(section_cls: type) -> dict[str, str]:
-    """Docstrings written under each field of a config dataclass (read from its source)."""
+    """Docstrings written under each field of a config dataclass (read from its source), inherited
+    fields included: each is documented in the dataclass that declares it (an algorithm's
+    `Settings` may extend its parent's)."""
+    docs = {}
+    for base in reversed(section_cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            docs.update(field_docs(base))
     tree = ast.parse(inspect.getsource(section_cls))
     body = tree.body[0].body
-    docs = {}
     for stmt, nxt in zip(body, body[1:]):
         if (
             isinstance(stmt, ast.AnnAssign)
