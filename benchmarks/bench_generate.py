@@ -9,9 +9,8 @@ number of tokens for the same prompts (EOS disabled), alternating runs, several 
   prompt G times): titanrl eager and compiled vs HF, tokens/s and ratios.
 - `groups`: prompt sharing (n=G) vs G independent copies with the prefix cache on / off.
 
-titanrl runs with the default `attention_impl = "auto"` (on an AVX-512 CPU in float32: the
-hand-written decode kernel, `titanrl/generator/cpu_kernel.py`); `titanrl_compiled_inplace` is
-the compiled pure-PyTorch decode attention beside it (`attention_impl = "inplace"`).
+titanrl runs with the default `attention_impl = "auto"`; `titanrl_compiled_inplace` is the
+compiled pure-PyTorch in-place decode attention beside it (`attention_impl = "inplace"`).
 
     python -m benchmarks.bench_generate --out benchmarks/bench_generate.json
     python -m benchmarks.bench_generate --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json

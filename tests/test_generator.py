@@ -58,7 +58,7 @@ def _prompts(lengths, seed=1):
         dict(block_size=16, num_blocks=64, max_num_seqs=3),  # admission limited by max_num_seqs
         dict(block_size=4, num_blocks=40, attention_impl="flex"),  # FlexAttention over pages
         dict(block_size=4, num_blocks=15, attention_impl="flex"),  # ... with preemption
-        dict(block_size=4, num_blocks=15, attention_impl="inplace"),  # K pages transposed, eager
+        dict(block_size=4, num_blocks=15, attention_impl="inplace"),  # pages read in place, eager
     ],
 )
 def test_greedy_matches_full_recompute_reference(options):
@@ -391,7 +391,7 @@ def test_random_workloads_leave_no_block_behind(seed):
     assert math.isfinite(stats.tokens_per_s)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "inplace"])  # 'inplace': K pages transposed
+@pytest.mark.parametrize("impl", ["sdpa", "inplace"])
 def test_batch_invariant_mode_logprobs_bitwise_equal_trainer(impl):
     """In batch-invariant mode the generator's logprobs equal the trainer's forward bit for bit,
     for sequences decoded among others of different lengths, with sharing and preemption."""
@@ -537,13 +537,7 @@ def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
     pos_N, live_N = torch.tensor([9, 4, 2]), torch.tensor([True, True, False])
     q, k, v = (torch.randn(1, 3, h, D, generator=g) for h in (H, Hkv, Hkv))
     before = k_pages.clone()
-    # The in-place path reads K pages transposed ([page, head, dim, slot]).
-    k_stored = k_pages.permute(0, 2, 3, 1).contiguous() if fused else k_pages
-    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11, k_transposed=fused).attend(
-        0, q, k, v
-    )
-    if fused:
-        k_pages = k_stored.permute(0, 3, 1, 2)
+    out = DecodeAttention([k_pages], [v_pages], table_NM, pos_N, live_N, scratch=11, in_place=fused).attend(0, q, k, v)
     assert torch.equal(k_pages[1, 1], k[0, 0]) and torch.equal(v_pages[8, 0], v[0, 1])  # positions 9, 4
     assert torch.equal(k_pages[11, 0], k[0, 2]) and torch.equal(k_pages[2], before[2])  # dead row -> scratch
     for n in range(3):

@@ -1,5 +1,5 @@
 """Plain full-recompute greedy decoding: the oracle the paged generator is tested against; and a
-float64 paged decode attention, the oracle of the CPU decode kernel (test and benchmark)."""
+float64 paged decode attention, the oracle of the paged attention backends."""
 
 import torch
 
@@ -31,10 +31,10 @@ def paged_decode_attention_reference(
     q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor, pos_N: torch.Tensor
 ) -> torch.Tensor:
     """float64 attention of each row over its positions 0..pos, gathered slot by slot through its
-    block table; the layouts of `cpu_kernel.paged_decode_attention` (K pages transposed)."""
+    block table; K and V pages [pages, B, G, D] as `KVCachePool` holds them."""
     N, G, R, D = q_NGRD.shape
     B = v_pages.shape[1]
-    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)  # [pages * B, G, D]
+    k_SGD = k_pages.double().reshape(-1, G, D)  # [pages * B, G, D]
     v_SGD = v_pages.double().reshape(-1, G, D)
     out_NGRD = torch.empty(N, G, R, D, dtype=torch.float64)
     for n in range(N):

@@ -47,18 +47,12 @@ class Generator:
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """`torch.compile` backend of the decode step when `compile` is on."""
 
-    attention_impl: Literal["auto", "sdpa", "flex", "inplace", "cpu_kernel"] = "auto"
+    attention_impl: Literal["auto", "sdpa", "flex", "inplace"] = "auto"
     """Paged attention: 'sdpa' gathers a sequence's pages then runs SDPA (portable); 'flex' runs
     FlexAttention with a block mask over the pages (the fast path on GPU; correct but slow on
     CPU); 'inplace' decodes reading the pages where they are (indexing, products and sums that
     torch.compile fuses into one pass over the KV, no gathered copy; eager it allocates) and
-    prefills as 'sdpa'; 'cpu_kernel' decodes with a hand-written kernel that reads the pages in
-    place (float32 or bfloat16, x86 CPUs with AVX-512, block_size and head_dim multiples of 16;
-    built with the C compiler on first use, titanrl/generator/cpu_kernel.py; with `compile`,
-    batch buckets under cpu_kernel.MIN_COMPILED_BUCKET rows decode 'inplace') and prefills as
-    'sdpa'. 'auto': 'cpu_kernel' where it can run (in bfloat16 under `compile` only: eager
-    'sdpa' runs the trainer's own SDPA and matches its bfloat16 logprobs closest), else
-    'inplace' for the compiled decode step (K pages stored transposed), else 'sdpa'."""
+    prefills as 'sdpa'. 'auto': 'inplace' for the compiled decode step, else 'sdpa'."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
     """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanrl.generator.cpu_kernel import decode_attention
 from titanrl.generator.kv_cache import rows_of, write_kv
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
@@ -36,11 +35,10 @@ def _stored(x_N: torch.Tensor) -> torch.Tensor:
 class DecodeAttention:
     """`AttentionBackend` of a decode step: row n feeds one token at position `pos_N[n]` and
     attends to its positions 0..pos through `table_NM` (block tables padded with the scratch
-    block). With `k_transposed` (`KVCachePool(k_transposed=True)`) it reads the pages where they
-    are (indexing, products and sums that the compiler fuses into passes over the KV, no gathered
-    copy); otherwise pages are gathered and SDPA runs on the copy (the fast form eagerly, where a
-    broadcast product would allocate). `exact` (batch-invariant mode) gathers in either layout.
-    `kernel`: the hand-written CPU kernel (`cpu_kernel.py`, transposed K pages) instead.
+    block). With `in_place` it reads the pages where they are (indexing, products and sums that
+    the compiler fuses into passes over the KV, no gathered copy); otherwise pages are gathered
+    and SDPA runs on the copy (the fast form eagerly, where a broadcast product would allocate).
+    `exact` (batch-invariant mode) gathers.
     """
 
     def __init__(
@@ -51,12 +49,11 @@ class DecodeAttention:
         pos_N: torch.Tensor,
         live_N: torch.Tensor,
         scratch: int,
-        k_transposed: bool = False,
+        in_place: bool = False,
         exact: bool = False,
-        kernel: bool = False,
     ) -> None:
         self.k_cache, self.v_cache, self.table_NM = k_cache, v_cache, table_NM
-        self.pos_N, self.k_transposed, self.exact, self.kernel = pos_N, k_transposed, exact, kernel
+        self.pos_N, self.in_place, self.exact = pos_N, in_place, exact
         B = v_cache[0].shape[1]
         M = table_NM.shape[1]
         slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
@@ -65,15 +62,13 @@ class DecodeAttention:
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
         k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
-        write_kv(k_pages, v_pages, self.slot_N, k_1NHD[0], v_1NHD[0], self.k_transposed)
+        write_kv(k_pages, v_pages, self.slot_N, k_1NHD[0], v_1NHD[0])
         q_NHD = q_1NHD[0]
         N, H, D = q_NHD.shape
         Hkv = v_pages.shape[2]
-        if self.kernel:
-            return decode_attention(q_NHD, k_pages, v_pages, self.table_NM, self.pos_N).unsqueeze(0)
-        if self.k_transposed and not self.exact:
+        if self.in_place and not self.exact:
             return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
-        k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
+        k_NLHD = rows_of(k_pages, self.table_NM).flatten(1, 2).to(q_NHD.dtype)
         v_NLHD = rows_of(v_pages, self.table_NM).flatten(1, 2).to(q_NHD.dtype)
         if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
             return attend_exact_batched(q_NHD[:, None], k_NLHD, v_NLHD, self.pos_N[:, None]).view(1, N, H, D)
@@ -87,22 +82,12 @@ class DecodeAttention:
         )
         return out_NGRD.reshape(1, N, H, D)
 
-    def _keys(self, k_pages: torch.Tensor) -> torch.Tensor:
-        """Each row's keys [N, L, Hkv, D], gathered through its block table."""
-        if self.k_transposed:
-            return rows_of(k_pages, self.table_NM).permute(0, 1, 4, 2, 3).flatten(1, 2)
-        return rows_of(k_pages, self.table_NM).flatten(1, 2)
-
     def _attend_in_place(self, q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied.
-        K pages are transposed ([page, head, dim, slot]): the score reduction runs over features
-        with a page's keys contiguous, which the compiler vectorises (over features instead, with
-        the [page, slot, head, dim] layout, the kernel was 1.9x slower at head_dim 64)."""
+        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied."""
         N, G, R, D = q_NGRD.shape
         q_NGRD = _stored(q_NGRD)
-        k_NMG1DB = k_pages[self.table_NM].unsqueeze(3).to(q_NGRD.dtype)
-        scores_NMGRB = (q_NGRD[:, None, :, :, :, None] * k_NMG1DB).sum(-2)
-        scores_NLGR = scores_NMGRB.permute(0, 1, 4, 2, 3).flatten(1, 2) * D**-0.5
+        k_NLG1D = k_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
+        scores_NLGR = (q_NGRD[:, None] * k_NLG1D).sum(-1) * D**-0.5
         scores_NLGR = scores_NLGR.masked_fill(~self.valid_NL[:, :, None, None], float("-inf"))
         probs_NLGR = scores_NLGR.float().softmax(1).to(q_NGRD.dtype)
         v_NLG1D = v_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
@@ -122,14 +107,13 @@ def decode_step(
     table_NM: torch.Tensor,
     stop_ids_E: torch.Tensor,
     scratch: int,
-    k_transposed: bool = False,
+    in_place: bool = False,
     exact: bool = False,
-    kernel: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
     still live (0-d, the host's one read per step). `exact`: batch-invariant mode (eager only)."""
-    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact, kernel)
+    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, in_place, exact)
     with batch_invariant_mode() if exact else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -289,10 +273,9 @@ def run_decode_pass(
     scratch: int,
     end_when_any_stops: bool,
     device: torch.device,
-    k_transposed: bool = False,
+    in_place: bool = False,
     exact: bool = False,
     cuda_graphs: bool = False,
-    kernel: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -319,9 +302,8 @@ def run_decode_pass(
             tables.at(step),
             stop_ids_E,
             scratch,
-            k_transposed,
+            in_place,
             exact,
-            kernel,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
             tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (

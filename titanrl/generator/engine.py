@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
-from titanrl.generator import cpu_kernel
 from titanrl.generator.decode import (
     DecodeRows,
     compile_decode,
@@ -93,7 +92,6 @@ class Generator:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
             self._decode_step = decode_step
-        self._kernel = cpu_kernel.use_for_decode(config, device, dtype, model_args.head_dim)
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -147,7 +145,6 @@ class Generator:
                 self.dtype,
                 self.device,
                 zero_all=self.config.attention_impl == "flex",
-                k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
             if self._cuda_graphs:
@@ -368,10 +365,9 @@ class Generator:
                 scratch=self.num_blocks,
                 end_when_any_stops=bool(sched.waiting),
                 device=self.device,
-                k_transposed=self.pool.k_transposed,
+                in_place=self._decode_in_place(),
                 exact=self.config.batch_invariant,
                 cuda_graphs=self._cuda_graphs,
-                kernel=self._kernel and (not compiled or bucket >= cpu_kernel.MIN_COMPILED_BUCKET),
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
@@ -386,9 +382,9 @@ class Generator:
             sched.after_sample(seq, reason)
 
     def _decode_in_place(self) -> bool:
-        """Decode attention reads the pages in place (the pool then keeps K transposed)."""
+        """Decode attention reads the pages in place."""
         impl = self.config.attention_impl
-        return self._kernel or impl == "inplace" or (impl == "auto" and self.config.compile)
+        return impl == "inplace" or (impl == "auto" and self.config.compile)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
@@ -420,7 +416,6 @@ class Generator:
             self.device,
             exact=self.config.batch_invariant,
             impl="flex" if self.config.attention_impl == "flex" else "sdpa",
-            kernel=self._kernel and model is self.model,
         )
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from titanrl.generator.cpu_kernel import decode_attention
 from titanrl.generator.kv_cache import KVCachePool
 from titanrl.models.batch_invariant import attend_exact_batched
 
@@ -32,8 +31,7 @@ class PagedAttention:
     """An `AttentionBackend` for one forward step; built by the generator from `SeqSlice`s.
 
     `exact=True` attends one query at a time with `attend_exact` (batch-invariant mode);
-    `impl` picks "sdpa" (gather + SDPA, portable) or "flex" (FlexAttention over the pages);
-    `kernel`: a pure decode step (one new token per sequence) runs the CPU decode kernel instead.
+    `impl` picks "sdpa" (gather + SDPA, portable) or "flex" (FlexAttention over the pages).
     """
 
     def __init__(
@@ -43,7 +41,6 @@ class PagedAttention:
         device: torch.device,
         exact: bool = False,
         impl: str = "sdpa",
-        kernel: bool = False,
     ) -> None:
         if impl not in ("sdpa", "flex"):
             raise ValueError(f"attention impl must be 'sdpa' or 'flex', got '{impl}'")
@@ -72,10 +69,6 @@ class PagedAttention:
         self.num_tokens = sum(s.num_new for s in seqs)
         # Pure decode (one new token per sequence): queries and outputs need no re-packing.
         self.decode_only = max_new == 1
-        # ... and the CPU decode kernel can read the pages in place (`cpu_kernel.py`).
-        self.kernel = kernel and self.decode_only and not exact
-        if self.kernel:
-            self.block_table_SM, self.pos_S = block_table_SM, context_len_S - 1
         self.query_index_SQ = torch.where(query_valid_SQ, starts_S[:, None] + q_off_Q[None, :], 0)
         # Where each (sequence, query) row goes in the packed output; padding rows go to a spare
         # row N, so that no data-dependent boolean indexing happens in the forward (compile-friendly).
@@ -113,13 +106,9 @@ class PagedAttention:
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
         self.pool.write(layer_id, self.slot_mapping_N, k_1NHD[0], v_1NHD[0])
-        if self.kernel:
-            k_pages, v_pages = self.pool.k[layer_id], self.pool.v[layer_id]
-            return decode_attention(q_1NHD[0], k_pages, v_pages, self.block_table_SM, self.pos_S).unsqueeze(0)
         if self.exact:
             return self._attend_exact(q_1NHD[0], layer_id).unsqueeze(0)
         if self.impl == "flex":
-            assert not self.pool.k_transposed, "FlexAttention reads the pool in the [slot, head, dim] layout"
             k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
             v_cache = self.pool.v[layer_id].view(-1, *v_1NHD.shape[2:])
             out_1HND = flex_attention(
