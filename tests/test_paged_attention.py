@@ -31,12 +31,12 @@ SEQS = [
 ]
 
 
-def _pool(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random pages; pages no table holds are NaN: a backend that reads them poisons its output."""
+def _pool(seed: int, nan: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pages; pages no table holds are NaN (`nan`): a backend that reads them poisons its output."""
     g = torch.Generator().manual_seed(seed)
     k_pages, v_pages = torch.randn(P, B, HKV, D, generator=g), torch.randn(P, B, HKV, D, generator=g)
     held = {b for s in SEQS for b in s.block_table} | {SCRATCH}
-    for page in set(range(P)) - held:
+    for page in set(range(P)) - held if nan else ():
         k_pages[page], v_pages[page] = float("nan"), float("nan")
     return k_pages, v_pages
 
@@ -86,6 +86,28 @@ def test_decode_step_matches_float64_with_dead_rows(kind):
     ref = paged_attention_reference(q[0, :2], k_pages, v_pages, table[:2].tolist(), [[int(p)] for p in pos[:2]])
     torch.testing.assert_close(out[0, :2].double(), ref, atol=1e-5, rtol=1e-5)
     assert torch.isfinite(out).all()
+
+
+def test_the_mask_alone_is_exact():
+    """FlexAttention uncompiled evaluates the mask_mod on every slot of the pool, without the block
+    mask's page lists: the mask alone must keep each query to its own sequence's positions."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from titanrl.generator.paged_attention import fold_heads, page_block_mask, unfold_heads
+
+    k_pages, v_pages = _pool(4, nan=False)
+    g = torch.Generator().manual_seed(5)
+    N = sum(s.num_new for s in SEQS)
+    batch = PagedBatch.from_slices(SEQS, SCRATCH, B, torch.device("cpu"), num_pages=P)
+    q = torch.randn(1, N, H, D, generator=g)
+    q_SQHD = batch.queries(q)
+    mask = page_block_mask(batch, H // HKV, B, P, pad_to_pool=False)
+    kv = [t.view(1, P * B, HKV, D).transpose(1, 2) for t in (k_pages, v_pages)]
+    out_SGXD = flex_attention(fold_heads(q_SQHD, HKV), *kv, block_mask=mask)
+    out = batch.packed(unfold_heads(out_SGXD, q_SQHD.shape[1]), N)
+    positions = [list(range(s.context_len - s.num_new, s.context_len)) for s in SEQS]
+    ref = paged_attention_reference(q[0], k_pages, v_pages, [s.block_table for s in SEQS], positions)
+    torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_logical_page_index_gives_each_held_page_its_position():

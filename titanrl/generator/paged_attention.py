@@ -157,9 +157,9 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
     """The block mask of `batch` over a pool of `num_pages` pages, folded rows (R per token).
 
     Query block k of sequence s visits the pages of s's table up to the one holding the position
-    of its last token (none for a block of padding rows); inside them, the mask_mod keeps the
-    keys whose position (from the page's logical index, `batch.page_index_P`) is at most the
-    query's. `pad_to_pool`: the CPU lowering wants `kv_indices` as wide as the pool (only the
+    of its last token (none for a block of padding rows); the mask_mod keeps the keys of pages
+    that are s's at their logical index (`batch.page_index_P`) and not after the query: exact on
+    its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`: the CPU lowering wants `kv_indices` as wide as the pool (only the
     first kv_num entries are read)."""
     B, (S, M), Q = block_size, batch.table_SM.shape, batch.pos_SQ.shape[1]
     device = batch.table_SM.device
@@ -172,12 +172,15 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
     kv_indices = batch.table_SM.to(torch.int32)[:, None, None, :].expand(S, 1, len(first_row_K), M)
     if pad_to_pool:
         kv_indices = F.pad(kv_indices, (0, num_pages - M))
-    page_index_P = batch.page_index_P
-    pos_SQ = batch.pos_SQ
+    page_index_P, pos_SQ, table_SM = batch.page_index_P, batch.pos_SQ, batch.table_SM
 
     def mask_mod(b, h, q_idx, kv_idx):
-        key_pos = page_index_P[kv_idx // B] * B + kv_idx % B
-        return key_pos <= pos_SQ[b, torch.clamp(q_idx // R, max=Q - 1)]
+        # The mask alone is exact (eager FlexAttention evaluates it on every slot of the pool):
+        # the slot's page is sequence b's at the page's logical index, and not after the query.
+        page = kv_idx // B
+        logical = torch.clamp(page_index_P[page], max=M - 1)
+        owned = table_SM[b, logical] == page
+        return owned & (logical * B + kv_idx % B <= pos_SQ[b, torch.clamp(q_idx // R, max=Q - 1)])
 
     return BlockMask.from_kv_blocks(
         kv_num_SK.to(torch.int32)[:, None],
