@@ -56,7 +56,7 @@ def _prompts(lengths, seed=1):
         dict(block_size=4, num_blocks=128, enable_prefix_caching=False),
         dict(block_size=4, num_blocks=15),  # tiny pool: forced preemption
         dict(block_size=16, num_blocks=64, max_num_seqs=3),  # admission limited by max_num_seqs
-        dict(block_size=4, num_blocks=40, compile=True),  # compiled FlexAttention over the pages
+        dict(block_size=4, num_blocks=128, compile=True),  # compiled FlexAttention over the pages
         dict(block_size=4, num_blocks=15, compile=True),  # ... with preemption
         dict(block_size=4, num_blocks=15, attention_impl="exact"),  # the batch-invariant attention
     ],
