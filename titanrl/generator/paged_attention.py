@@ -159,8 +159,9 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
     Query block k of sequence s visits the pages of s's table up to the one holding the position
     of its last token (none for a block of padding rows); the mask_mod keeps the keys of pages
     that are s's at their logical index (`batch.page_index_P`) and not after the query: exact on
-    its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`: the CPU lowering wants `kv_indices` as wide as the pool (only the
-    first kv_num entries are read)."""
+    its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`:
+    the CPU lowering wants `kv_indices` as wide as the pool (only the first kv_num entries are
+    read)."""
     B, (S, M), Q = block_size, batch.table_SM.shape, batch.pos_SQ.shape[1]
     device = batch.table_SM.device
     rows = Q * R
@@ -270,7 +271,8 @@ class GatheredPagedAttention:
                 fold_heads(q_SQHD, Hkv),
                 k_SLHD.transpose(1, 2),
                 v_SLHD.transpose(1, 2),
-                attn_mask=self.visible_SQL.repeat_interleave(R, dim=1).unsqueeze(1),
+                # Rows of a token share its mask: broadcast for one token a sequence (decode).
+                attn_mask=(self.visible_SQL if Q == 1 else self.visible_SQL.repeat_interleave(R, dim=1)).unsqueeze(1),
             )
             out_SQHD = unfold_heads(out_SGXD, Q)
         return self.batch.packed(out_SQHD, q_1NHD.shape[1])
