@@ -93,6 +93,11 @@ class Generator:
         auto_compile = device.type == "cuda" and not config.batch_invariant
         self.compile = config.compile if config.compile is not None else auto_compile
         self.attention, self.eager_attention = attention_kinds(config, device, self.compile)
+        if device.type == "cuda" and "flex" in (self.attention, self.eager_attention) and config.block_size % 16:
+            raise ValueError(
+                f"[generator] block_size must be a multiple of 16 on CUDA (FlexAttention's kernels tile "
+                f"a page by 16 keys or more), got {config.block_size}"
+            )
         self._cuda_graphs = uses_cuda_graphs(self.compile, config.compile_backend, device)
         if self.compile:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)

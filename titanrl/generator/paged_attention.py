@@ -10,7 +10,7 @@ to its own.
   over the pool, compiled. Its block mask is built on device from the block tables: the KV blocks
   are pages, query block k of sequence s visits the first `kv_num[s, k]` pages of s's table (the
   table itself is `kv_indices`: no mask over the pool, no loop over sequences), and a mask_mod
-  keeps the keys at positions up to the query's. Grouped-query attention folds the R query heads
+  keeps the keys of s's own pages at positions up to the query's. Grouped-query attention folds the R query heads
   of a KV head into the query dimension (R queries of one head at one position), so one program
   reads a page once for its R heads and short queries take the flash-decoding (split-KV) kernel
   whatever the head ratio.
