@@ -40,8 +40,8 @@ there is no vllm package, otherwise a string saying why it did not run (dry run,
 cap, error). It runs last, in its own process group under its own time cap (start-up with CUDA
 graph capture takes a minute or more), and that process's exit frees its GPU memory; the RL step
 runs the same way. `--budget-s` (bench_gpu.sh passes 540 under its 570 s `timeout`) caps the
-whole run: the second model, the generator sections, the RL step and vLLM each start only while
-enough of it is left.
+whole run. Order: the first model, the generator sections, the other models (each only with
+`--model-min-s` left), the RL step, vLLM; what the budget cut says so in the JSON.
 """
 
 import argparse
@@ -487,12 +487,43 @@ def vllm_section(
     return out
 
 
+def model_entry(
+    name: str,
+    args: TransformerModelArgs,
+    *,
+    device,
+    dtype,
+    batch_sizes,
+    prompt_len,
+    new_tokens,
+    bandwidth,
+    compile,
+    attention: tuple,
+    train: tuple,
+) -> dict:
+    """One model's decode rows, decode attention (FlexAttention vs in-place), training MFU and
+    weight sync."""
+    print(f"{name}:", flush=True)
+    entry = {"params": count_params(args)}
+    entry["decode"] = bench_decode(args, device, dtype, batch_sizes, prompt_len, new_tokens, bandwidth, compile)
+    att_batches, context, compiled = attention
+    entry["decode_attention"] = attention_rows(args, device, dtype, att_batches, context, bandwidth, compiled)
+    (train_batch, train_seq), peak, reps = train
+    entry["train"] = bench_train(args, device, train_batch, train_seq, peak, reps)
+    print(f"  train: {entry['train']['tokens_per_s']:,.0f} tok/s, MFU {entry['train']['mfu']}", flush=True)
+    entry["weight_sync"] = bench_sync(args, device, dtype, reps)
+    print(f"  weight sync: {entry['weight_sync']['sync_s'] * 1e3:.1f} ms", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return entry
+
+
 def generator_sections(
     name: str, args: TransformerModelArgs, device, dtype, gen_cfg: dict, compile: bool | None, left, a
 ) -> dict:
     """Prefill tokens/s at long prompts and a long-tail GRPO batch on one generator of `name`, then
-    the compile seconds of the decode section's batch `compile_batch` in a new process over this
-    run's compile cache (warm), each while the budget lasts."""
+    the compile seconds of the decode section's first batches (`compile_batches`, in order) in a
+    new process over this run's compile cache (warm), each while the budget lasts."""
     out: dict = {"model": name}
     cuda = device.type == "cuda"
     if left() < 60:
@@ -520,7 +551,7 @@ def generator_sections(
         "flavor": name,
         "dtype": str(dtype).removeprefix("torch."),
         "generator": {**gen_cfg["decode"], "compile": False if a.dry_run else compile},
-        "batch": gen_cfg["compile_batch"],
+        "batches": gen_cfg["compile_batches"],
         "prompt_len": gen_cfg["prompt_len"],
         "new_tokens": gen_cfg["new_tokens"],
     }
@@ -562,7 +593,7 @@ def main() -> None:
     )
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no CUDA graphs)")
-    p.add_argument("--generator-sections-s", type=float, default=170.0, help="reserve for prefill, long tail, compile")
+    p.add_argument("--model-min-s", type=float, default=200.0, help="start another model only with this much left")
     p.add_argument("--worker", choices=["rl_step", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -577,13 +608,18 @@ def main() -> None:
         batch_sizes, prompt_len, new_tokens, dtype = [1, 4], 16, 8, torch.float32
         train_shape, reps, bw_bytes, attention_context = (2, 32), 2, 32 * 2**20, 64
         rl_flavor, rl = "debug", {"steps": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "threads": 1}
-        gen_cfg = {"prefill_lens": [32, 64], "prefill_tokens": 128, "tail": (2, 4, 32), "compile_batch": 4}
+        gen_cfg = {"prefill_lens": [32, 64], "prefill_tokens": 128, "tail": (2, 4, 32), "compile_batches": [1, 4]}
     else:
         models = {name: get_model_args(name) for name in a.models.split(",") if name}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 16, 64, 256], 128, 128, torch.bfloat16
         train_shape, reps, bw_bytes, attention_context = (8, 1024), 5, 2**30, 1024
         rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "threads": 4}
-        gen_cfg = {"prefill_lens": [2048, 8192], "prefill_tokens": 16384, "tail": (32, 8, 1024), "compile_batch": 16}
+        gen_cfg = {
+            "prefill_lens": [2048, 8192],
+            "prefill_tokens": 16384,
+            "tail": (32, 8, 1024),
+            "compile_batches": [1, 16],
+        }
     gen_cfg.update(decode=decode_config(max(batch_sizes), prompt_len, new_tokens, None), prompt_len=prompt_len)
     gen_cfg["new_tokens"] = new_tokens
     rl["lr"] = 1e-6
@@ -621,39 +657,31 @@ def main() -> None:
         "vllm": "not run",
     }
     compile = False if a.eager else None  # None: the generator's default (compiled on CUDA)
-    for i, (model_name, args) in enumerate(models.items()):
-        if i and left() < a.generator_sections_s + 120:
-            report["models"][model_name] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
-            continue
-        print(f"{model_name}:", flush=True)
-        entry = {"params": count_params(args)}
-        entry["decode"] = bench_decode(args, device, dtype, batch_sizes, prompt_len, new_tokens, bandwidth, compile)
-        entry["decode_attention"] = attention_rows(  # a dry run checks the code path at one batch
-            args,
-            device,
-            dtype,
-            batch_sizes[:1] if a.dry_run else batch_sizes,
-            attention_context,
-            bandwidth,
-            not a.dry_run,
-        )
-        entry["train"] = bench_train(args, device, *train_shape, peak, reps)
-        print(f"  train: {entry['train']['tokens_per_s']:,.0f} tok/s, MFU {entry['train']['mfu']}", flush=True)
-        entry["weight_sync"] = bench_sync(args, device, dtype, reps)
-        print(f"  weight sync: {entry['weight_sync']['sync_s'] * 1e3:.1f} ms", flush=True)
-        report["models"][model_name] = entry
-        if cuda:
-            torch.cuda.empty_cache()
-        report["wall_s"] = time.perf_counter() - start
-        write_report(report)
-    first_name, first_args = next(iter(models.items()))
-    report["generator"] = generator_sections(first_name, first_args, device, dtype, gen_cfg, compile, left, a)
-    report["generator"]["warm_compile"]["cold_compile_s_in_this_process"] = next(
-        (r["compile_s"] for r in report["models"][first_name]["decode"] if r["batch"] == gen_cfg["compile_batch"]),
-        None,
+    measure = functools.partial(
+        model_entry,
+        device=device,
+        dtype=dtype,
+        batch_sizes=batch_sizes,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        bandwidth=bandwidth,
+        compile=compile,
+        attention=(batch_sizes[:1] if a.dry_run else batch_sizes, attention_context, not a.dry_run),
+        train=(train_shape, peak, reps),
     )
-    report["wall_s"] = time.perf_counter() - start
-    write_report(report)
+    # The first model and the generator sections, then the other models and the RL step while the
+    # budget lasts (a cold start compiles the decode step for every batch bucket: minutes on a
+    # GPU; a second call with TORCHINDUCTOR_CACHE_DIR set to the first's folder runs warm).
+    first_name, *other_names = models
+    report["models"][first_name] = measure(first_name, models[first_name])
+    write_report({**report, "wall_s": time.perf_counter() - start})
+    report["generator"] = generator_sections(first_name, models[first_name], device, dtype, gen_cfg, compile, left, a)
+    if "warm_compile" in report["generator"]:
+        cold = [
+            r["compile_s"] for r in report["models"][first_name]["decode"] if r["batch"] in gen_cfg["compile_batches"]
+        ]
+        report["generator"]["warm_compile"]["cold_compile_s_in_this_process"] = sum(cold)
+    write_report({**report, "wall_s": time.perf_counter() - start})
 
     workdir = tempfile.mkdtemp(prefix="bench_gpu_")
     try:
@@ -667,10 +695,19 @@ def main() -> None:
             report["rl_step"] = f"failed: writing the model folder: {type(e).__name__}: {e}"
             report["vllm"] = "not installed" if importlib.util.find_spec("vllm") is None else report["rl_step"]
             model_dir = None
+        for name in other_names:
+            if left() < a.model_min_s:
+                report["models"][name] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
+            else:
+                report["models"][name] = measure(name, models[name])
+            write_report({**report, "wall_s": time.perf_counter() - start})
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
         if model_dir:
             report["rl_step"] = rl_step_section(rl, rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
-            report["wall_s"] = time.perf_counter() - start
-            write_report(report)
+            write_report({**report, "wall_s": time.perf_counter() - start})
+        if model_dir:
             titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
             report["vllm"] = vllm_section(
                 model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir, left, cuda, a

@@ -81,8 +81,9 @@ rc=0
 args=()
 for arg in "$@"; do [[ "$arg" == "--float8" ]] || args+=("$arg"); done
 cache_dir="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d -t bench_gpu_compile_cache.XXXXXX)}"
+echo "bench_gpu.sh: compile cache $cache_dir (TORCHINDUCTOR_CACHE_DIR=$cache_dir for a warm rerun)" >&2
 BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" TORCHINDUCTOR_CACHE_DIR="$cache_dir" \
-  timeout 570 python -m benchmarks.bench_gpu --budget-s 540 "${args[@]}" || rc=$?
+  timeout 570 python -m benchmarks.bench_gpu --budget-s 540 ${args[@]+"${args[@]}"} || rc=$?
 if [[ " $* " == *" --float8 "* && " $* " != *" --dry-run "* ]]; then
   float8_section || echo "bench_gpu.sh: float8 section failed (exit $?)" >&2
 fi
