@@ -9,9 +9,9 @@ number of tokens for the same prompts (EOS disabled), alternating runs, several 
   prompt G times): titanrl eager and compiled vs HF, tokens/s and ratios.
 - `groups`: prompt sharing (n=G) vs G independent copies with the prefix cache on / off.
 
-titanrl runs with the default `attention_impl = "auto"` (on an AVX-512 CPU in float32: the
-hand-written decode kernel, `titanrl/generator/cpu_kernel.py`); `titanrl_compiled_inplace` is
-the compiled pure-PyTorch decode attention beside it (`attention_impl = "inplace"`).
+titanrl runs with the default `attention_impl = "auto"`: eagerly the gathered-pages attention,
+compiled FlexAttention in the decode step. (JSONs from before that change have a
+`titanrl_compiled_inplace` column: the compiled in-place decode attention, since removed.)
 
     python -m benchmarks.bench_generate --out benchmarks/bench_generate.json
     python -m benchmarks.bench_generate --dtype bfloat16 --sections batch --out benchmarks/bench_generate_bf16.json
@@ -98,7 +98,6 @@ def titanrl_runner(
     prefix_caching: bool = True,
     compile: bool = False,
     dtype: torch.dtype = torch.float32,
-    attention_impl: str = "auto",
 ):
     """`run(new_tokens) -> GenerationStats`, greedy, every run with a cold prefix cache (measures
     sharing within a call); warmed up (and the decode step compiled for this batch) here."""
@@ -108,7 +107,6 @@ def titanrl_runner(
         max_num_seqs=1024,
         enable_prefix_caching=prefix_caching,
         compile=compile,
-        attention_impl=attention_impl,
     )
     gen = Generator(read_hf_config(folder), config, torch.device("cpu"), dtype=dtype)
     gen.load_hf(folder)
@@ -175,9 +173,6 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
         runners = {
             "titanrl": titanrl_runner(folder, prompts, dtype=dtype),
             "titanrl_compiled": titanrl_runner(folder, prompts, compile=True, dtype=dtype),
-            "titanrl_compiled_inplace": titanrl_runner(
-                folder, prompts, compile=True, dtype=dtype, attention_impl="inplace"
-            ),
             "hf": hf_runner(folder, prompts, dtype),
         }
         per_step = {k: [] for k in runners}
@@ -187,7 +182,6 @@ def bench_overhead(batch_sizes: list[int], new_tokens: int, reps: int, dtype: to
         row = {"batch": b, **{f"{k}_ms_per_step": 1e3 * statistics.median(v) for k, v in per_step.items()}}
         row["titanrl_vs_hf"] = row["titanrl_ms_per_step"] / row["hf_ms_per_step"]
         row["titanrl_compiled_vs_hf"] = row["titanrl_compiled_ms_per_step"] / row["hf_ms_per_step"]
-        row["titanrl_compiled_inplace_vs_hf"] = row["titanrl_compiled_inplace_ms_per_step"] / row["hf_ms_per_step"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     torch.set_num_threads(threads)
@@ -211,9 +205,6 @@ def bench_batches(
         runners = {
             "titanrl": titanrl_runner(folder, prompts, n=G, dtype=dtype),
             "titanrl_compiled": titanrl_runner(folder, prompts, n=G, compile=True, dtype=dtype),
-            "titanrl_compiled_inplace": titanrl_runner(
-                folder, prompts, n=G, compile=True, dtype=dtype, attention_impl="inplace"
-            ),
             "hf": hf_runner(folder, [p for p in prompts for _ in range(G)], dtype),
         }
         calls = {k: functools.partial(run, new_tokens) for k, run in runners.items()}
@@ -223,7 +214,6 @@ def bench_batches(
             row[f"{key}_tok_s"] = batch * new_tokens / row[f"{key}_s"]
         row["speedup_vs_hf"] = row["hf_s"] / row["titanrl_s"]
         row["speedup_compiled_vs_hf"] = row["hf_s"] / row["titanrl_compiled_s"]
-        row["speedup_compiled_inplace_vs_hf"] = row["hf_s"] / row["titanrl_compiled_inplace_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -1,18 +1,34 @@
-"""Single-GPU benchmark: generator decode throughput against the memory-bandwidth roofline,
-training MFU, and trainer -> generator weight-sync time, for Qwen2.5-0.5B / 1.5B shapes with
-random weights; then a GRPO step of a real recipe split by phase, and decode next to vLLM's. One
-JSON out, rewritten after each section (a run cut short keeps what it measured). Run through
-`scripts/bench_gpu.sh`; `--dry-run` runs the same code on a tiny model on CPU (what CI tests).
+"""Single-GPU benchmark: generator decode throughput against the memory-bandwidth roofline
+(FlexAttention next to the in-place decode attention it replaced), prefill throughput, a
+long-tail GRPO batch, compile seconds cold and warm, training MFU and weight-sync time, for
+Qwen2.5-0.5B / 1.5B shapes with random weights; then a GRPO step of a real recipe split by phase,
+and decode next to vLLM's. One JSON out, rewritten after each section (a run cut short keeps what
+it measured). Run through `scripts/bench_gpu.sh`; `--dry-run` runs the same code on a tiny model
+on CPU (what CI tests). The generator runs with its defaults (compiled on CUDA; `--eager` not).
 
 Roofline of one decode step of a batch of b sequences at context c:
     bytes = weight bytes + b * c * (KV bytes per token, all layers)
     t_min = bytes / measured device copy bandwidth,   roofline tok/s = b / t_min
 Decode tok/s = b * (new_tokens - 1) / (time of a generation of new_tokens - time of one of 1
-token), greedy, every sample runs to new_tokens; `tok_s` is b * new_tokens / the whole call.
-MFU = (6 * params * tokens + attention FLOPs) / step time / peak bf16 FLOP/s (H200: 989e12 dense).
+token), greedy, every sample runs to new_tokens; `tok_s` is b * new_tokens / the whole call;
+`compile_s` the batch's first generation's compile seconds (its bucket: cold, this run's cache
+folder starts empty). MFU = (6 * params * tokens + attention FLOPs) / step time / peak bf16
+FLOP/s (H200: 989e12 dense).
+
+`decode_attention` (per model): one layer's decode attention over 1,024 positions per row,
+FlexAttention as the generator runs it (block mask built in the compiled region) vs the compiled
+in-place form (`benchmarks/gpu_generator.py`), ms each and the fraction of the K/V bytes' time
+at the copy bandwidth.
+
+`generator` (first model): prefill tokens/s of 2k and 8k prompts (16k tokens a call), a GRPO
+batch of 32 prompts x 8 samples at temperature 1 whose lengths have a long tail (1 token in 64
+stops a sample, capped at 1,024), and `warm_compile`: the decode section's batch-16 generation
+in a new process over this run's compile cache (what a restarted job pays), next to the same
+generation's cold compile seconds in this process.
 
 `rl_step`: `python -m titanrl.train` on `train_configs/grpo_reverse_debug.toml` through
-`benchmarks/bench_rl_step.py` (its assets and runner): a character tokenizer, reverse-task prompts,
+`benchmarks/bench_rl_step.py` (its assets and runner) with the recipe's own settings (the
+generator compiled on CUDA): a character tokenizer, reverse-task prompts,
 and a random-weight model of the `qwen2.5-0.5b` flavor's shape written as an HF folder (dry run:
 the `debug` flavor's); the first step is dropped, the median seconds per phase (sync, generate,
 reward, logprob, train) of the rest are reported, from the run's metrics.jsonl.
@@ -23,7 +39,9 @@ batch 1 / 64 / 256, next to titanrl's rows with ratios titanrl / vLLM. `"not ins
 there is no vllm package, otherwise a string saying why it did not run (dry run, budget, time
 cap, error). It runs last, in its own process group under its own time cap (start-up with CUDA
 graph capture takes a minute or more), and that process's exit frees its GPU memory; the RL step
-runs the same way. `--budget-s` (bench_gpu.sh passes 450 under its 480 s `timeout`) caps both.
+runs the same way. `--budget-s` (bench_gpu.sh passes 540 under its 570 s `timeout`) caps the
+whole run. Order: the first model, the generator sections, the other models (each only with
+`--model-min-s` left), the RL step, vLLM; what the budget cut says so in the JSON.
 """
 
 import argparse
@@ -42,6 +60,7 @@ import time
 
 import torch
 
+from benchmarks.gpu_generator import attention_rows, compile_worker, long_tail_batch, prefill_rows, warm_compile
 from benchmarks.harness import REPO_ROOT, command_line, environment, timed_call, timeit, write_json
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
@@ -58,6 +77,10 @@ VLLM_BATCH_SIZES = [1, 64, 256]
 ACTIVE_GROUPS: set[int] = set()
 DOC_TABLES = [
     ("Decode vs the bandwidth roofline", ["models", "*", "decode"], None),
+    ("Decode attention alone: FlexAttention vs the in-place form", ["models", "*", "decode_attention"], None),
+    ("Prefill tokens/s", ["generator", "prefill"], None),
+    ("GRPO batch with a long-tail length distribution", ["generator", "long_tail"], None),
+    ("Compile seconds, warm cache in a new process", ["generator", "warm_compile"], None),
     ("Training step and weight sync", ["models"], ["params", "train.*", "weight_sync.*"]),
     ("GRPO step, median seconds per phase", ["rl_step", "phases_s"], None),
     ("Decode next to vLLM", ["vllm", "vs_titanrl"], None),
@@ -113,6 +136,19 @@ def _generate(gen: Generator, prompts: list[list[int]], n: int):
     return stats
 
 
+def decode_config(max_batch: int, prompt_len: int, new_tokens: int, compile: bool | None) -> dict:
+    """The decode section's generator settings (also the warm-compile worker's: same graphs)."""
+    block = 16
+    return {
+        "block_size": block,
+        "num_blocks": max_batch * ((prompt_len + new_tokens) // block + 2),
+        "max_num_seqs": max_batch,
+        "max_num_batched_tokens": max(4096, prompt_len * 8),
+        "enable_prefix_caching": False,
+        "compile": compile,
+    }
+
+
 def bench_decode(
     args: TransformerModelArgs,
     device: torch.device,
@@ -121,19 +157,12 @@ def bench_decode(
     prompt_len: int,
     new_tokens: int,
     bandwidth: float,
-    compile: bool,
+    compile: bool | None,
 ) -> list[dict]:
-    max_batch = max(batch_sizes)
-    block = 16
-    blocks = max_batch * ((prompt_len + new_tokens) // block + 2)
-    config = GeneratorConfig(
-        block_size=block,
-        num_blocks=blocks,
-        max_num_seqs=max_batch,
-        max_num_batched_tokens=max(4096, prompt_len * 8),
-        enable_prefix_caching=False,
-        compile=compile,
-    )
+    """Decode tok/s per batch vs the roofline; `compile_s`: the batch's first generation's
+    compile seconds (its bucket's decode step and prefill shape, cold unless an earlier batch
+    shared them)."""
+    config = GeneratorConfig(**decode_config(max(batch_sizes), prompt_len, new_tokens, compile))
     gen = Generator(args, config, device, dtype=dtype)
     gen.wake()
     weight_bytes = sum(p.numel() * p.element_size() for p in gen.model.parameters())
@@ -141,6 +170,7 @@ def bench_decode(
     g = torch.Generator().manual_seed(0)
     for b in batch_sizes:
         prompts = torch.randint(0, args.vocab_size, (b, prompt_len), generator=g).tolist()
+        compile_s = _generate(gen, prompts, new_tokens).compile_seconds
         timing, stats = time_decode(functools.partial(_generate, gen, prompts), b, new_tokens, device)
         mean_ctx = prompt_len + new_tokens / 2
         step_bytes = weight_bytes + b * mean_ctx * kv_bytes_per_token(args, dtype)
@@ -156,6 +186,7 @@ def bench_decode(
                 "generate_s": timing["generate_s"],
                 "tok_s": timing["tok_s"],
                 "decode_steps": stats.steps,
+                "compile_s": compile_s,
             }
         )
         print(f"  decode batch {b}: {achieved:,.0f} tok/s = {achieved / roofline:.1%} of roofline", flush=True)
@@ -390,7 +421,7 @@ def rl_step_section(
     print(f"rl step ({flavor}, {rl['steps']} steps, cap {cap:.0f} s):", flush=True)
     out = run_worker(
         "rl_step",
-        {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": a.compile},
+        {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": False if a.eager else None},
         workdir,
         cap,
         cuda,
@@ -446,7 +477,7 @@ def vllm_section(
     out = {
         "model": f"{flavor} flavor's shape, random weights, bf16 (the folder the RL step loads)",
         "enforce_eager": a.vllm_eager,
-        "titanrl_compile": a.compile,
+        "titanrl_compile": not a.eager,
         "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
         **out,
         "vs_titanrl": compare_with_vllm(titanrl_rows, out),
@@ -456,11 +487,91 @@ def vllm_section(
     return out
 
 
+def model_entry(
+    name: str,
+    args: TransformerModelArgs,
+    *,
+    device,
+    dtype,
+    batch_sizes,
+    prompt_len,
+    new_tokens,
+    bandwidth,
+    compile,
+    attention: tuple,
+    train: tuple,
+) -> dict:
+    """One model's decode rows, decode attention (FlexAttention vs in-place), training MFU and
+    weight sync."""
+    print(f"{name}:", flush=True)
+    entry = {"params": count_params(args)}
+    entry["decode"] = bench_decode(args, device, dtype, batch_sizes, prompt_len, new_tokens, bandwidth, compile)
+    att_batches, context, compiled = attention
+    entry["decode_attention"] = attention_rows(args, device, dtype, att_batches, context, bandwidth, compiled)
+    (train_batch, train_seq), peak, reps = train
+    entry["train"] = bench_train(args, device, train_batch, train_seq, peak, reps)
+    print(f"  train: {entry['train']['tokens_per_s']:,.0f} tok/s, MFU {entry['train']['mfu']}", flush=True)
+    entry["weight_sync"] = bench_sync(args, device, dtype, reps)
+    print(f"  weight sync: {entry['weight_sync']['sync_s'] * 1e3:.1f} ms", flush=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return entry
+
+
+def generator_sections(
+    name: str, args: TransformerModelArgs, device, dtype, gen_cfg: dict, compile: bool | None, left, a
+) -> dict:
+    """Prefill tokens/s at long prompts and a long-tail GRPO batch on one generator of `name`, then
+    the compile seconds of the decode section's first batches (`compile_batches`, in order) in a
+    new process over this run's compile cache (warm), each while the budget lasts."""
+    out: dict = {"model": name}
+    cuda = device.type == "cuda"
+    if left() < 60:
+        return {**out, "skipped": f"{left():.0f} s left of the {a.budget_s:.0f} s budget"}
+    print(f"generator sections ({name}):", flush=True)
+    prompts, group, max_new = gen_cfg["tail"]
+    config = GeneratorConfig(
+        block_size=16,
+        num_blocks=max(4 * gen_cfg["prefill_tokens"], prompts * group * 24) // 16,
+        max_num_seqs=prompts * group,
+        max_num_batched_tokens=gen_cfg["prefill_tokens"],
+        compile=compile,
+    )
+    gen = Generator(args, config, device, dtype=dtype)
+    lens, tokens = gen_cfg["prefill_lens"], gen_cfg["prefill_tokens"]
+    out["prefill"] = prefill_rows(gen, args.vocab_size, lens, tokens, device)
+    out["long_tail"] = (
+        long_tail_batch(gen, args.vocab_size, prompts, group, max_new, device) if left() > 60 else "skipped: budget"
+    )
+    gen.sleep()
+    del gen
+    if cuda:
+        torch.cuda.empty_cache()
+    worker = {
+        "flavor": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "generator": {**gen_cfg["decode"], "compile": False if a.dry_run else compile},
+        "batches": gen_cfg["compile_batches"],
+        "prompt_len": gen_cfg["prompt_len"],
+        "new_tokens": gen_cfg["new_tokens"],
+    }
+    cap = min(120.0, left() - 10)
+    if a.dry_run:  # the worker's code, in this process (a new one costs seconds of CI time)
+        out["warm_compile"] = {**compile_worker(worker), "dry_run": "uncompiled, in this process"}
+    elif cap > 20:
+        result = warm_compile(worker, cap, cuda)
+        out["warm_compile"] = result if isinstance(result, dict) else {"result": result}
+    else:
+        out["warm_compile"] = {"result": f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps (CI)")
     p.add_argument("--out", default="benchmarks/bench_gpu.json")
-    p.add_argument("--compile", action="store_true", help="compiled decode (CUDA graphs); longer warm-up")
+    p.add_argument("--eager", action="store_true", help="the generator uncompiled (compiled on CUDA by default)")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # the default now; old command lines
     p.add_argument(
         "--models",
         default=f"{VLLM_MODEL},qwen2.5-1.5b",
@@ -469,7 +580,7 @@ def main() -> None:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=450.0,
+        default=540.0,
         help="seconds for the whole run: the RL step and vLLM get at most what is left of it",
     )
     p.add_argument("--rl-timeout", type=float, default=180.0, help="time cap of the RL step run (seconds)")
@@ -482,6 +593,7 @@ def main() -> None:
     )
     p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no CUDA graphs)")
+    p.add_argument("--model-min-s", type=float, default=200.0, help="start another model only with this much left")
     p.add_argument("--worker", choices=["rl_step", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -494,13 +606,22 @@ def main() -> None:
     if a.dry_run:
         models = {"debug": get_model_args("debug")}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 4], 16, 8, torch.float32
-        train_shape, reps, bw_bytes = (2, 32), 2, 32 * 2**20
+        train_shape, reps, bw_bytes, attention_context = (2, 32), 2, 32 * 2**20, 64
         rl_flavor, rl = "debug", {"steps": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "threads": 1}
+        gen_cfg = {"prefill_lens": [32, 64], "prefill_tokens": 128, "tail": (2, 4, 32), "compile_batches": [1, 4]}
     else:
         models = {name: get_model_args(name) for name in a.models.split(",") if name}
         batch_sizes, prompt_len, new_tokens, dtype = [1, 16, 64, 256], 128, 128, torch.bfloat16
-        train_shape, reps, bw_bytes = (8, 1024), 5, 2**30
+        train_shape, reps, bw_bytes, attention_context = (8, 1024), 5, 2**30, 1024
         rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "threads": 4}
+        gen_cfg = {
+            "prefill_lens": [2048, 8192],
+            "prefill_tokens": 16384,
+            "tail": (32, 8, 1024),
+            "compile_batches": [1, 16],
+        }
+    gen_cfg.update(decode=decode_config(max(batch_sizes), prompt_len, new_tokens, None), prompt_len=prompt_len)
+    gen_cfg["new_tokens"] = new_tokens
     rl["lr"] = 1e-6
     name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if cuda else None
@@ -525,27 +646,42 @@ def main() -> None:
             "prompt_len": prompt_len,
             "new_tokens": new_tokens,
             "dtype": str(dtype),
-            "compile": a.compile,
+            "generator_compile": "off (--eager)" if a.eager else "default (on for CUDA)",
+            "attention_context": attention_context,
             "train_batch_seq": list(train_shape),
             "budget_s": a.budget_s,
         },
         "models": {},
+        "generator": "not run",
         "rl_step": "not run",
         "vllm": "not run",
     }
-    for model_name, args in models.items():
-        print(f"{model_name}:", flush=True)
-        entry = {"params": count_params(args)}
-        entry["decode"] = bench_decode(args, device, dtype, batch_sizes, prompt_len, new_tokens, bandwidth, a.compile)
-        entry["train"] = bench_train(args, device, *train_shape, peak, reps)
-        print(f"  train: {entry['train']['tokens_per_s']:,.0f} tok/s, MFU {entry['train']['mfu']}", flush=True)
-        entry["weight_sync"] = bench_sync(args, device, dtype, reps)
-        print(f"  weight sync: {entry['weight_sync']['sync_s'] * 1e3:.1f} ms", flush=True)
-        report["models"][model_name] = entry
-        if cuda:
-            torch.cuda.empty_cache()
-        report["wall_s"] = time.perf_counter() - start
-        write_report(report)
+    compile = False if a.eager else None  # None: the generator's default (compiled on CUDA)
+    measure = functools.partial(
+        model_entry,
+        device=device,
+        dtype=dtype,
+        batch_sizes=batch_sizes,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        bandwidth=bandwidth,
+        compile=compile,
+        attention=(batch_sizes[:1] if a.dry_run else batch_sizes, attention_context, not a.dry_run),
+        train=(train_shape, peak, reps),
+    )
+    # The first model and the generator sections, then the other models and the RL step while the
+    # budget lasts (a cold start compiles the decode step for every batch bucket: minutes on a
+    # GPU; a second call with TORCHINDUCTOR_CACHE_DIR set to the first's folder runs warm).
+    first_name, *other_names = models
+    report["models"][first_name] = measure(first_name, models[first_name])
+    write_report({**report, "wall_s": time.perf_counter() - start})
+    report["generator"] = generator_sections(first_name, models[first_name], device, dtype, gen_cfg, compile, left, a)
+    if "warm_compile" in report["generator"]:
+        cold = [
+            r["compile_s"] for r in report["models"][first_name]["decode"] if r["batch"] in gen_cfg["compile_batches"]
+        ]
+        report["generator"]["warm_compile"]["cold_compile_s_in_this_process"] = sum(cold)
+    write_report({**report, "wall_s": time.perf_counter() - start})
 
     workdir = tempfile.mkdtemp(prefix="bench_gpu_")
     try:
@@ -559,10 +695,19 @@ def main() -> None:
             report["rl_step"] = f"failed: writing the model folder: {type(e).__name__}: {e}"
             report["vllm"] = "not installed" if importlib.util.find_spec("vllm") is None else report["rl_step"]
             model_dir = None
+        for name in other_names:
+            if left() < a.model_min_s:
+                report["models"][name] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
+            else:
+                report["models"][name] = measure(name, models[name])
+            write_report({**report, "wall_s": time.perf_counter() - start})
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
         if model_dir:
             report["rl_step"] = rl_step_section(rl, rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
-            report["wall_s"] = time.perf_counter() - start
-            write_report(report)
+            write_report({**report, "wall_s": time.perf_counter() - start})
+        if model_dir:
             titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
             report["vllm"] = vllm_section(
                 model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir, left, cuda, a

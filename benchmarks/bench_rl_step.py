@@ -167,9 +167,9 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, compiled: bool) -> dict
         f"--optimizer.lr={a.lr}",
         "--reward.num_workers=1",
         "--job.print_config=false",
-        f"--compile.enable={str(compiled).lower()}",
-        f"--generator.compile={str(compiled).lower()}",
     ]
+    if compiled is not None:  # None: the recipe's own settings (the generator compiles on CUDA)
+        cmd += [f"--compile.enable={str(compiled).lower()}", f"--generator.compile={str(compiled).lower()}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
     if proc.returncode:

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# One prepared single-GPU benchmark (H200): generator decode tok/s vs the bandwidth roofline
-# for Qwen2.5-0.5B / 1.5B shapes (random weights) at batch 1/16/64/256, training MFU, weight-sync
-# time, the per-phase seconds of a few GRPO steps of a real recipe (generate, reward, logprob,
-# train, sync), and decode tok/s next to vLLM's at batch 1/64/256 when vllm is installed
-# ("vllm": "not installed" otherwise); one JSON. Budget: under 8 minutes (the RL step and vLLM
-# get what is left of --budget-s, each under its own cap). CI runs `--dry-run` (tiny model, CPU).
+# One prepared single-GPU benchmark (H100 / H200), in one call of under 10 minutes: generator
+# decode tok/s vs the bandwidth roofline for Qwen2.5-0.5B / 1.5B shapes (random weights) at batch
+# 1/16/64/256 (compiled, the default on CUDA), FlexAttention vs the in-place decode attention it
+# replaced, prefill tok/s at 2k and 8k prompts, a long-tail GRPO batch, compile seconds cold and
+# warm, training MFU, weight-sync time, the per-phase seconds of a few GRPO steps of a real recipe
+# with its default config (generate, reward, logprob, train, sync), and decode tok/s next to
+# vLLM's when vllm is installed ("vllm": "not installed" otherwise); one JSON with the commit and
+# device. The run's compile cache is a fresh folder (cold start), shared by its sections and
+# workers. Budget: 540 s (sections start only while enough is left). CI runs `--dry-run`.
 #
-# Then, on a GPU only, the float8 section (under 150 s): a compiled bf16 training step of the
-# Qwen2.5-1.5B shape built by titanrl's `build_model`, without and with `--float8.enable=true`
-# (torchao float8 block linears, tensorwise), printing tokens/s of each and the speedup as one
-# JSON line. `--float8-only` runs just that section (about 2 minutes with start-up).
+# `--float8` adds, on a GPU only, the float8 section (under 150 s: past the 10-minute call): a
+# compiled bf16 training step of the Qwen2.5-1.5B shape built by titanrl's `build_model`, without
+# and with `--float8.enable=true`, printing tokens/s of each and the speedup as one JSON line.
+# `--float8-only` runs just that section (about 2 minutes with start-up).
 #
-#   bash scripts/bench_gpu.sh [--dry-run] [--out benchmarks/bench_gpu.json] [--compile] [--vllm-eager]
+#   bash scripts/bench_gpu.sh [--dry-run] [--out benchmarks/bench_gpu.json] [--eager] [--vllm-eager]
 #   bash scripts/bench_gpu.sh --float8-only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,8 +78,13 @@ if [[ " $* " == *" --float8-only "* ]]; then
 fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
 rc=0
-BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" timeout 480 python -m benchmarks.bench_gpu --budget-s 450 "$@" || rc=$?
-if [[ " $* " != *" --dry-run "* ]]; then
+args=()
+for arg in "$@"; do [[ "$arg" == "--float8" ]] || args+=("$arg"); done
+cache_dir="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d -t bench_gpu_compile_cache.XXXXXX)}"
+echo "bench_gpu.sh: compile cache $cache_dir (TORCHINDUCTOR_CACHE_DIR=$cache_dir for a warm rerun)" >&2
+BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" TORCHINDUCTOR_CACHE_DIR="$cache_dir" \
+  timeout 570 python -m benchmarks.bench_gpu --budget-s 540 ${args[@]+"${args[@]}"} || rc=$?
+if [[ " $* " == *" --float8 "* && " $* " != *" --dry-run "* ]]; then
   float8_section || echo "bench_gpu.sh: float8 section failed (exit $?)" >&2
 fi
 exit $rc

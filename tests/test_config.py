@@ -178,6 +178,9 @@ def test_shipped_configs_load(path):
 
 # Property tests: any valid config survives TOML and CLI round-trips unchanged.
 def _value_strategy(tp):
+    args = typing.get_args(tp)
+    if type(None) in args:  # optional (generator.compile: unset is "by device")
+        return st.none() | _value_strategy(next(a for a in args if a is not type(None)))
     if typing.get_origin(tp) is typing.Literal:
         return st.sampled_from(typing.get_args(tp))
     if tp is bool:

@@ -57,9 +57,9 @@ def _prompts(lengths, seed=1):
         dict(block_size=4, num_blocks=128, enable_prefix_caching=False),
         dict(block_size=4, num_blocks=15),  # tiny pool: forced preemption
         dict(block_size=16, num_blocks=64, max_num_seqs=3),  # admission limited by max_num_seqs
-        dict(block_size=4, num_blocks=40, attention_impl="flex"),  # FlexAttention over pages
-        dict(block_size=4, num_blocks=15, attention_impl="flex"),  # ... with preemption
-        dict(block_size=4, num_blocks=15, attention_impl="inplace"),  # K pages transposed, eager
+        dict(block_size=4, num_blocks=128, compile=True),  # compiled FlexAttention over the pages
+        dict(block_size=4, num_blocks=15, compile=True),  # ... with preemption
+        dict(block_size=4, num_blocks=15, attention_impl="exact"),  # the batch-invariant attention
     ],
 )
 def test_greedy_matches_full_recompute_reference(options):
@@ -392,14 +392,14 @@ def test_random_workloads_leave_no_block_behind(seed):
     assert math.isfinite(stats.tokens_per_s)
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "inplace"])  # 'inplace': K pages transposed
-def test_batch_invariant_mode_logprobs_bitwise_equal_trainer(impl):
+def test_batch_invariant_mode_logprobs_bitwise_equal_trainer():
     """In batch-invariant mode the generator's logprobs equal the trainer's forward bit for bit,
     for sequences decoded among others of different lengths, with sharing and preemption."""
     from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
 
     model = _trainer_model()
-    gen = _generator(model, block_size=4, num_blocks=14, batch_invariant=True, attention_impl=impl)
+    gen = _generator(model, block_size=4, num_blocks=14, batch_invariant=True)
+    assert gen.attention == "exact"
     prompts = _prompts([5, 11, 3])
     completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=10, temperature=1.0, n=2, seed=5))
     assert stats.preemptions > 0
@@ -438,23 +438,25 @@ def test_weight_sync_invalidates_prefix_cache():
     assert c.token_ids == greedy_reference(model, prompt, 8)[0]
 
 
-@pytest.mark.parametrize("backend,impl", [("aot_eager", "sdpa"), ("inductor", "inplace")])
-def test_compiled_decode_matches_and_does_not_recompile(backend, impl):
+@pytest.mark.parametrize("backend,attention", [("aot_eager", "gathered"), ("inductor", "flex")])
+def test_compiled_decode_matches_and_does_not_recompile(backend, attention):
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     model = _trainer_model()
-    gen = _generator(model, block_size=4, num_blocks=128, compile=True, compile_backend=backend, attention_impl=impl)
+    gen = _generator(model, block_size=4, num_blocks=128, compile=True, compile_backend=backend)
+    assert gen.attention == attention
     params = SamplingParams(max_new_tokens=16, temperature=0)
-    prompts = _prompts([3, 9, 17])  # decode batches of 3 -> bucket 4
-    completions, _ = gen.generate(prompts, params)
+    prompts = _prompts([3, 9, 17])  # decode batches of 3 -> bucket 8
+    completions, stats = gen.generate(prompts, params)
+    assert stats.compile_seconds > 0
     for c in completions:
         assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 16)[0]
     warm = counters["stats"]["unique_graphs"]
     assert warm >= 1
     # Other lengths, same bucket: context lengths are dynamic, so nothing compiles again.
-    completions, _ = gen.generate(_prompts([5, 12, 21], seed=7), SamplingParams(max_new_tokens=20, temperature=0))
-    assert counters["stats"]["unique_graphs"] == warm
+    completions, stats = gen.generate(_prompts([5, 12, 21], seed=7), SamplingParams(max_new_tokens=20, temperature=0))
+    assert counters["stats"]["unique_graphs"] == warm and stats.compile_seconds == 0
     for c in completions:
         assert c.token_ids == greedy_reference(model, _prompts([5, 12, 21], seed=7)[c.prompt_index], 20)[0]
 
@@ -526,38 +528,6 @@ def test_uninitialised_pool_memory_never_leaks_into_outputs():
     for c in completions:
         assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 7)[0]
         assert all(math.isfinite(lp) for lp in c.logprobs)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_decode_attention_reads_pages_in_place_and_matches_float64(fused):
-    """DecodeAttention (one query per row over its pages, GQA 4:2) against a float64 softmax over
-    each row's keys 0..pos; the new K/V lands at the row's slot, a dead row writes the scratch block."""
-    from titanrl.generator.decode import DecodeAttention
-
-    g = torch.Generator().manual_seed(0)
-    P, B, Hkv, H, D = 12, 4, 2, 4, 8
-    k_pages, v_pages = torch.randn(P, B, Hkv, D, generator=g), torch.randn(P, B, Hkv, D, generator=g)
-    table_NM = torch.tensor([[3, 7, 1], [5, 8, 11], [2, 11, 11]])  # 11 = scratch
-    pos_N, live_N = torch.tensor([9, 4, 2]), torch.tensor([True, True, False])
-    q, k, v = (torch.randn(1, 3, h, D, generator=g) for h in (H, Hkv, Hkv))
-    before = k_pages.clone()
-    # The in-place path reads K pages transposed ([page, head, dim, slot]).
-    k_stored = k_pages.permute(0, 2, 3, 1).contiguous() if fused else k_pages
-    out = DecodeAttention([k_stored], [v_pages], table_NM, pos_N, live_N, scratch=11, k_transposed=fused).attend(
-        0, q, k, v
-    )
-    if fused:
-        k_pages = k_stored.permute(0, 3, 1, 2)
-    assert torch.equal(k_pages[1, 1], k[0, 0]) and torch.equal(v_pages[8, 0], v[0, 1])  # positions 9, 4
-    assert torch.equal(k_pages[11, 0], k[0, 2]) and torch.equal(k_pages[2], before[2])  # dead row -> scratch
-    for n in range(3):
-        keys = torch.cat([k_pages[b] for b in table_NM[n]])[: pos_N[n] + 1].double()
-        vals = torch.cat([v_pages[b] for b in table_NM[n]])[: pos_N[n] + 1].double()
-        keys, vals = keys.repeat_interleave(H // Hkv, 1), vals.repeat_interleave(H // Hkv, 1)
-        probs_HL = torch.einsum("hd,lhd->hl", q[0, n].double(), keys).mul(D**-0.5).softmax(-1)
-        ref_HD = torch.einsum("hl,lhd->hd", probs_HL, vals)
-        if live_N[n]:
-            torch.testing.assert_close(out[0, n].double(), ref_HD, atol=1e-5, rtol=1e-5)
 
 
 def test_rows_of_is_advanced_indexing_along_the_first_dimension():

@@ -78,13 +78,13 @@ def test_a_malformed_resumed_sample_is_a_clear_error(tokens, logprobs, message):
         )
 
 
-def test_pause_and_resume_with_the_same_weights_is_the_uninterrupted_run():
+@pytest.mark.parametrize("compile", [False, True])  # compiled: FlexAttention in the decode step
+def test_pause_and_resume_with_the_same_weights_is_the_uninterrupted_run(compile):
     """Sampled at temperature 1: the resumed samples continue their random streams, so the
     tokens are those of one uninterrupted call (logprobs to float noise of a new batch)."""
     model = _model(0)
-    gen = Generator(
-        ARGS, GeneratorConfig(block_size=4, num_blocks=256, decode_steps_per_schedule=4), torch.device("cpu")
-    )
+    config = GeneratorConfig(block_size=4, num_blocks=128, decode_steps_per_schedule=4, compile=compile)
+    gen = Generator(ARGS, config, torch.device("cpu"))
     gen.load_weights(model)
     prompts = _prompts([5, 9, 14])
     params = SamplingParams(max_new_tokens=40, temperature=1.0, n=3, seed=7)

@@ -84,6 +84,15 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
         assert row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
         assert row["decode_steps"] >= report["config"]["new_tokens"]
         assert row["tok_s"] > 0 and row["generate_s"] > 0
+        assert row["compile_s"] >= 0
+    (att,) = entry["decode_attention"]  # FlexAttention and the in-place form agree, both timed
+    assert att["max_abs_diff"] < 1e-4 and att["flex_ms"] > 0 and att["inplace_ms"] > 0
+    gen = report["generator"]
+    assert [r["prompt_len"] for r in gen["prefill"]] == [32, 64] and all(r["prefill_tok_s"] > 0 for r in gen["prefill"])
+    tail = gen["long_tail"]
+    assert tail["samples"] == 8 and 0 < tail["len_p50"] <= tail["len_max"] <= tail["max_new_tokens"]
+    assert tail["tok_s"] > 0 and tail["decode_steps"] >= tail["len_max"] - 1
+    assert gen["warm_compile"]["generate_s"] > 0 and "cold_compile_s_in_this_process" in gen["warm_compile"]
     assert entry["train"]["tokens_per_s"] > 0 and entry["train"]["mfu"] is None  # no peak known on CPU
     assert entry["weight_sync"]["sync_s"] > 0
     # A real GRPO recipe, 2 steps on CPU (the first dropped), split by phase.

@@ -88,6 +88,7 @@ def test_single_rank_run_logs_every_metric(single_rank):
         "mem_generate_gb",
         "mem_train_gb",
         "mem_sync_gb",
+        "gen_compile_s",
     ]:
         assert key in steps[0], key
     # Time-slicing: the 2048-block KV pool is released before training; the generator's blocks

@@ -1,5 +1,5 @@
 """Plain full-recompute greedy decoding: the oracle the paged generator is tested against; and a
-float64 paged decode attention, the oracle of the CPU decode kernel (test and benchmark)."""
+float64 paged attention, the oracle of the paged attention backends."""
 
 import torch
 
@@ -27,19 +27,27 @@ def greedy_reference(
     return new_ids, logprobs
 
 
-def paged_decode_attention_reference(
-    q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, table_NM: torch.Tensor, pos_N: torch.Tensor
+def paged_attention_reference(
+    q_NHD: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    tables: list[list[int]],
+    positions: list[list[int]],
 ) -> torch.Tensor:
-    """float64 attention of each row over its positions 0..pos, gathered slot by slot through its
-    block table; the layouts of `cpu_kernel.paged_decode_attention` (K pages transposed)."""
-    N, G, R, D = q_NGRD.shape
-    B = v_pages.shape[1]
-    k_SGD = k_pages.double().permute(0, 3, 1, 2).reshape(-1, G, D)  # [pages * B, G, D]
-    v_SGD = v_pages.double().reshape(-1, G, D)
-    out_NGRD = torch.empty(N, G, R, D, dtype=torch.float64)
-    for n in range(N):
-        L = int(pos_N[n]) + 1
-        slots = table_NM[n].repeat_interleave(B)[:L] * B + torch.arange(L) % B
-        scores_GRL = torch.einsum("grd,lgd->grl", q_NGRD[n].double(), k_SGD[slots]) * D**-0.5
-        out_NGRD[n] = torch.einsum("grl,lgd->grd", scores_GRL.softmax(-1), v_SGD[slots])
-    return out_NGRD
+    """float64 attention of packed queries (sequence-major: sequence s's queries at `positions[s]`)
+    over each sequence's positions 0..pos, read slot by slot through its block table; K and V
+    pages [pages, B, Hkv, D] as `KVCachePool` holds them, H / Hkv query heads per KV head."""
+    N, H, D = q_NHD.shape
+    B, Hkv = v_pages.shape[1], v_pages.shape[2]
+    k_LGD, v_LGD = k_pages.double().reshape(-1, Hkv, D), v_pages.double().reshape(-1, Hkv, D)
+    out_NHD = torch.empty(N, H, D, dtype=torch.float64)
+    n = 0
+    for table, pos in zip(tables, positions):
+        for p in pos:
+            slots = torch.tensor([table[t // B] * B + t % B for t in range(p + 1)])
+            k_LHD = k_LGD[slots].repeat_interleave(H // Hkv, 1)
+            v_LHD = v_LGD[slots].repeat_interleave(H // Hkv, 1)
+            probs_HL = torch.einsum("hd,lhd->hl", q_NHD[n].double(), k_LHD).mul(D**-0.5).softmax(-1)
+            out_NHD[n] = torch.einsum("hl,lhd->hd", probs_HL, v_LHD)
+            n += 1
+    return out_NHD

@@ -18,6 +18,7 @@ from typing import IO
 import torch
 import torch.distributed as dist
 
+from titanrl.components.compile_cache import use_compile_cache
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.distributed import ParallelDims, device_type, init_distributed, set_determinism
 from titanrl.models.args import TransformerModelArgs
@@ -144,8 +145,10 @@ def write_stopped(folder: str, signum: int, step: int, checkpoint: str) -> None:
 
 
 def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
-    """Join torchrun's process group, seed every RNG, build the device mesh: (rank, dims, device)."""
+    """Join torchrun's process group, seed every RNG, build the device mesh: (rank, dims, device).
+    Compiled code is cached under the dump folder (`compile_cache.py`)."""
     die_with_launcher()
+    use_compile_cache(config.job.dump_folder)
     return_freed_cpu_memory()
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)

@@ -35,8 +35,10 @@ class Generator:
     enable_prefix_caching: bool = True
     """Reuse cached K/V of full prompt blocks across requests (group samples always share)."""
 
-    compile: bool = False
-    """Compile the decode step (power-of-two batch buckets; CUDA graphs on GPU)."""
+    compile: bool | None = None
+    """Compile the prefill attention and the decode step (power-of-two batch buckets; CUDA graphs
+    on GPU); unset: on for CUDA, off on CPU. The compiled code is cached under
+    `<job.dump_folder>/compile_cache`, so a restarted or resumed job does not compile from scratch."""
 
     batch_invariant: bool = False
     """Batch-invariant kernels in generator and trainer: bitwise-equal logprobs, much slower."""
@@ -45,20 +47,15 @@ class Generator:
     """Most prompt tokens prefilled in one scheduler step (a longer prompt is prefilled alone)."""
 
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    """`torch.compile` backend of the decode step when `compile` is on."""
+    """`torch.compile` backend when `compile` is on. FlexAttention needs 'inductor'; the others
+    (for debugging the compile of the rest of the step) attend over gathered pages."""
 
-    attention_impl: Literal["auto", "sdpa", "flex", "inplace", "cpu_kernel"] = "auto"
-    """Paged attention: 'sdpa' gathers a sequence's pages then runs SDPA (portable); 'flex' runs
-    FlexAttention with a block mask over the pages (the fast path on GPU; correct but slow on
-    CPU); 'inplace' decodes reading the pages where they are (indexing, products and sums that
-    torch.compile fuses into one pass over the KV, no gathered copy; eager it allocates) and
-    prefills as 'sdpa'; 'cpu_kernel' decodes with a hand-written kernel that reads the pages in
-    place (float32 or bfloat16, x86 CPUs with AVX-512, block_size and head_dim multiples of 16;
-    built with the C compiler on first use, titanrl/generator/cpu_kernel.py; with `compile`,
-    batch buckets under cpu_kernel.MIN_COMPILED_BUCKET rows decode 'inplace') and prefills as
-    'sdpa'. 'auto': 'cpu_kernel' where it can run (in bfloat16 under `compile` only: eager
-    'sdpa' runs the trainer's own SDPA and matches its bfloat16 logprobs closest), else
-    'inplace' for the compiled decode step (K pages stored transposed), else 'sdpa'."""
+    attention_impl: Literal["auto", "exact"] = "auto"
+    """Paged attention. 'auto': FlexAttention over the pages, compiled (prefill and decode; its
+    block mask built on device from the block tables), wherever inductor compiles it: CUDA, or
+    `compile` on CPU; an eager CPU run (and a non-inductor compile_backend) attends over gathered
+    copies of the pages with SDPA instead. 'exact': the batch-invariant attention
+    (models/batch_invariant.py), which batch_invariant implies."""
 
     quantize: Literal["none", "int8", "fp8"] = "none"
     """Quantise the generator's block linears with torchao at every sync ('int8': weight-only, CPU and GPU;
@@ -70,6 +67,12 @@ class Generator:
     small host read per step, tokens read once per pass); 1 schedules every step."""
 
     def validate(self) -> None:
+        if self.attention_impl not in ("auto", "exact"):
+            raise ValueError(
+                f"[generator] attention_impl must be 'auto' (FlexAttention, compiled) or 'exact' "
+                f"(batch-invariant), got '{self.attention_impl}' ('sdpa', 'flex', 'inplace' and "
+                "'cpu_kernel' were merged into 'auto')"
+            )
         if self.num_blocks < 0:
             raise ValueError(f"[generator] num_blocks must be >= 0 (0 = from memory), got {self.num_blocks}")
         if self.compile and self.batch_invariant:

@@ -4,9 +4,9 @@ passes, with their state in tensors.
 A scheduler pass (host, Python) reserves KV blocks for the next `steps` tokens of every running
 sample and uploads its state once: last token, position, block table, random key, tokens left.
 Then each step runs on device without host bookkeeping: write K/V at the row's slot, attend over
-its pages, sample (a stateless per-row stream, `sampling.counter_uniform`), take the logprob,
-test eos / length for all rows at once. Rows that finish stop writing (their slot becomes the
-scratch block) and are padding until the pass ends. The host reads one small scalar per step
+its pages (`paged_attention.py`), sample (a stateless per-row stream, `sampling.counter_uniform`),
+take the logprob, test eos / length for all rows at once. Rows that finish stop writing (their
+slot becomes the scratch block) and are padding until the pass ends. The host reads one small scalar per step
 (live rows) to end a pass early when many rows finished or waiting samples could be admitted,
 and the tokens once per pass. With `compile`, the step (model, sampling, logprob, stop test) is
 one compiled region per power-of-two batch bucket (CUDA graphs on GPU).
@@ -17,96 +17,11 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from titanrl.generator.cpu_kernel import decode_attention
-from titanrl.generator.kv_cache import rows_of, write_kv
+from titanrl.generator.paged_attention import AttentionKind, PagedBatch, logical_page_index, paged_attention
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
-from titanrl.models.batch_invariant import attend_exact_batched, batch_invariant_mode
-
-
-def _stored(x_N: torch.Tensor) -> torch.Tensor:
-    """`x_N`'s values through an indexed store, which the compiler must write to memory: the
-    attention kernel then reads the query instead of inlining its norm and rotary embedding
-    (pointwise, so fused by default) and recomputing them once per KV page."""
-    return torch.zeros_like(x_N).index_put_((torch.arange(x_N.shape[0], device=x_N.device),), x_N)
-
-
-class DecodeAttention:
-    """`AttentionBackend` of a decode step: row n feeds one token at position `pos_N[n]` and
-    attends to its positions 0..pos through `table_NM` (block tables padded with the scratch
-    block). With `k_transposed` (`KVCachePool(k_transposed=True)`) it reads the pages where they
-    are (indexing, products and sums that the compiler fuses into passes over the KV, no gathered
-    copy); otherwise pages are gathered and SDPA runs on the copy (the fast form eagerly, where a
-    broadcast product would allocate). `exact` (batch-invariant mode) gathers in either layout.
-    `kernel`: the hand-written CPU kernel (`cpu_kernel.py`, transposed K pages) instead.
-    """
-
-    def __init__(
-        self,
-        k_cache: list[torch.Tensor],
-        v_cache: list[torch.Tensor],
-        table_NM: torch.Tensor,
-        pos_N: torch.Tensor,
-        live_N: torch.Tensor,
-        scratch: int,
-        k_transposed: bool = False,
-        exact: bool = False,
-        kernel: bool = False,
-    ) -> None:
-        self.k_cache, self.v_cache, self.table_NM = k_cache, v_cache, table_NM
-        self.pos_N, self.k_transposed, self.exact, self.kernel = pos_N, k_transposed, exact, kernel
-        B = v_cache[0].shape[1]
-        M = table_NM.shape[1]
-        slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
-        self.slot_N = torch.where(live_N, slot_N, scratch * B)
-        self.valid_NL = torch.arange(M * B, device=pos_N.device)[None, :] <= pos_N[:, None]
-
-    def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
-        k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
-        write_kv(k_pages, v_pages, self.slot_N, k_1NHD[0], v_1NHD[0], self.k_transposed)
-        q_NHD = q_1NHD[0]
-        N, H, D = q_NHD.shape
-        Hkv = v_pages.shape[2]
-        if self.kernel:
-            return decode_attention(q_NHD, k_pages, v_pages, self.table_NM, self.pos_N).unsqueeze(0)
-        if self.k_transposed and not self.exact:
-            return self._attend_in_place(q_NHD.view(N, Hkv, H // Hkv, D), k_pages, v_pages).view(1, N, H, D)
-        k_NLHD = self._keys(k_pages).to(q_NHD.dtype)
-        v_NLHD = rows_of(v_pages, self.table_NM).flatten(1, 2).to(q_NHD.dtype)
-        if self.exact:  # batch-invariant mode: the trainer's reduction order (`attend_exact_batched`)
-            return attend_exact_batched(q_NHD[:, None], k_NLHD, v_NLHD, self.pos_N[:, None]).view(1, N, H, D)
-        # The R query heads of a KV head are R queries of one attention (no causal mask among
-        # them): one SDPA problem per (row, KV head) instead of per query head.
-        out_NGRD = F.scaled_dot_product_attention(
-            q_NHD.view(N, Hkv, H // Hkv, D),
-            k_NLHD.transpose(1, 2),
-            v_NLHD.transpose(1, 2),
-            attn_mask=self.valid_NL[:, None, None, :],
-        )
-        return out_NGRD.reshape(1, N, H, D)
-
-    def _keys(self, k_pages: torch.Tensor) -> torch.Tensor:
-        """Each row's keys [N, L, Hkv, D], gathered through its block table."""
-        if self.k_transposed:
-            return rows_of(k_pages, self.table_NM).permute(0, 1, 4, 2, 3).flatten(1, 2)
-        return rows_of(k_pages, self.table_NM).flatten(1, 2)
-
-    def _attend_in_place(self, q_NGRD: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        """q grouped by KV head (G kv heads, R query heads each); pages indexed, never copied.
-        K pages are transposed ([page, head, dim, slot]): the score reduction runs over features
-        with a page's keys contiguous, which the compiler vectorises (over features instead, with
-        the [page, slot, head, dim] layout, the kernel was 1.9x slower at head_dim 64)."""
-        N, G, R, D = q_NGRD.shape
-        q_NGRD = _stored(q_NGRD)
-        k_NMG1DB = k_pages[self.table_NM].unsqueeze(3).to(q_NGRD.dtype)
-        scores_NMGRB = (q_NGRD[:, None, :, :, :, None] * k_NMG1DB).sum(-2)
-        scores_NLGR = scores_NMGRB.permute(0, 1, 4, 2, 3).flatten(1, 2) * D**-0.5
-        scores_NLGR = scores_NLGR.masked_fill(~self.valid_NL[:, :, None, None], float("-inf"))
-        probs_NLGR = scores_NLGR.float().softmax(1).to(q_NGRD.dtype)
-        v_NLG1D = v_pages[self.table_NM].flatten(1, 2).unsqueeze(3).to(q_NGRD.dtype)
-        return (probs_NLGR.unsqueeze(-1) * v_NLG1D).sum(1)
+from titanrl.models.batch_invariant import batch_invariant_mode
 
 
 def decode_step(
@@ -120,17 +35,18 @@ def decode_step(
     left_N: torch.Tensor,
     key_N: torch.Tensor,
     table_NM: torch.Tensor,
+    page_index_P: torch.Tensor | None,
     stop_ids_E: torch.Tensor,
     scratch: int,
-    k_transposed: bool = False,
-    exact: bool = False,
-    kernel: bool = False,
+    attention: AttentionKind,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
-    still live (0-d, the host's one read per step). `exact`: batch-invariant mode (eager only)."""
-    backend = DecodeAttention(k_cache, v_cache, table_NM, pos_N, live_N, scratch, k_transposed, exact, kernel)
-    with batch_invariant_mode() if exact else contextlib.nullcontext():
+    still live (0-d, the host's one read per step). `attention` 'exact': batch-invariant mode
+    (eager only)."""
+    batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, v_cache[0].shape[1], page_index_P)
+    backend = paged_attention(attention, batch, k_cache, v_cache)
+    with batch_invariant_mode() if attention == "exact" else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
     next_N = sample_tokens(logits_NV, params, key_N, pos_N + 1)
@@ -153,18 +69,29 @@ def uses_cuda_graphs(compile: bool, backend: str, device: torch.device) -> bool:
     return compile and backend == "inductor" and device.type == "cuda"
 
 
+MIN_BUCKET = 8
+"""Smallest batch bucket of the compiled decode step: buckets are the powers of two from here to
+max_num_seqs (6 compiled graphs for 256 sequences), each with static shapes but for the block
+tables' width (FlexAttention's flash-decoding kernel wants a static batch)."""
+
+
+def batch_bucket(n: int) -> int:
+    """The compiled decode step's batch for `n` rows (padding rows are dead)."""
+    return max(MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
 def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tuple[nn.Module, object]:
-    """The compiled model (prefill) and decode step. On CUDA, CUDA graphs (`reduce-overhead`'s
-    option). Guards on modules are skipped: the generator's modules never change type or
-    structure (weights are updated in place), and guarding on them costs Python time at every
-    decode step."""
+    """The compiled model (one-step decode) and decode step, static shapes per batch bucket (the
+    block tables' width is marked dynamic). On CUDA, CUDA graphs (`reduce-overhead`'s option).
+    Guards on modules are skipped: the generator's modules never change type or structure
+    (weights are updated in place), and guarding on them costs Python time at every decode step."""
     options: dict = {"triton.cudagraphs": True} if uses_cuda_graphs(True, backend, device) else {}
-    model_fn = torch.compile(model, backend=backend, options=dict(options) or None)
+    model_fn = torch.compile(model, backend=backend, options=dict(options) or None, dynamic=False)
     options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     if backend == "inductor":
         # No stride checks of the step's matmul / view outputs on every call (Python per step).
         options["size_asserts"] = False
-    return model_fn, torch.compile(decode_step, backend=backend, options=options)
+    return model_fn, torch.compile(decode_step, backend=backend, options=options, dynamic=False)
 
 
 def static_kv_for_cuda_graphs(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
@@ -289,10 +216,8 @@ def run_decode_pass(
     scratch: int,
     end_when_any_stops: bool,
     device: torch.device,
-    k_transposed: bool = False,
-    exact: bool = False,
+    attention: AttentionKind,
     cuda_graphs: bool = False,
-    kernel: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -302,6 +227,8 @@ def run_decode_pass(
     live_N = torch.arange(bucket, device=device) < N
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
     tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
+    # The pass's pages keep their logical index at every step: computed once, an input of the step.
+    page_index_P = logical_page_index(table_NM, scratch, v_cache[0].shape[0]) if attention == "flex" else None
     out_tokens, out_logprobs, out_stopped = [], [], []
     for step in range(steps):
         if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
@@ -317,11 +244,10 @@ def run_decode_pass(
             left_N,
             key_N,
             tables.at(step),
+            page_index_P,
             stop_ids_E,
             scratch,
-            k_transposed,
-            exact,
-            kernel,
+            attention,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
             tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (

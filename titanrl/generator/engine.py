@@ -17,12 +17,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanrl.components.compile_cache import compile_seconds
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
-from titanrl.generator import cpu_kernel
 from titanrl.generator.decode import (
     DecodeRows,
+    batch_bucket,
     compile_decode,
     decode_step,
     run_decode_pass,
@@ -30,7 +31,7 @@ from titanrl.generator.decode import (
     uses_cuda_graphs,
 )
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
-from titanrl.generator.paged_attention import PagedAttention, SeqSlice
+from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
@@ -88,12 +89,20 @@ class Generator:
         self.model = self._build_model(tp_mesh)
         self.shares_weights = False
         self._decode_model = self.model
-        self._cuda_graphs = uses_cuda_graphs(config.compile, config.compile_backend, device)
-        if config.compile:
+        # Unset: compiled on CUDA (never with batch_invariant, whose kernels run eagerly).
+        auto_compile = device.type == "cuda" and not config.batch_invariant
+        self.compile = config.compile if config.compile is not None else auto_compile
+        self.attention, self.eager_attention = attention_kinds(config, device, self.compile)
+        if device.type == "cuda" and "flex" in (self.attention, self.eager_attention) and config.block_size % 16:
+            raise ValueError(
+                f"[generator] block_size must be a multiple of 16 on CUDA (FlexAttention's kernels tile "
+                f"a page by 16 keys or more), got {config.block_size}"
+            )
+        self._cuda_graphs = uses_cuda_graphs(self.compile, config.compile_backend, device)
+        if self.compile:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
             self._decode_step = decode_step
-        self._kernel = cpu_kernel.use_for_decode(config, device, dtype, model_args.head_dim)
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -127,7 +136,11 @@ class Generator:
             free_bytes, _ = torch.cuda.mem_get_info(self.device)
         else:
             free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return max(1, int(free_bytes * self.config.kv_cache_memory_fraction) // self._bytes_per_block())
+        n = max(1, int(free_bytes * self.config.kv_cache_memory_fraction) // self._bytes_per_block())
+        # Rounded down to 4 significant bits (at most 12.5% less): the pool's size is a static
+        # shape of the compiled steps, so a restarted job whose free memory moved a little finds
+        # its compiled code in the cache instead of compiling again.
+        return n & ~((1 << max(0, n.bit_length() - 4)) - 1)
 
     def wake(self) -> None:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
@@ -146,8 +159,6 @@ class Generator:
                 self.args.head_dim,
                 self.dtype,
                 self.device,
-                zero_all=self.config.attention_impl == "flex",
-                k_transposed=self._decode_in_place(),
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
             if self._cuda_graphs:
@@ -254,7 +265,7 @@ class Generator:
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
-        start = time.perf_counter()
+        start, compile_start = time.perf_counter(), compile_seconds()
         sched = Scheduler(
             self.pool,
             self.allocator,
@@ -270,6 +281,7 @@ class Generator:
         self._run(sched, turns, pause_when, on_finish)
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
+        sched.stats.compile_seconds = compile_seconds() - compile_start
         return [seq.to_completion(self.tokenizer) for seq in results], sched.stats
 
     def _run(
@@ -335,13 +347,12 @@ class Generator:
     def _decode(self, sched: Scheduler, turns: TurnHandler | None) -> None:
         """Tokens for every running sequence (preempting some if blocks run out): several steps
         on device per scheduler pass (`decode.py`), or one step when a stop needs the host
-        (stop strings, multi-turn) or the step is not the tensor-only kind (top logprobs,
-        FlexAttention)."""
+        (stop strings, multi-turn) or the step is not the tensor-only kind (top logprobs)."""
         batch = sched.schedule_decode()
         if not batch:
             return
         params = batch[0].params
-        if turns is not None or params.stop_strings or params.num_top_logprobs or self.config.attention_impl == "flex":
+        if turns is not None or params.stop_strings or params.num_top_logprobs:
             return self._decode_one_step(sched, batch)
         steps, left = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
@@ -353,7 +364,7 @@ class Generator:
             tables=[s.block_table for s in batch],
         )
         compiled = self._decode_step is not decode_step
-        bucket = 1 << (len(batch) - 1).bit_length() if compiled else len(batch)
+        bucket = batch_bucket(len(batch)) if compiled else len(batch)
         with torch.profiler.record_function("generator/decode"):
             out = run_decode_pass(
                 self._decode_step,
@@ -368,10 +379,8 @@ class Generator:
                 scratch=self.num_blocks,
                 end_when_any_stops=bool(sched.waiting),
                 device=self.device,
-                k_transposed=self.pool.k_transposed,
-                exact=self.config.batch_invariant,
+                attention=self.attention if compiled else self.eager_attention,
                 cuda_graphs=self._cuda_graphs,
-                kernel=self._kernel and (not compiled or bucket >= cpu_kernel.MIN_COMPILED_BUCKET),
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
@@ -384,11 +393,6 @@ class Generator:
             if reason is None:
                 sched.trim_blocks(seq)
             sched.after_sample(seq, reason)
-
-    def _decode_in_place(self) -> bool:
-        """Decode attention reads the pages in place (the pool then keeps K transposed)."""
-        impl = self.config.attention_impl
-        return self._kernel or impl == "inplace" or (impl == "auto" and self.config.compile)
 
     def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
@@ -407,30 +411,25 @@ class Generator:
         positions `logits_at` ([len(logits_at), vocab])."""
         model = self.model
         n = len(tokens)
-        if decode and self.config.compile:
+        if decode and self.compile:
             # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
-            bucket = 1 << (n - 1).bit_length()
+            bucket = batch_bucket(n)
             scratch = SeqSlice([self.num_blocks], 1, 1)
             slices = slices + [scratch] * (bucket - n)
             tokens = tokens + [0] * (bucket - n)
             model = self._decode_model
-        backend = PagedAttention(
-            self.pool,
-            slices,
-            self.device,
-            exact=self.config.batch_invariant,
-            impl="flex" if self.config.attention_impl == "flex" else "sdpa",
-            kernel=self._kernel and model is self.model,
-        )
+        attention = self.attention if model is not self.model else self.eager_attention
+        num_pages = self.pool.num_blocks if attention == "flex" else None
+        batch = PagedBatch.from_slices(slices, self.num_blocks, self.config.block_size, self.device, num_pages)
+        backend = paged_attention(attention, batch, self.pool.k, self.pool.v)
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.
-            torch._dynamo.mark_dynamic(backend.gather_slots_SL, 1)
-            torch._dynamo.mark_dynamic(backend.mask_S1QL, 3)
+            torch._dynamo.mark_dynamic(batch.table_SM, 1)
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
             if logits_at is None:
-                return model(tokens_1N, backend.positions_1N, backend)[0, :n]
-            h_ND = model.hidden_states(tokens_1N, backend.positions_1N, backend)[0]
+                return model(tokens_1N, batch.positions_1N, backend)[0, :n]
+            h_ND = model.hidden_states(tokens_1N, batch.positions_1N, backend)[0]
             return model.output(h_ND[logits_at])
 
     def _sample(self, sched: Scheduler, seqs: list[Seq], logits_NV: torch.Tensor) -> None:

@@ -112,14 +112,13 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 
 
 class KVCachePool:
-    """K and V tensors of every layer: V [num_blocks, block_size, n_kv_heads, head_dim]; K the
-    same, or with `k_transposed` [num_blocks, n_kv_heads, head_dim, block_size] (a page's keys
-    contiguous per feature: the compiled in-place decode attention then vectorises over keys
-    rather than features). `write` and `gather` hide the layout.
+    """K and V tensors of every layer, each [num_blocks, block_size, n_kv_heads, head_dim]
+    (a page is a block; token t of a sequence lives at slot table[t // B] * B + t % B of the
+    flattened [num_blocks * block_size, n_kv_heads, head_dim] view that attention reads).
 
     The tensors start uninitialised (no page is touched, so waking the generator costs nothing
     up front); a block is zeroed the first time it is handed out (`prepare`). Zero, not stale
-    garbage, matters: slots past a sequence's end are gathered with weight 0, and 0 * NaN = NaN.
+    garbage, matters: slots past a sequence's end are read with weight 0, and 0 * NaN = NaN.
     The last block is the scratch block padding rows write into. `zero_all` zeroes the whole
     pool at once, for attention paths that read every page (FlexAttention over the pool).
     """
@@ -134,26 +133,23 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         zero_all: bool = False,
-        k_transposed: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.k_transposed = k_transposed
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
-        k_shape = (num_blocks, n_kv_heads, head_dim, block_size) if k_transposed else shape
         alloc = torch.zeros if zero_all else torch.empty
-        self.k = [alloc(k_shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self._zeroed = [zero_all] * num_blocks
         self.prepare(num_blocks - 1)
 
     def write(self, layer_id: int, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor) -> None:
         """Store the K/V of N tokens at pool slots (block * block_size + offset)."""
-        write_kv(self.k[layer_id], self.v[layer_id], slot_N, k_NHD, v_NHD, self.k_transposed)
+        write_kv(self.k[layer_id], self.v[layer_id], slot_N, k_NHD, v_NHD)
 
     def gather(self, layer_id: int, slots_SL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [S, L, n_kv_heads, head_dim] at pool slots `slots_SL` (a copy)."""
-        return gather_kv(self.k[layer_id], self.v[layer_id], slots_SL, self.k_transposed)
+        return gather_kv(self.k[layer_id], self.v[layer_id], slots_SL)
 
     def prepare(self, block: int) -> int:
         """Zero `block` if it was never used since the pool was allocated; returns it."""
@@ -179,20 +175,11 @@ class KVCachePool:
 
 
 def write_kv(
-    k_pages: torch.Tensor,
-    v_pages: torch.Tensor,
-    slot_N: torch.Tensor,
-    k_NHD: torch.Tensor,
-    v_NHD: torch.Tensor,
-    k_transposed: bool,
+    k_pages: torch.Tensor, v_pages: torch.Tensor, slot_N: torch.Tensor, k_NHD: torch.Tensor, v_NHD: torch.Tensor
 ) -> None:
     """`KVCachePool.write` on one layer's page tensors (also used inside the compiled decode step)."""
-    B = v_pages.shape[1]
+    k_pages.view(-1, *k_pages.shape[2:])[slot_N] = k_NHD.to(k_pages.dtype)
     v_pages.view(-1, *v_pages.shape[2:])[slot_N] = v_NHD.to(v_pages.dtype)
-    if k_transposed:
-        k_pages[slot_N // B, :, :, slot_N % B] = k_NHD.to(k_pages.dtype)
-    else:
-        k_pages.view(-1, *k_pages.shape[2:])[slot_N] = k_NHD.to(k_pages.dtype)
 
 
 def rows_of(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -202,12 +189,9 @@ def rows_of(pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def gather_kv(
-    k_pages: torch.Tensor, v_pages: torch.Tensor, slots_SL: torch.Tensor, k_transposed: bool
+    k_pages: torch.Tensor, v_pages: torch.Tensor, slots_SL: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`KVCachePool.gather` on one layer's page tensors."""
-    B = v_pages.shape[1]
-    v_SLHD = rows_of(v_pages.view(-1, *v_pages.shape[2:]), slots_SL)
-    if k_transposed:
-        # Two advanced indices around slices: the [S, L] index dimensions come first.
-        return k_pages[slots_SL // B, :, :, slots_SL % B], v_SLHD
-    return rows_of(k_pages.view(-1, *k_pages.shape[2:]), slots_SL), v_SLHD
+    return rows_of(k_pages.view(-1, *k_pages.shape[2:]), slots_SL), rows_of(
+        v_pages.view(-1, *v_pages.shape[2:]), slots_SL
+    )

@@ -1,22 +1,39 @@
-"""Attention over block tables for a packed batch of new tokens (prefill chunks and decodes).
+"""Attention over block tables: the generator's attention backends.
 
-The new tokens of all sequences in a step are packed in one row [1, N]. Each layer writes their
-k/v into the pool at `slot_mapping`, then every sequence attends from its new tokens to all of
-its cached tokens, gathered through its block table. This is the portable path (gather + SDPA),
-correct on any device. `impl="flex"` is the fast path for GPUs: FlexAttention over the whole
-pool with a block mask whose KV blocks are the pages, so only a sequence's own pages are read
-(on CPU it runs FlexAttention's eager reference: correct, not fast).
+Every forward of the generator (a prefill of packed new tokens, a one-step decode, a step of the
+on-device decode loop) is described by a `PagedBatch`: S sequences, each with its block table
+(padded with the scratch block) and the positions of its Q new tokens. Each layer writes the new
+tokens' K/V into the pool at their slots, then each query attends to its sequence's positions up
+to its own.
+
+- `FlexPagedAttention` (the default on CUDA; on CPU in the compiled decode step): FlexAttention
+  over the pool, compiled. Its block mask is built on device from the block tables: the KV blocks
+  are pages, query block k of sequence s visits the first `kv_num[s, k]` pages of s's table (the
+  table itself is `kv_indices`: no mask over the pool, no loop over sequences), and a mask_mod
+  keeps the keys of s's own pages at positions up to the query's. Grouped-query attention folds the R query heads
+  of a KV head into the query dimension (R queries of one head at one position), so one program
+  reads a page once for its R heads and short queries take the flash-decoding (split-KV) kernel
+  whatever the head ratio.
+- `GatheredPagedAttention`: each sequence's pages gathered into a copy. `exact=True` is the
+  batch-invariant attention (`attend_exact_batched`, the trainer's reduction order); otherwise
+  SDPA: the eager CPU path (plain PyTorch, no compiler), and the tests' oracle.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from titanrl.generator.cpu_kernel import decode_attention
-from titanrl.generator.kv_cache import KVCachePool
+from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.generator.kv_cache import gather_kv, write_kv
 from titanrl.models.batch_invariant import attend_exact_batched
+
+AttentionKind = Literal["flex", "exact", "gathered"]
+Q_BLOCK = 128
+"""Rows of a query block of the block mask (folded rows: a token's R query heads are R rows)."""
 
 
 @dataclass
@@ -28,133 +45,260 @@ class SeqSlice:
     num_new: int
 
 
-class PagedAttention:
-    """An `AttentionBackend` for one forward step; built by the generator from `SeqSlice`s.
+@dataclass
+class PagedBatch:
+    """The device tensors of one forward over the pool (see the module docstring)."""
 
-    `exact=True` attends one query at a time with `attend_exact` (batch-invariant mode);
-    `impl` picks "sdpa" (gather + SDPA, portable) or "flex" (FlexAttention over the pages);
-    `kernel`: a pure decode step (one new token per sequence) runs the CPU decode kernel instead.
-    """
+    table_SM: torch.Tensor
+    """Block tables [S, M], padded with the scratch block (M >= 2: off the 0/1 specialisation)."""
+    pos_SQ: torch.Tensor
+    """Position of each sequence's q-th new token; padding queries repeat its last one."""
+    num_new_S: torch.Tensor
+    slot_N: torch.Tensor
+    """Pool slot (block * block_size + offset) each packed new token's K/V is written to."""
+    positions_1N: torch.Tensor
+    scratch: int
+    """The scratch block: padding of the tables, K/V writes of dead rows."""
+    page_index_P: torch.Tensor | None = None
+    """FlexAttention: each page's logical index in the tables that hold it (`logical_page_index`)."""
+    query_index_SQ: torch.Tensor | None = None
+    """Packed index of query (s, q); None when every sequence has one new token (packed = s)."""
+    scatter_index_SQ: torch.Tensor | None = None
+    """... and where its output goes: padding queries to a spare row N."""
 
-    def __init__(
-        self,
-        pool: KVCachePool,
-        seqs: list[SeqSlice],
-        device: torch.device,
-        exact: bool = False,
-        impl: str = "sdpa",
-        kernel: bool = False,
-    ) -> None:
-        if impl not in ("sdpa", "flex"):
-            raise ValueError(f"attention impl must be 'sdpa' or 'flex', got '{impl}'")
-        self.pool = pool
-        self.exact = exact
-        self.impl = impl
-        self.seqs = seqs
-        B = pool.block_size
-        max_blocks = max(len(s.block_table) for s in seqs)
-        # One host->device copy of all metadata, then index arithmetic on tensors. Short block
-        # tables are padded with the scratch block (always zeroed; masked out anyway).
-        pad = pool.num_blocks - 1
+    @classmethod
+    def from_slices(
+        cls, seqs: list[SeqSlice], scratch: int, block_size: int, device: torch.device, num_pages: int | None = None
+    ) -> "PagedBatch":
+        """The packed new tokens of `seqs`, sequence-major; one host->device copy of the metadata.
+        `num_pages` (the pool's, FlexAttention only): also the pages' logical indices."""
+        B = block_size
+        M = max(2, *(len(s.block_table) for s in seqs))
         meta = torch.tensor(
-            [[s.context_len, s.num_new, *s.block_table, *[pad] * (max_blocks - len(s.block_table))] for s in seqs],
+            [[s.context_len, s.num_new, *s.block_table, *[scratch] * (M - len(s.block_table))] for s in seqs],
             dtype=torch.long,
         ).to(device)
-        context_len_S, num_new_S, block_table_SM = meta[:, 0], meta[:, 1], meta[:, 2:]
-        max_ctx = int(max(s.context_len for s in seqs))
-        max_new = int(max(s.num_new for s in seqs))
-        key_pos_L = torch.arange(max_ctx, device=device)
-        self.gather_slots_SL = block_table_SM[:, key_pos_L // B] * B + key_pos_L % B
+        context_len_S, num_new_S, table_SM = meta[:, 0], meta[:, 1], meta[:, 2:]
+        max_new = max(s.num_new for s in seqs)
         q_off_Q = torch.arange(max_new, device=device)
-        query_pos_SQ = (context_len_S - num_new_S)[:, None] + q_off_Q[None, :]
-        query_valid_SQ = q_off_Q[None, :] < num_new_S[:, None]
-        starts_S = torch.cumsum(num_new_S, 0) - num_new_S
-        self.num_tokens = sum(s.num_new for s in seqs)
-        # Pure decode (one new token per sequence): queries and outputs need no re-packing.
-        self.decode_only = max_new == 1
-        # ... and the CPU decode kernel can read the pages in place (`cpu_kernel.py`).
-        self.kernel = kernel and self.decode_only and not exact
-        if self.kernel:
-            self.block_table_SM, self.pos_S = block_table_SM, context_len_S - 1
-        self.query_index_SQ = torch.where(query_valid_SQ, starts_S[:, None] + q_off_Q[None, :], 0)
-        # Where each (sequence, query) row goes in the packed output; padding rows go to a spare
-        # row N, so that no data-dependent boolean indexing happens in the forward (compile-friendly).
-        self.scatter_index_SQ = torch.where(query_valid_SQ, self.query_index_SQ, self.num_tokens)
-        valid_pos_SQ = torch.where(query_valid_SQ, query_pos_SQ, 0)
-        # Packed order is sequence-major, as the valid (s, q) pairs come out of boolean masking.
-        self.slot_mapping_N = self.gather_slots_SL.gather(1, valid_pos_SQ)[query_valid_SQ]
-        self.positions_1N = query_pos_SQ[query_valid_SQ].unsqueeze(0)
-        # Causal within the sequence, and only its own keys.
-        mask_SQL = (key_pos_L[None, None, :] <= query_pos_SQ[:, :, None]) & (
-            key_pos_L[None, None, :] < context_len_S[:, None, None]
-        )
-        self.mask_S1QL = mask_SQL.unsqueeze(1)
-        if impl == "flex" and not exact:
-            self.block_mask = self._page_block_mask(block_table_SM, num_new_S, device)
+        valid_SQ = q_off_Q[None, :] < num_new_S[:, None]
+        pos_SQ = (context_len_S - num_new_S)[:, None] + torch.minimum(q_off_Q[None, :], num_new_S[:, None] - 1)
+        slot_SQ = table_SM.gather(1, pos_SQ // B) * B + pos_SQ % B
+        batch = cls(table_SM, pos_SQ, num_new_S, slot_SQ[valid_SQ], pos_SQ[valid_SQ].unsqueeze(0), scratch)
+        if num_pages is not None:
+            batch.page_index_P = logical_page_index(table_SM, scratch, num_pages)
+        if max_new > 1:
+            starts_S = torch.cumsum(num_new_S, 0) - num_new_S
+            batch.query_index_SQ = torch.where(valid_SQ, starts_S[:, None] + q_off_Q[None, :], 0)
+            num_tokens = sum(s.num_new for s in seqs)
+            batch.scatter_index_SQ = torch.where(valid_SQ, batch.query_index_SQ, num_tokens)
+        return batch
 
-    def _page_block_mask(self, block_table_SM: torch.Tensor, num_new_S: torch.Tensor, device) -> BlockMask:
-        """Query token n may see pool slot j iff j is in a page of n's sequence at a position <= n's."""
-        B = self.pool.block_size
-        S = block_table_SM.shape[0]
-        q_seq_N = torch.repeat_interleave(torch.arange(S, device=device), num_new_S)
-        q_pos_N = self.positions_1N[0]
-        # logical_SP[s, page] = index of `page` in s's block table, or -1 if s does not own it.
-        logical_SP = torch.full((S, self.pool.num_blocks), -1, dtype=torch.long, device=device)
-        for i, s in enumerate(self.seqs):
-            logical_SP[i, block_table_SM[i, : len(s.block_table)]] = torch.arange(len(s.block_table), device=device)
+    @classmethod
+    def decode(
+        cls,
+        table_NM: torch.Tensor,
+        pos_N: torch.Tensor,
+        live_N: torch.Tensor,
+        scratch: int,
+        block_size: int,
+        page_index_P: torch.Tensor | None,
+    ) -> "PagedBatch":
+        """A decode step on device: row n feeds one token at `pos_N[n]`; dead rows write the
+        scratch block. `page_index_P`: `logical_page_index` of the pass's tables (FlexAttention)."""
+        B, M = block_size, table_NM.shape[1]
+        slot_N = table_NM.gather(1, (pos_N // B).clamp(max=M - 1)[:, None])[:, 0] * B + pos_N % B
+        slot_N = torch.where(live_N, slot_N, scratch * B)
+        ones_N = torch.ones_like(pos_N)
+        return cls(table_NM, pos_N[:, None], ones_N, slot_N, pos_N.unsqueeze(0), scratch, page_index_P)
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            logical = logical_SP[q_seq_N[q_idx], kv_idx // B]
-            return (logical >= 0) & (logical * B + kv_idx % B <= q_pos_N[q_idx])
+    def queries(self, q_1NHD: torch.Tensor) -> torch.Tensor:
+        """Packed queries [1, N, H, D] -> per sequence [S, Q, H, D]."""
+        return q_1NHD[0].unsqueeze(1) if self.query_index_SQ is None else q_1NHD[0][self.query_index_SQ]
 
-        return create_block_mask(
-            mask_mod, None, None, self.num_tokens, self.pool.num_blocks * B, device=device, BLOCK_SIZE=(128, B)
-        )
+    def packed(self, out_SQHD: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Per-sequence outputs [S, Q, H, D] -> packed [1, N, H, D] (padding queries dropped)."""
+        if self.scatter_index_SQ is None:
+            return out_SQHD.transpose(0, 1)
+        # A spare row N takes the padding queries: no data-dependent boolean indexing.
+        out_NHD = out_SQHD.new_zeros(num_tokens + 1, *out_SQHD.shape[2:])
+        out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
+        return out_NHD[:num_tokens].unsqueeze(0)
+
+
+def fold_heads(x_SQHD: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """[S, Q, H, D] -> [S, Hkv, Q * R, D]: the R query heads of a KV head as R rows per token."""
+    S, Q, H, D = x_SQHD.shape
+    R = H // n_kv_heads
+    return x_SQHD.view(S, Q, n_kv_heads, R, D).permute(0, 2, 1, 3, 4).reshape(S, n_kv_heads, Q * R, D)
+
+
+def unfold_heads(x_SGXD: torch.Tensor, Q: int) -> torch.Tensor:
+    """The inverse of `fold_heads`."""
+    S, G, X, D = x_SGXD.shape
+    R = X // Q
+    return x_SGXD.view(S, G, Q, R, D).permute(0, 2, 1, 3, 4).reshape(S, Q, G * R, D)
+
+
+def logical_page_index(table_SM: torch.Tensor, scratch: int, num_pages: int) -> torch.Tensor:
+    """[num_pages] int32: the index of each page in the block tables that hold it (0 for the
+    scratch block and pages no table holds). A page has one logical index whoever holds it:
+    shared pages are a group's prompt blocks or prefix-cache hits, whose hash chains fix their
+    position. Computed before the compiled region and handed to it: inductor's CPU FlexAttention
+    reads a mask_mod's buffer wrongly when the same graph computes it (torch 2.13)."""
+    S, M = table_SM.shape
+    m_SM = torch.arange(M, device=table_SM.device, dtype=torch.int32).expand(S, M)
+    index_SM = torch.where(table_SM == scratch, 0, m_SM)
+    page_index_P = torch.zeros(num_pages, dtype=torch.int32, device=table_SM.device)
+    return page_index_P.scatter_(0, table_SM.flatten(), index_SM.flatten())
+
+
+def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, pad_to_pool: bool) -> BlockMask:
+    """The block mask of `batch` over a pool of `num_pages` pages, folded rows (R per token).
+
+    Query block k of sequence s visits the pages of s's table up to the one holding the position
+    of its last token (none for a block of padding rows); the mask_mod keeps the keys of pages
+    that are s's at their logical index (`batch.page_index_P`) and not after the query: exact on
+    its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`:
+    the CPU lowering wants `kv_indices` as wide as the pool (only the first kv_num entries are
+    read)."""
+    B, (S, M), Q = block_size, batch.table_SM.shape, batch.pos_SQ.shape[1]
+    device = batch.table_SM.device
+    rows = Q * R
+    first_row_K = torch.arange(0, rows, Q_BLOCK, device=device)
+    last_tok_K = (first_row_K + Q_BLOCK).clamp(max=rows).sub(1) // R
+    last_tok_SK = torch.minimum(last_tok_K[None, :], batch.num_new_S[:, None] - 1)
+    reach_SK = batch.pos_SQ.gather(1, last_tok_SK) // B + 1
+    kv_num_SK = torch.where((first_row_K // R)[None, :] < batch.num_new_S[:, None], reach_SK, 0)
+    kv_indices = batch.table_SM.to(torch.int32)[:, None, None, :].expand(S, 1, len(first_row_K), M)
+    if pad_to_pool:
+        kv_indices = F.pad(kv_indices, (0, num_pages - M))
+    page_index_P, pos_SQ, table_SM = batch.page_index_P, batch.pos_SQ, batch.table_SM
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        # The mask alone is exact (eager FlexAttention evaluates it on every slot of the pool):
+        # the slot's page is sequence b's at the page's logical index, and not after the query.
+        page = kv_idx // B
+        logical = torch.clamp(page_index_P[page], max=M - 1)
+        owned = table_SM[b, logical] == page
+        return owned & (logical * B + kv_idx % B <= pos_SQ[b, torch.clamp(q_idx // R, max=Q - 1)])
+
+    return BlockMask.from_kv_blocks(
+        kv_num_SK.to(torch.int32)[:, None],
+        kv_indices,
+        BLOCK_SIZE=(Q_BLOCK, B),
+        mask_mod=mask_mod,
+        seq_lengths=(rows, num_pages * B),
+        compute_q_blocks=False,
+    )
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """FlexAttention compiled on its own, for forwards that run eagerly (prefill): uncompiled, it
+    would compute the scores against every slot of the pool."""
+    return torch.compile(flex_attention, fullgraph=True)
+
+
+class FlexPagedAttention:
+    """`AttentionBackend` of one forward: FlexAttention over the pages (module docstring). The
+    block mask is built at the first layer and shared by all. `pad_to_pool` on CPU (see
+    `page_block_mask`)."""
+
+    def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+        self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
+        self.block_mask: BlockMask | None = None
 
     def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
-        self.pool.write(layer_id, self.slot_mapping_N, k_1NHD[0], v_1NHD[0])
-        if self.kernel:
-            k_pages, v_pages = self.pool.k[layer_id], self.pool.v[layer_id]
-            return decode_attention(q_1NHD[0], k_pages, v_pages, self.block_table_SM, self.pos_S).unsqueeze(0)
-        if self.exact:
-            return self._attend_exact(q_1NHD[0], layer_id).unsqueeze(0)
-        if self.impl == "flex":
-            assert not self.pool.k_transposed, "FlexAttention reads the pool in the [slot, head, dim] layout"
-            k_cache = self.pool.k[layer_id].view(-1, *k_1NHD.shape[2:])
-            v_cache = self.pool.v[layer_id].view(-1, *v_1NHD.shape[2:])
-            out_1HND = flex_attention(
-                q_1NHD.transpose(1, 2),
-                k_cache.unsqueeze(0).transpose(1, 2).to(q_1NHD.dtype),
-                v_cache.unsqueeze(0).transpose(1, 2).to(q_1NHD.dtype),
-                block_mask=self.block_mask,
-                enable_gqa=q_1NHD.shape[2] != k_cache.shape[1],
-            )
-            return out_1HND.transpose(1, 2)
-        k_SLHD, v_SLHD = self.pool.gather(layer_id, self.gather_slots_SL)
-        q_SQHD = q_1NHD[0].unsqueeze(1) if self.decode_only else q_1NHD[0][self.query_index_SQ]
-        k_SLHD, v_SLHD = k_SLHD.to(q_SQHD.dtype), v_SLHD.to(q_SQHD.dtype)
-        out_SHQD = F.scaled_dot_product_attention(
-            q_SQHD.transpose(1, 2),
-            k_SLHD.transpose(1, 2),
-            v_SLHD.transpose(1, 2),
-            attn_mask=self.mask_S1QL,
-            enable_gqa=q_SQHD.shape[2] != k_SLHD.shape[2],
+        k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
+        write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
+        P, B, Hkv, D = k_pages.shape
+        q_SQHD = self.batch.queries(q_1NHD)
+        if self.block_mask is None:
+            R = q_SQHD.shape[2] // Hkv
+            self.block_mask = page_block_mask(self.batch, R, B, P, pad_to_pool=k_pages.device.type == "cpu")
+        # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
+        options = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
+        k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
+        v_1GLD = v_pages.view(1, P * B, Hkv, D).transpose(1, 2)
+        if torch.compiler.is_compiling():
+            flex = flex_attention
+        else:
+            flex = _compiled_flex_attention()
+            # The pool's size never varies within a generator; left to automatic dynamic shapes
+            # (a new generator's pool), a symbolic one breaks inductor's CPU kernel (torch 2.13).
+            for t in (k_pages, v_pages, self.batch.page_index_P):
+                torch._dynamo.mark_static(t)
+            if k_pages.device.type == "cpu":  # kv_indices padded to the pool (`page_block_mask`)
+                torch._dynamo.mark_static(self.block_mask.kv_indices, 3)
+        out_SGXD = flex(
+            fold_heads(q_SQHD, Hkv).to(k_pages.dtype),
+            k_1GLD,
+            v_1GLD,
+            block_mask=self.block_mask,
+            kernel_options=options,
         )
-        out_SQHD = out_SHQD.transpose(1, 2)
-        if self.decode_only:
-            return out_SQHD.transpose(0, 1)
-        N = q_1NHD.shape[1]
-        out_NHD = q_1NHD.new_zeros(N + 1, *out_SQHD.shape[2:])
-        out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
-        return out_NHD[:N].unsqueeze(0)
+        out_SQHD = unfold_heads(out_SGXD, q_SQHD.shape[1]).to(q_1NHD.dtype)
+        return self.batch.packed(out_SQHD, q_1NHD.shape[1])
 
-    def _attend_exact(self, q_NHD: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """Batch-invariant attention of every (sequence, query) at once (`attend_exact_batched`)."""
-        pos_SQ = self.positions_1N[0][self.query_index_SQ]  # padding queries: any real position
-        k_SLHD, v_SLHD = self.pool.gather(layer_id, self.gather_slots_SL)
-        out_SQHD = attend_exact_batched(q_NHD[self.query_index_SQ], k_SLHD, v_SLHD, pos_SQ)
-        if self.decode_only:
-            return out_SQHD[:, 0]
-        out_NHD = q_NHD.new_zeros(q_NHD.shape[0] + 1, *q_NHD.shape[1:])
-        out_NHD[self.scatter_index_SQ.flatten()] = out_SQHD.flatten(0, 1)
-        return out_NHD[:-1]
+
+class GatheredPagedAttention:
+    """`AttentionBackend` of one forward over gathered copies of each sequence's pages: the
+    batch-invariant attention (`exact`) or SDPA."""
+
+    def __init__(
+        self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], exact: bool
+    ) -> None:
+        self.batch, self.k_cache, self.v_cache, self.exact = batch, k_cache, v_cache, exact
+        self.slots_SL: torch.Tensor | None = None
+
+    def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
+        k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
+        write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
+        q_SQHD = self.batch.queries(q_1NHD)
+        if self.slots_SL is None:  # at the first layer, for all
+            B, table_SM = k_pages.shape[1], self.batch.table_SM
+            self.slots_SL = (table_SM[:, :, None] * B + torch.arange(B, device=table_SM.device)).flatten(1)
+            key_pos_L = torch.arange(self.slots_SL.shape[1], device=table_SM.device)
+            self.visible_SQL = key_pos_L[None, None, :] <= self.batch.pos_SQ[:, :, None]
+        k_SLHD, v_SLHD = (t.to(q_SQHD.dtype) for t in gather_kv(k_pages, v_pages, self.slots_SL))
+        if self.exact:
+            out_SQHD = attend_exact_batched(q_SQHD, k_SLHD, v_SLHD, self.batch.pos_SQ)
+        else:
+            Q, Hkv = q_SQHD.shape[1], k_SLHD.shape[2]
+            R = q_SQHD.shape[2] // Hkv
+            out_SGXD = F.scaled_dot_product_attention(
+                fold_heads(q_SQHD, Hkv),
+                k_SLHD.transpose(1, 2),
+                v_SLHD.transpose(1, 2),
+                # Rows of a token share its mask: broadcast for one token a sequence (decode).
+                attn_mask=(self.visible_SQL if Q == 1 else self.visible_SQL.repeat_interleave(R, dim=1)).unsqueeze(1),
+            )
+            out_SQHD = unfold_heads(out_SGXD, Q)
+        return self.batch.packed(out_SQHD, q_1NHD.shape[1])
+
+
+def attention_kinds(config: GeneratorConfig, device: torch.device, compile: bool) -> tuple[AttentionKind, ...]:
+    """The attention of (compiled regions: the decode step and one-step decodes under `compile`,
+    eager forwards: prefill and uncompiled decodes). 'exact' where asked for or in batch-invariant
+    mode. FlexAttention on CUDA everywhere (eager forwards call it compiled on its own); on CPU
+    inside the compiled decode step only: compiled alone under changing prefill shapes, inductor's
+    CPU kernel fails to build (torch 2.13: `cpp_flex_attention_template` renames its split-size
+    variables by string replacement, and `ks1` -> `cur_kvSplitSize` also hits `ks17`), so eager CPU
+    forwards attend over gathered pages, plain PyTorch (no compiler unless `compile` asks)."""
+    if config.attention_impl == "exact" or config.batch_invariant:
+        return "exact", "exact"
+    if config.compile_backend != "inductor":
+        return "gathered", "gathered"
+    if device.type == "cuda":
+        return "flex", "flex"
+    return ("flex" if compile else "gathered"), "gathered"
+
+
+def paged_attention(
+    kind: AttentionKind, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
+) -> FlexPagedAttention | GatheredPagedAttention:
+    """The backend of one forward: 'flex', 'exact' (batch-invariant) or 'gathered' (SDPA)."""
+    if kind == "flex":
+        return FlexPagedAttention(batch, k_cache, v_cache)
+    return GatheredPagedAttention(batch, k_cache, v_cache, exact=kind == "exact")

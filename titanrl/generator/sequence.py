@@ -87,6 +87,8 @@ class GenerationStats:
     scheduler_passes: int = 0
     """Host scheduling passes; a pass runs up to generator.decode_steps_per_schedule decode steps."""
     seconds: float = 0.0
+    compile_seconds: float = 0.0
+    """Of `seconds`, spent compiling (a new batch bucket or prefill shape; cache hits trace only)."""
 
     @property
     def tokens_per_s(self) -> float:

@@ -89,6 +89,7 @@ class PartialRolloutCollector(RolloutCollector):
             )
         stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
         self.decode_steps += gen_stats.decode_steps
+        self.compile_s += gen_stats.compile_seconds
         _update(groups, completions, version)
         done = [g for g in groups if g.complete]
         self.in_flight = [g for g in groups if not g.complete]

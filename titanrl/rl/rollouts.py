@@ -129,6 +129,8 @@ class RolloutCollector:
         """Response lengths of the last step's rollouts."""
         self.decode_steps = 0
         """Decode steps of the last step's generation (all sampling rounds)."""
+        self.compile_s = 0.0
+        """Seconds the last step's generation spent compiling (a new batch bucket or prompt shape)."""
         self.balance_metrics: dict[str, float] = {}
         """`balance`'s last plan: the most loaded dp rank's tokens over the mean, before and
         after it, and the groups it moved."""
@@ -142,12 +144,13 @@ class RolloutCollector:
             dist.all_gather_object(gathered, self.lengths, group=self.host.dp_group)
         lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
-        (decode_steps,) = dp_max([float(self.decode_steps)], self.host.dp_group)
+        decode_steps, compile_s = dp_max([float(self.decode_steps), self.compile_s], self.host.dp_group)
         return {
             "response_len_p50": q50,
             "response_len_p90": q90,
             "response_len_max": lengths_N.max().item(),
             "decode_steps": decode_steps,
+            "gen_compile_s": compile_s,
             **self.balance_metrics,
         }
 
@@ -282,6 +285,7 @@ class RolloutCollector:
             prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids, stream)
             stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
             self.decode_steps += gen_stats.decode_steps
+            self.compile_s += gen_stats.compile_seconds
             stats.env_turns += gen_stats.resumed_turns + len(completions)
             if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
                 greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
@@ -297,7 +301,7 @@ class RolloutCollector:
 
     def collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         """(rollouts to train on, every rollout generated this step, for metrics)."""
-        self.decode_steps = 0
+        self.decode_steps, self.compile_s = 0, 0.0
         train, generated = self._collect(batches, step, timer, stats)
         self.lengths = [len(c.token_ids) for c in generated.completions]
         return train, generated
