@@ -170,9 +170,10 @@ class Trainer:
     def _banner(self) -> None:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is global
+            model = self.config.model.hf_checkpoint.rstrip("/") or f"flavor {self.config.model.flavor}"
             print(
                 f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
-                f"rank(s) {self.dims} | model {self.config.model.flavor} ({n_params / 1e6:.1f}M params) | "
+                f"rank(s) {self.dims} | model {model} ({n_params / 1e6:.1f}M params) | "
                 f"data {self.config.data.path or 'task ' + self.config.data.task}",
                 flush=True,
             )

@@ -14,6 +14,7 @@ import random
 import re
 from collections.abc import Callable
 
+from titanrl.data.short_answer import ShortAnswer
 from titanrl.data.task import Sample, Score, Task, safe_arithmetic
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Reverse",
     "Sample",
     "Score",
+    "ShortAnswer",
     "Sort",
     "TASKS",
     "Task",
@@ -137,6 +139,7 @@ TASKS: dict[str, Callable[[], Task]] = {
     "reverse": Reverse,
     "sort": Sort,
     "countdown": Countdown,
+    "short_answer": ShortAnswer,
 }
 
 
