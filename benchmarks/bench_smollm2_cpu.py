@@ -314,6 +314,7 @@ def summarise(a, gen: dict, update: dict, optimizer_name: str, pad_id: int) -> d
         "update sequences": len(gen["prompts"]),
         "update tokens (prompt + completion)": update["num_tokens"],
         "TRL optimizer": optimizer_name,
+        "1-min load average at start / end (machine shared)": [round(a.load_start, 2), round(os.getloadavg()[0], 2)],
         "pad id": pad_id,
     }
     return {
@@ -351,6 +352,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    a.load_start = os.getloadavg()[0]
     env = environment("cpu")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
