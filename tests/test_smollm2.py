@@ -161,3 +161,54 @@ def test_paged_generator_matches_transformers_generate(smollm2, one_thread):
     assert worst < LOGPROB_ATOL, worst
     assert any(c.finish_reason == "stop" for c in completions)  # <|im_end|> ends a turn on both sides
     assert any(c.finish_reason == "length" for c in completions)
+
+
+def test_short_answer_recipe_runs_at_smollm2_vocabulary(smollm2, tmp_path):
+    """train_configs/grpo_smollm2_short_answer.toml as written (its template, task, reward,
+    lengths), on a 2-layer random Llama with SmolLM2's tokenizer folder: prompts are ChatML with
+    SmolLM's default system message, two GRPO steps run and score replies."""
+    import shutil
+
+    from titanrl.config import load_config
+    from titanrl.models import Transformer, TransformerModelArgs
+    from titanrl.models.hf import export_hf
+    from titanrl.train import build_trainer
+
+    folder = tmp_path / "tiny"
+    args = TransformerModelArgs(
+        family="llama3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=49152,
+        rope_theta=1e5, tie_word_embeddings=True, max_seq_len=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights()
+    export_hf(model, str(folder))
+    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
+        shutil.copy(os.path.join(smollm2, name), folder / name)
+    config = load_config(
+        [
+            f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_smollm2_short_answer.toml')}",
+            f"--job.dump_folder={tmp_path / 'run'}",
+            f"--model.hf_checkpoint={folder}",
+            f"--model.tokenizer={folder}",
+            "--training.steps=2",
+            "--training.batch_size=2",
+            "--algorithm.group_size=2",
+            "--data.num_eval_samples=4",
+        ]
+    )
+    trainer = build_trainer(config)
+    sample = trainer.recipe.eval_samples[0]
+    ids = trainer.encode_prompt(sample.prompt, sample.metadata)
+    vocab = json.load(open(os.path.join(smollm2, "tokenizer.json")))["added_tokens"]
+    special = {t["content"]: t["id"] for t in vocab}
+    assert ids[0] == special["<|im_start|>"] and ids.count(special[END_OF_TURN]) == 2
+    text = trainer.tokenizer.decode(ids)  # special tokens are not decoded
+    assert text.startswith("system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith(f"user\n{sample.prompt}\nassistant\n")
+    result = trainer.train()
+    trainer.close()
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["reward_failures"] == 0 for r in steps)
+    assert result["eval_samples"] == 4
