@@ -26,6 +26,7 @@ SMALL = [
     "--data.num_eval_samples=4",
     "--reward.num_workers=1",
     "--checkpoint.enable=true",
+    "--checkpoint.export_hf=true",
 ]
 SUITES = """
 [[eval]]
@@ -172,6 +173,19 @@ def test_titanrl_eval_on_the_checkpoint_reproduces_the_last_evaluation(one_rank,
     assert got == pytest.approx(_evals(metrics[-1]), abs=1e-12)
 
 
+def test_titanrl_eval_on_the_exported_hf_folder(one_rank, tmp_path):
+    folder, metrics = one_rank
+    out = tmp_path / "eval.json"
+    code, stdout, stderr = _titanrl_eval(
+        str(folder / "job.toml"), "--hf", str(folder / "hf"), f"--out={out}", *SMALL[3:7]
+    )
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["hf_checkpoint"] == str(folder / "hf") and summary["checkpoint"] == ""
+    got = {f"eval/{name}/{k}": v for name, s in summary["suites"].items() for k, v in s["metrics"].items()}
+    assert got == pytest.approx(_evals(metrics[-1]), abs=1e-12)
+
+
 @pytest.mark.multirank
 def test_two_ranks_give_the_numbers_of_one(one_rank, tmp_path):
     folder, metrics = one_rank
@@ -205,3 +219,7 @@ def test_titanrl_eval_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "no CONFIG.toml given" in capsys.readouterr().err
     assert cli.main(["eval", job, "--eval.nope.k=2"]) == 2
     assert "Unknown eval suite 'nope'" in capsys.readouterr().err
+    assert cli.main(["eval", job, "--eval.rev.reward=helpers.reward_fns:no_such_fn"]) == 2
+    assert "no_such_fn" in capsys.readouterr().err
+    assert cli.main(["eval", job, "--job.recipe=sft"]) == 2
+    assert "[[eval]] suites sample the policy with the RL recipe" in capsys.readouterr().err

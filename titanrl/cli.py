@@ -86,6 +86,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer
     from titanrl.recipes import get_recipe
+    from titanrl.rl.evaluation import suite_reward
 
     config = load_config(config_args)
     validate_algorithm(config)
@@ -103,6 +104,8 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
         load_object(config.reward.function, "reward.function")
     if config.job.recipe == "rl" and config.env.name:
         resolve_env(config.env.name)
+    for suite in config.eval:
+        suite_reward(suite, config)  # each [[eval]] suite's scorer imports
     launch.check_dump_folder_free(config.job.dump_folder)
     return config
 

@@ -3,7 +3,8 @@
     titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]
 
 `--checkpoint` loads the model of a titanrl step-N checkpoint (DCP; any number of ranks);
-`--hf` a Hugging Face folder (it sets model.hf_checkpoint and model.tokenizer); neither: the
+`--hf` a Hugging Face folder (it sets model.hf_checkpoint, and model.tokenizer when the folder
+holds a tokenizer.json); neither: the
 config's own model.hf_checkpoint (or a fresh init). The ranks (torchrun, `--nproc N`) split each
 suite's prompts and sample them with the generator training uses; the JSON summary (each suite's
 metrics, its settings, the config file, the checkpoint, the titanrl commit) goes to `--out`
@@ -37,7 +38,9 @@ class EvalArgs:
     overrides: list[str] = field(default_factory=list)
 
     def config_args(self) -> list[str]:
-        hf = [f"--model.hf_checkpoint={self.hf}", f"--model.tokenizer={self.hf}"] if self.hf else []
+        hf = [f"--model.hf_checkpoint={self.hf}"] if self.hf else []
+        if self.hf and os.path.isfile(os.path.join(self.hf, "tokenizer.json")):
+            hf.append(f"--model.tokenizer={self.hf}")
         return [f"--job.config_file={self.config_file}", *hf, *self.overrides]
 
 

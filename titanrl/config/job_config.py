@@ -69,6 +69,11 @@ class JobConfig:
             if hasattr(section, "validate"):
                 section.validate()
         validate_suites(self.eval)
+        if self.eval and self.job.recipe != "rl":
+            raise ValueError(
+                f"[[eval]] suites sample the policy with the RL recipe's generator; job.recipe is "
+                f"'{self.job.recipe}': remove the [[eval]] tables or set job.recipe = 'rl'"
+            )
         if self.data.task in MULTI_TURN_TASKS and not self.env.name:
             raise ValueError(f"[data] task '{self.data.task}' is multi-turn: set env.name = '{self.data.task}'")
         if self.env.name and self.reward.function:
