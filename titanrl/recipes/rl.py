@@ -28,7 +28,7 @@ from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.stats import finite_max
-from titanrl.components.timer import PhaseTimer
+from titanrl.components.timer import PhaseTimer, phase
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
@@ -141,7 +141,8 @@ class RLRecipe(Recipe):
         """A fresh run: the SFT warm-up (if configured), then the reference (and a critic that
         has no checkpoint of its own) start from the policy as RL begins."""
         if self.config.sft_warmup.steps:
-            before = self.trainer.evaluate()["eval_accuracy"]
+            with phase(self.trainer.watchdog, "eval"):  # the greedy accuracy only, not the [[eval]] suites
+                before = self.evaluate(suites=False)["eval_accuracy"]
             self.trainer.metrics.log(
                 -self.config.sft_warmup.steps, {"phase": "sft", "eval_accuracy_before_sft": before}
             )
@@ -379,8 +380,9 @@ class RLRecipe(Recipe):
 
     # ---- evaluation ----
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks."""
+    def evaluate(self, suites: bool = True) -> dict[str, float]:
+        """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks; and
+        with `suites`, the [[eval]] suites' metrics (`titanrl/rl/evaluation.py`)."""
         dims = self.trainer.dims
         mine = self.eval_samples[dims.dp_rank :: dims.dp_size]
         self.generator.wake()
@@ -395,7 +397,7 @@ class RLRecipe(Recipe):
             results = self.rewards(
                 [RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)]
             )
-        suite_metrics, suite_results = self.suites.run(self.generator)  # [[eval]] suites, same weights
+        suite_metrics, suite_results = self.suites.run(self.generator) if suites else ({}, [])
         self.generator.sleep()
         self.reward_log.write(results + suite_results)
         correct, total, failures = self.trainer.dp_sum(
