@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 USAGE = (
     "usage: titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] "
@@ -144,8 +145,8 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     rank, dims, device = launch.start(config)
     tokenizer = build_tokenizer(config.model.tokenizer)
     args = launch.model_args(config, tokenizer.vocab_size)
-    host = EvalHost(config, dims, device, tokenizer, PromptEncoder(tokenizer), None, rank)
-    host.dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
+    dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
+    host = EvalHost(config, dims, device, tokenizer, PromptEncoder(tokenizer), dp_group, rank)
     lora = config.lora if config.lora.enable else None
     model = build_model(args, dims, config, device, hf_checkpoint=config.model.hf_checkpoint, lora=lora)
     if checkpoint:
@@ -166,14 +167,16 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
 
 @dataclass
 class EvalHost:
-    """What the suites need of their process (`titanrl.rl.host.RolloutHost`), without a Trainer."""
+    """What the suites need of their process (`titanrl.rl.host.RolloutHost`), without a Trainer:
+    the job's config, the mesh, the device, the tokenizer, a prompt encoder (each suite builds its
+    own from its chat settings), the data-parallel group (None on one rank) and the global rank."""
 
-    config: object
-    dims: object
-    device: object
-    tokenizer: object
-    encode_prompt: object
-    dp_group: object
+    config: Any
+    dims: Any
+    device: Any
+    tokenizer: Any
+    encode_prompt: Any
+    dp_group: Any
     rank: int
 
 
