@@ -1,5 +1,5 @@
 """Write docs/configuration.md from the config dataclasses' docstrings: every section of
-`JobConfig` and every built-in algorithm's own table `[algorithm.<name>]`.
+`JobConfig`, every built-in algorithm's own table `[algorithm.<name>]` and the `[[eval]]` suites.
 
     python scripts/gen_config_docs.py            # rewrite docs/configuration.md
     python scripts/gen_config_docs.py --check    # exit 1 if the committed page is stale
@@ -12,6 +12,8 @@ import sys
 
 from titanrl.algorithms import ALGORITHMS
 from titanrl.config import JobConfig
+from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.job_config import section_fields
 from titanrl.config.manager import describe_type, field_docs, section_types
 
 PAGE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -43,7 +45,7 @@ def render() -> str:
         "",
     ]
     config = JobConfig()
-    for section in dataclasses.fields(config):
+    for section in section_fields():
         obj = getattr(config, section.name)
         lines += [f"## [{section.name}]", "", *_table(type(obj), obj, skip=("tables",)), ""]
         if section.name == "algorithm":
@@ -53,6 +55,15 @@ def render() -> str:
                     lines += [f"#### [algorithm.{name}]", "", *_table(cls.Settings, cls.Settings()), ""]
             names = ", ".join(f"'{n}'" for n, c in ALGORITHMS.items() if not dataclasses.fields(c.Settings))
             lines += [f"{names}: no settings of their own.", ""]
+    lines += [
+        "## [[eval]]",
+        "",
+        "Evaluation suites, one `[[eval]]` table each (see [evaluation.md](evaluation.md));",
+        "`--eval.<suite name>.key=value` changes a key of a suite on the command line.",
+        "",
+        *_table(EvalSuite, EvalSuite()),
+        "",
+    ]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from titanrl.algorithms import ALGORITHMS, validate_algorithm
 from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.config.job_config import section_fields
 from titanrl.config.manager import field_docs, parse_cli_args
 
 
@@ -159,7 +160,7 @@ def test_bool_flag_without_value():
 
 def test_every_field_has_a_docstring_and_help_lists_it():
     text = help_text()
-    for section in dataclasses.fields(JobConfig):
+    for section in section_fields():
         cls = section.default_factory
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
@@ -199,7 +200,7 @@ def _value_strategy(tp):
 @st.composite
 def _configs(draw):
     config = JobConfig()
-    for section in dataclasses.fields(JobConfig):
+    for section in section_fields():
         obj = getattr(config, section.name)
         for name, tp in typing.get_type_hints(type(obj)).items():
             if name != "tables" and draw(st.booleans()):
@@ -237,7 +238,7 @@ def test_cli_roundtrip(config):
     if not _is_valid(config):
         return
     args = []
-    for section in dataclasses.fields(JobConfig):
+    for section in section_fields():
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
             if key == "tables":
                 args += [f"--{section.name}.{t}.{k}={v}" for t, table in value.items() for k, v in table.items()]

@@ -1,6 +1,7 @@
 """`titanrl run`: check the whole job in one process, then start it under torchrun.
 
     titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]
+    titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]
 
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
@@ -8,7 +9,8 @@ error (config, degrees, data, checkpoint or model paths, reward function, a dump
 is one line on stderr and exit code 2, before any rank starts. A run stopped by SIGTERM / SIGUSR1
 that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
-on every rank, and torchrun reports a failed rank its own way.
+on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
+[[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
 """
 
 import json
@@ -20,7 +22,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
 
-USAGE = "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
+USAGE = (
+    "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]\n"
+    "       titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] "
+    "[--section.key=value ...]"
+)
 RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv", "--master", "--node-rank", "--node_rank")
 # Slurm preemption (`--signal=USR1@90`) must reach the ranks: torchrun forwards only what it handles.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -80,6 +86,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer
     from titanrl.recipes import get_recipe
+    from titanrl.rl.evaluation import suite_reward
 
     config = load_config(config_args)
     validate_algorithm(config)
@@ -97,12 +104,14 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
         load_object(config.reward.function, "reward.function")
     if config.job.recipe == "rl" and config.env.name:
         resolve_env(config.env.name)
+    for suite in config.eval:
+        suite_reward(suite, config)  # each [[eval]] suite's scorer imports
     launch.check_dump_folder_free(config.job.dump_folder)
     return config
 
 
-def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> int:
-    """Run the job under torchrun in this process; the exit code for the shell."""
+def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, module: str = "titanrl.train") -> int:
+    """Run the job (`module` on every rank) under torchrun in this process; the exit code for the shell."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -110,7 +119,7 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str) -> i
     from titanrl.components.launch import STOPPED_FILE
 
     started = time.time()
-    args = get_args_parser().parse_args([*opts, "-m", "titanrl.train", *config_args])
+    args = get_args_parser().parse_args([*opts, "-m", module, *config_args])
     try:
         run(args)
         return 0
@@ -144,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{__doc__}")
         return 0
+    if argv[0] == "eval":
+        return eval_main(argv[1:])
     if argv[0] != "run":
         print(f"titanrl: error: unknown command '{argv[0]}'; {USAGE}", file=sys.stderr)
         return 2
@@ -155,6 +166,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
         return 2
     return run_torchrun(opts, config_args, config.job.dump_folder)
+
+
+def eval_main(args: list[str]) -> int:
+    """`titanrl eval ...`: check, run the suites under torchrun, print the JSON summary."""
+    from titanrl import evaluate
+
+    try:
+        parsed = evaluate.parse_eval_args(args)
+        config = evaluate.preflight(parsed)
+    except ValueError as e:
+        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    opts = torchrun_options(["--nproc", parsed.nproc])
+    code = run_torchrun(
+        opts, evaluate.rank_args(parsed, config.job.dump_folder), config.job.dump_folder, "titanrl.evaluate"
+    )
+    if code == 0:
+        with open(evaluate.out_path(parsed, config.job.dump_folder)) as f:
+            print(f.read(), end="", flush=True)
+    return code
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ LAYERS = [
     "trainer",
     "recipes",
     "train",
+    "evaluate",
     "cli",
 ]
 """Bottom to top: a unit may import only units before it (CONTRIBUTING.md, "Layers")."""

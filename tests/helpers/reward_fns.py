@@ -97,3 +97,12 @@ def misbehaves(prompt: str, completion: str, metadata: dict):
     if completion == "hang":
         time.sleep(3600)
     return 1.0
+
+
+def coin(prompt: str, completion: str, metadata: dict):
+    """Correct on about half of the completions, by a hash of the text: varied pass@k from an
+    untrained model (evaluation suites' tests)."""
+    import zlib
+
+    correct = zlib.crc32(completion.encode()) % 2 == 0
+    return {"reward": float(correct), "correct": correct}

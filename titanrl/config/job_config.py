@@ -7,9 +7,11 @@ algorithm's own `validate()` (`titanrl/algorithms/`), so a reader finds each rul
 concerns.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from titanrl.config.adapt_sections import Distillation, Float8, LoRA
+from titanrl.config.eval_sections import EvalSuite, validate_suites
 from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, SFTWarmup
 from titanrl.config.rollout_sections import Rollout
 from titanrl.config.sections import (
@@ -57,13 +59,21 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     float8: Float8 = field(default_factory=Float8)
     distillation: Distillation = field(default_factory=Distillation)
+    eval: list[EvalSuite] = field(default_factory=list)
+    """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/eval_sections.py`."""
 
     def validate(self) -> None:
         """Run every section's own checks, then the ones that span sections."""
-        for section_name in self.__dataclass_fields__:
-            section = getattr(self, section_name)
+        for section_field in section_fields():
+            section = getattr(self, section_field.name)
             if hasattr(section, "validate"):
                 section.validate()
+        validate_suites(self.eval)
+        if self.eval and self.job.recipe != "rl":
+            raise ValueError(
+                f"[[eval]] suites sample the policy with the RL recipe's generator; job.recipe is "
+                f"'{self.job.recipe}': remove the [[eval]] tables or set job.recipe = 'rl'"
+            )
         if self.data.task in MULTI_TURN_TASKS and not self.env.name:
             raise ValueError(f"[data] task '{self.data.task}' is multi-turn: set env.name = '{self.data.task}'")
         if self.env.name and self.reward.function:
@@ -146,3 +156,12 @@ class JobConfig:
         for name, used in unsupported.items():
             if used:
                 raise ValueError(f"[rollout] mode = 'one_step' does not support {name} yet; use mode = 'colocated'")
+
+
+SUITES = "eval"
+"""The JobConfig field holding the `[[eval]]` suites, a list: every other field is a section."""
+
+
+def section_fields() -> list[dataclasses.Field]:
+    """The fields of `JobConfig` that are sections (`[name]` tables of key = value)."""
+    return [f for f in dataclasses.fields(JobConfig) if f.name != SUITES]

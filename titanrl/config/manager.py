@@ -16,7 +16,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli
 
-from titanrl.config.job_config import JobConfig
+from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.job_config import SUITES, JobConfig, section_fields
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -130,6 +131,9 @@ def apply_overrides(config: JobConfig, overrides: dict[str, dict[str, Any]], sou
     """Set `overrides[section][key]` on `config` after checking names and types."""
     sections = [f.name for f in dataclasses.fields(config)]
     for section_name, values in overrides.items():
+        if section_name == SUITES:
+            _apply_suites(config, values, source, from_cli)
+            continue
         if section_name not in sections:
             raise ValueError(
                 f"Unknown config section [{section_name}] in {source}.{_did_you_mean(section_name, sections)} "
@@ -165,6 +169,37 @@ def _set_key(section: Any, section_name: str, key: str, value: Any, source: str,
             f"Valid keys of [{section_name}]: {', '.join(keys)}"
         )
     setattr(section, key, convert_value(f"{section_name}.{key}", value, field_types[key], from_cli))
+
+
+def _apply_suites(config: JobConfig, values: Any, source: str, from_cli: bool) -> None:
+    """TOML: `[[eval]]` tables replace the suites; the command line: `--eval.<suite>.key=value`
+    changes a key of the suite of that name (checked again as a whole)."""
+    if not from_cli:
+        if not isinstance(values, list) or not all(isinstance(v, dict) for v in values):
+            raise ValueError(
+                f"'eval' in {source} must be an array of tables, one [[eval]] per suite (double brackets), "
+                f"got {values!r}"
+            )
+        config.eval = [
+            parse_table(EvalSuite, table, f"eval.{table.get('name') or i}") for i, table in enumerate(values)
+        ]
+        return
+    changes: dict[str, dict[str, Any]] = {}
+    names = [suite.name for suite in config.eval]
+    for key, value in values.items():
+        name, dot, field_name = key.partition(".")
+        if not dot or not field_name:
+            raise ValueError(f"Option '--eval.{key}' must name a suite and a key, e.g. --eval.gsm8k.k=8")
+        if name not in names:
+            known = ", ".join(names) if names else "none (declare suites as [[eval]] tables in the TOML file)"
+            raise ValueError(
+                f"Unknown eval suite '{name}' in '--eval.{key}'.{_did_you_mean(name, names)} Suites: {known}"
+            )
+        changes.setdefault(name, {})[field_name] = CliValue(value)
+    for i, suite in enumerate(config.eval):
+        if suite.name in changes:
+            merged = {**dataclasses.asdict(suite), **changes[suite.name]}
+            config.eval[i] = parse_table(EvalSuite, merged, f"eval.{suite.name}")
 
 
 def parse_table(cls: type, values: dict[str, Any], table_name: str) -> Any:
@@ -257,7 +292,7 @@ def _toml_value(value: Any) -> str:
 def to_toml(config: JobConfig) -> str:
     """The resolved config as TOML that `load_config` reads back to an equal config."""
     lines = []
-    for section_field in dataclasses.fields(config):
+    for section_field in section_fields():
         lines.append(f"[{section_field.name}]")
         section = getattr(config, section_field.name)
         tables = {}
@@ -271,6 +306,10 @@ def to_toml(config: JobConfig) -> str:
             lines.append(f"[{section_field.name}.{table_name}]")
             lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None)
             lines.append("")
+    for suite in config.eval:
+        lines.append(f"[[{SUITES}]]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in dataclasses.asdict(suite).items() if v is not None)
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -301,7 +340,7 @@ def help_text() -> str:
     """Every option with its type, default and docstring, for `--help`."""
     config = JobConfig()
     lines = ["titanrl options (TOML section.key; on the CLI: --section.key=value)", ""]
-    for section_field in dataclasses.fields(config):
+    for section_field in section_fields():
         section = getattr(config, section_field.name)
         docs = field_docs(type(section))
         lines.append(f"[{section_field.name}]")
@@ -312,4 +351,13 @@ def help_text() -> str:
             lines.append(f"  --{section_field.name}.{key}  ({describe_type(tp)}, default {getattr(section, key)!r})")
             lines.append(f"      {docs.get(key, '')}")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _suite_help())
+
+
+def _suite_help() -> list[str]:
+    suite, docs = EvalSuite(), field_docs(EvalSuite)
+    lines = [f"[[{SUITES}]]  evaluation suites, one table each (docs/evaluation.md); --{SUITES}.<suite name>.key=value"]
+    for key, tp in section_types(EvalSuite).items():
+        lines.append(f"  {key}  ({describe_type(tp)}, default {getattr(suite, key)!r})")
+        lines.append(f"      {docs.get(key, '')}")
+    return lines

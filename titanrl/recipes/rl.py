@@ -28,7 +28,7 @@ from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.stats import finite_max
-from titanrl.components.timer import PhaseTimer
+from titanrl.components.timer import PhaseTimer, phase
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
@@ -45,6 +45,7 @@ from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardItem, RewardOutputLog
 from titanrl.rl.builders import rollout_collector_class
 from titanrl.rl.distillation import build_distiller
+from titanrl.rl.evaluation import EvalSuites, load_suites
 from titanrl.rl.rollouts import Rollouts, build_generator, build_reward_runner
 from titanrl.rl.stats import RLStats
 
@@ -76,17 +77,20 @@ class RLRecipe(Recipe):
     }
 
     @classmethod
-    def load_data(cls, config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample]]:
+    def load_data(cls, config: JobConfig) -> tuple[Task, list[Sample] | None, list[Sample], list]:
+        """The task, training and held-out prompts, and the [[eval]] suites with their prompts."""
         split = load_data(config, "prompts", ALL_TASKS)
-        return split.task, split.train, split.held_out
+        return split.task, split.train, split.held_out, load_suites(config)
 
-    def __init__(self, trainer: Trainer, data: tuple[Task, list[Sample] | None, list[Sample]]) -> None:
+    def __init__(self, trainer: Trainer, data: tuple[Task, list[Sample] | None, list[Sample], list]) -> None:
         super().__init__(trainer, data)
         cfg = self.config
         self.task = data[0]
         self.train_samples, self.eval_samples = fit_prompts(
-            cfg, trainer.model_args.max_seq_len, trainer.encode_prompt, *data[1:]
+            cfg, trainer.model_args.max_seq_len, trainer.encode_prompt, *data[1:3]
         )
+        self.suites = EvalSuites(trainer, trainer.model_args.max_seq_len, data[3])
+        self.console = {**self.console, **self.suites.console()}
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
         self.distiller = build_distiller(cfg, self.algorithm, trainer)  # a frozen teacher, in no checkpoint
@@ -137,7 +141,8 @@ class RLRecipe(Recipe):
         """A fresh run: the SFT warm-up (if configured), then the reference (and a critic that
         has no checkpoint of its own) start from the policy as RL begins."""
         if self.config.sft_warmup.steps:
-            before = self.trainer.evaluate()["eval_accuracy"]
+            with phase(self.trainer.watchdog, "eval"):  # the greedy accuracy only, not the [[eval]] suites
+                before = self.evaluate(suites=False)["eval_accuracy"]
             self.trainer.metrics.log(
                 -self.config.sft_warmup.steps, {"phase": "sft", "eval_accuracy_before_sft": before}
             )
@@ -375,8 +380,9 @@ class RLRecipe(Recipe):
 
     # ---- evaluation ----
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks."""
+    def evaluate(self, suites: bool = True) -> dict[str, float]:
+        """Greedy accuracy on this rank's share of the held-out prompts, summed over dp ranks; and
+        with `suites`, the [[eval]] suites' metrics (`titanrl/rl/evaluation.py`)."""
         dims = self.trainer.dims
         mine = self.eval_samples[dims.dp_rank :: dims.dp_size]
         self.generator.wake()
@@ -391,15 +397,18 @@ class RLRecipe(Recipe):
             results = self.rewards(
                 [RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)]
             )
+        suite_metrics, suite_results = self.suites.run(self.generator) if suites else ({}, [])
         self.generator.sleep()
-        self.reward_log.write(results)
+        self.reward_log.write(results + suite_results)
         correct, total, failures = self.trainer.dp_sum(
             [sum(r.correct for r in results), len(results), sum(r.failed is not None for r in results)]
         )
-        return {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total, "eval_reward_failures": failures}
+        metrics = {"eval_accuracy": correct / max(total, 1.0), "eval_samples": total, "eval_reward_failures": failures}
+        return {**metrics, **suite_metrics}
 
     def close(self) -> None:
         self.rollouts.close()
         self.rewards.close()
+        self.suites.close()
         if self.envs is not None:
             self.envs.close()
