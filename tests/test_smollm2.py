@@ -194,6 +194,8 @@ def test_short_answer_recipe_runs_at_smollm2_vocabulary(smollm2, tmp_path):
             "--training.steps=2",
             "--training.batch_size=2",
             "--algorithm.group_size=2",
+            "--sft_warmup.steps=1",
+            "--sft_warmup.batch_size=4",
             "--data.num_eval_samples=4",
         ]
     )
