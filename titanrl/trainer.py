@@ -133,9 +133,10 @@ class Trainer:
         self.metrics.log(0, {"phase": self.recipe.name, **first_eval}, self.recipe.console)
         return first_eval, first_eval
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, **options) -> dict[str, float]:
+        """The recipe's evaluation under the watchdog's 'eval' phase; `options` go to the recipe."""
         with phase(self.watchdog, "eval"):
-            return self.recipe.evaluate()
+            return self.recipe.evaluate(**options)
 
     def close(self) -> None:
         self.recipe.close()

@@ -28,7 +28,7 @@ from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.stats import finite_max
-from titanrl.components.timer import PhaseTimer, phase
+from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
 from titanrl.data.encode import fit_prompts
@@ -141,8 +141,7 @@ class RLRecipe(Recipe):
         """A fresh run: the SFT warm-up (if configured), then the reference (and a critic that
         has no checkpoint of its own) start from the policy as RL begins."""
         if self.config.sft_warmup.steps:
-            with phase(self.trainer.watchdog, "eval"):  # the greedy accuracy only, not the [[eval]] suites
-                before = self.evaluate(suites=False)["eval_accuracy"]
+            before = self.trainer.evaluate(suites=False)["eval_accuracy"]  # greedy only, not [[eval]] suites
             self.trainer.metrics.log(
                 -self.config.sft_warmup.steps, {"phase": "sft", "eval_accuracy_before_sft": before}
             )
