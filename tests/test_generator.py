@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -9,7 +10,6 @@ from helpers.reference import greedy_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.components import launch
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
@@ -496,9 +496,6 @@ def _resident_bytes() -> int:
 def test_sleep_returns_the_pool_memory_to_the_system():
     """Time-slicing: after sleep() the process's resident memory drops by (about) the pool size;
     wake() touches no page until blocks are used (they are zeroed when first handed out)."""
-    # As in every run (launch.start): large allocations are mmapped, so freeing them returns the
-    # pages; without it, whether glibc reuses heap pages depends on what earlier tests freed.
-    launch.return_freed_cpu_memory()
     gen = _generator(_trainer_model(), block_size=16, num_blocks=25_000)  # ~205 MB of K/V
     pool_bytes = gen.kv_cache_bytes
     assert pool_bytes > 150 * 2**20
@@ -514,6 +511,23 @@ def test_sleep_returns_the_pool_memory_to_the_system():
     assert _resident_bytes() - asleep < 0.1 * pool_bytes
     completions, _ = gen.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, n=2))
     assert len(completions) == 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc_trim")
+def test_freed_heap_memory_goes_back_to_the_system():
+    """glibc keeps freed blocks below its (raised) mmap threshold in the heap; the sleep / wake
+    hook hands them back, so freed activations do not stay resident between RL steps."""
+    from titanrl.distributed.utils import return_freed_host_memory
+
+    raise_threshold = torch.ones(30 * 2**20 // 4)  # a large free raises the mmap threshold
+    del raise_threshold
+    blocks = [torch.ones(2 * 2**20 // 4) for _ in range(64)]  # 128 MiB in 2 MiB heap blocks
+    pin = torch.ones(2 * 2**20 // 4)  # above them: glibc's own trim of the heap top cannot reach them
+    held = _resident_bytes()
+    del blocks
+    return_freed_host_memory()
+    assert held - _resident_bytes() > 100 * 2**20
+    del pin
 
 
 def test_uninitialised_pool_memory_never_leaks_into_outputs():

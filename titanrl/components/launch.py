@@ -35,21 +35,6 @@ def parse_args(argv: list[str] | None) -> JobConfig | None:
     return load_config(argv)
 
 
-def return_freed_cpu_memory() -> None:
-    """On Linux CPU runs, have glibc serve allocations of 1 MiB and more with mmap, so that a
-    freed tensor goes back to the system. By default glibc raises that threshold after each large
-    free (up to 32 MiB) and keeps freed blocks below it in its heap, so gigabytes of freed
-    activations and gradients stay resident between RL steps."""
-    if device_type() != "cpu" or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): nothing to tune
-        return
-    m_mmap_threshold = -3
-    libc.mallopt(m_mmap_threshold, 1 << 20)
-
-
 def die_with_launcher() -> None:
     """Under torchrun, SIGKILL this rank when the launcher dies. torchrun starts each rank in its
     own session, so killing the launcher's process group does not reach the ranks: they trained
@@ -149,7 +134,6 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     Compiled code is cached under the dump folder (`compile_cache.py`)."""
     die_with_launcher()
     use_compile_cache(config.job.dump_folder)
-    return_freed_cpu_memory()
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:

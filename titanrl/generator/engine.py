@@ -21,6 +21,7 @@ from titanrl.components.compile_cache import compile_seconds
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallelize import apply_tp
+from titanrl.distributed.utils import return_freed_host_memory
 from titanrl.generator.decode import (
     DecodeRows,
     batch_bucket,
@@ -149,6 +150,7 @@ class Generator:
             local.data = host.to(self.device)
         self._offloaded = []
         if self.pool is None:
+            return_freed_host_memory()  # what training freed, before the pool takes its place
             kv_heads = self.args.n_kv_heads // self.tp
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
@@ -175,6 +177,7 @@ class Generator:
                 local.data = torch.empty(0, dtype=local.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        return_freed_host_memory()
 
     @property
     def kv_cache_bytes(self) -> int:
