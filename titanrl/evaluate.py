@@ -131,6 +131,10 @@ def summary(config, checkpoint: str, metrics: dict[str, float], world_size: int)
     }
 
 
+PROGRESS_S = 60.0
+"""How often rank 0 prints how many samples have finished."""
+
+
 def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     """Every suite on the model of `checkpoint` (or the config's model): (metrics, rank, world size)."""
     from titanrl.components import launch
@@ -154,7 +158,7 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     tp_mesh = dims.world_mesh["tp"] if dims.tp_enabled else None
     generator = build_generator(config, args, device, tokenizer, tp_mesh)
     generator.share_weights(model)
-    runner = EvalSuites(host, args.max_seq_len, suites)
+    runner = EvalSuites(host, args.max_seq_len, suites, progress_s=PROGRESS_S)
     try:
         generator.wake()
         generator.load_weights(model)

@@ -15,6 +15,8 @@ and eval/s/<source>/pass@j, mean@k, prompts for each value of the rows' `data_so
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,8 +84,11 @@ class _Suite:
 class EvalSuites:
     """The job's suites, ready to run: prompts encoded, reward workers started."""
 
-    def __init__(self, host: RolloutHost, max_seq_len: int, suites: list[tuple[EvalSuite, list]]) -> None:
+    def __init__(
+        self, host: RolloutHost, max_seq_len: int, suites: list[tuple[EvalSuite, list]], progress_s: float = 0.0
+    ) -> None:
         self.host = host
+        self.progress_s = progress_s  # > 0: rank 0 prints finished samples this often (`titanrl eval`)
         self.suites = [self._prepare(host, max_seq_len, suite, samples) for suite, samples in suites]
 
     @staticmethod
@@ -138,7 +143,10 @@ class EvalSuites:
     def _run_suite(self, s: _Suite, generator: Generator) -> tuple[dict[str, float], list[RewardResult]]:
         dims, k = self.host.dims, s.suite.k
         mine = list(range(dims.dp_rank, len(s.samples), dims.dp_size))
-        completions = generator.generate([s.prompts[i] for i in mine], s.params, mine)[0] if mine else []
+        progress = progress_report(s.suite.name, len(mine) * k, self.progress_s) if self.host.rank == 0 else None
+        completions = (
+            generator.generate([s.prompts[i] for i in mine], s.params, mine, on_finish=progress)[0] if mine else []
+        )
         items = [
             RewardItem(sample.prompt, c.text or "", sample.answer, sample.metadata)
             for c in completions
@@ -168,6 +176,26 @@ class EvalSuites:
     def close(self) -> None:
         for s in self.suites:
             s.rewards.close()
+
+
+def progress_report(name: str, total: int, every_s: float) -> Callable[[list], None] | None:
+    """An `on_finish` callback that prints to stderr how many of `total` samples have finished,
+    at most every `every_s` seconds (none for `every_s` <= 0): a long `titanrl eval` is otherwise
+    silent until its summary, which alone goes to stdout."""
+    if every_s <= 0:
+        return None
+    start = last = time.monotonic()
+    done = 0
+
+    def report(finished: list) -> None:
+        nonlocal last, done
+        done += len(finished)
+        now = time.monotonic()
+        if now - last >= every_s or done == total:
+            last = now
+            print(f"eval '{name}': {done}/{total} samples finished on rank 0 ({now - start:.0f} s)", file=sys.stderr)
+
+    return report
 
 
 def _group_metrics(prefix: str, sums: list[float], js: list[int], k: int, full: bool) -> dict[str, float]:
