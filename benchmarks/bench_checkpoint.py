@@ -97,6 +97,8 @@ def _saves(root: str, parts: tuple[dict, dict], repeat: int) -> list[dict]:
                 "total_s_without": round(medians[False][1], 4),
                 "checksum_share_of_total": round(1 - medians[False][1] / medians[True][1], 4),
                 "blocking_share": round(1 - medians[False][0] / medians[True][0], 4),
+                "total_s_min_with": round(min(t[1] for t in timings[True]), 4),
+                "total_s_min_without": round(min(t[1] for t in timings[False]), 4),
             }
         )
     return rows
