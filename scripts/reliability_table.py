@@ -31,6 +31,7 @@ FILES = [
     "tests/test_metrics.py",
     "tests/test_data_validation.py",
     "tests/test_checkpoint_resharding.py",
+    "tests/test_checkpoint_integrity.py",
 ]
 START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 

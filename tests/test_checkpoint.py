@@ -2,11 +2,13 @@
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from safetensors.torch import load_file
+from test_checkpoint_integrity import flip, kind_file, plant_code
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 BASE = [
@@ -115,15 +117,76 @@ def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterr
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
-    """Latest checkpoint truncated -> reported as 'cannot be loaded', the previous one is used, the run ends bit-identical"""
+    """Latest checkpoint truncated -> reported in one line as corrupt (its size differs from the manifest), the previous one is used, the run ends bit-identical"""
     _ok(_run(tmp_path, 4))
     step4 = tmp_path / "checkpoint" / "step-4"
     shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:100])  # truncate
     out = _ok(_run(tmp_path, 4))
-    assert "step-4 cannot be loaded" in out.stdout
+    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
+    assert len(notices) == 1 and f"step-4 is corrupt: {shard.name} has 100 bytes" in notices[0], out.stdout
     assert "resumed from" in out.stdout and "step-2" in out.stdout
     _assert_same_weights(tmp_path, uninterrupted)
+
+
+def _copy_run(src, dst):
+    """A copy of a finished run's dump folder (checkpoints step-2 and step-4), without its export."""
+    shutil.copytree(src, dst)
+    shutil.rmtree(dst / "hf")
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["shard", "metadata", "host"])
+def test_bit_flip_in_latest_checkpoint_resumes_from_previous(tmp_path, uninterrupted, kind):
+    """16 bytes flipped in a file of the latest checkpoint (a .distcp shard, .metadata or host state; size unchanged), same command again -> one line names the file and skips it (traceback in <dump>/checkpoint_errors.log); resumes from step-2 and ends with the same final weights as an uninterrupted run"""
+    run = _copy_run(uninterrupted, tmp_path / "run")
+    bad = kind_file(run / "checkpoint" / "step-4", kind)
+    flip(bad)
+    out = _ok(_run(run, 4))
+    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
+    assert len(notices) == 1, out.stdout
+    assert f"step-4 is corrupt: {os.path.basename(bad)} has CRC-32" in notices[0]
+    assert "checkpoint_errors.log" in notices[0] and "Traceback" in (run / "checkpoint_errors.log").read_text()
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    _assert_same_weights(run, uninterrupted)
+
+
+def test_bit_flip_in_the_only_checkpoint_stops_with_one_line(tmp_path, uninterrupted):
+    """Bit flip in the only checkpoint, same command again -> exit 2 with exactly one stderr line naming the file and the fix; no fresh run starts"""
+    run = _copy_run(uninterrupted, tmp_path / "run")
+    shutil.rmtree(run / "checkpoint" / "step-2")
+    flip(kind_file(run / "checkpoint" / "step-4", "shard"))
+    proc = _run(run, 6)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("titanrl: error: no checkpoint in") and "step-4 is corrupt: __0_0.distcp" in lines[0]
+    assert "checkpoint.load_path" in lines[0]
+    assert not (run / "hf").exists() and sorted(os.listdir(run / "checkpoint")) == ["step-4"]
+
+
+def test_load_path_with_host_state_that_would_run_code_is_refused(tmp_path, uninterrupted):
+    """checkpoint.load_path to a checkpoint whose host state is a pickle calling os.system (manifest rewritten to match) -> exit 2 with one stderr line naming the file; the code never runs"""
+    src = _copy_run(uninterrupted, tmp_path / "src")
+    marker = tmp_path / "ran"
+    plant_code(src / "checkpoint" / "step-4", str(marker))
+    proc = _run(tmp_path / "run", 4, extra=[f"--checkpoint.load_path={src / 'checkpoint' / 'step-4'}"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is refused: host_rank0.pt is not plain data" in lines[0], proc.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.multirank
+def test_bit_flip_on_two_ranks_resumes_from_previous(tmp_path, uninterrupted_two_ranks):
+    """2 ranks: bytes flipped in rank 1's shard of the latest checkpoint -> both ranks skip it (one line), resume from step-2 and end with the same final weights as an uninterrupted 2-rank run"""
+    run = _copy_run(uninterrupted_two_ranks, tmp_path / "run")
+    flip(run / "checkpoint" / "step-4" / "__1_0.distcp")
+    out = _ok(_run(run, 4, nproc=2))
+    notices = [line for line in out.stdout.splitlines() if "step-4 is corrupt" in line]
+    assert len(notices) == 1 and "__1_0.distcp has CRC-32" in notices[0], out.stdout
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    _assert_same_weights(run, uninterrupted_two_ranks)
 
 
 def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted):
@@ -187,8 +250,9 @@ def test_kill_9_with_paused_samples_in_flight_resumes_exactly(tmp_path):
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     _ok(_run(full, 4, extra=PARTIAL))
     assert _run(crashed, 4, fault="step:3:0", extra=PARTIAL).returncode != 0
-    host = torch.load(crashed / "checkpoint" / "step-2" / "host_rank0.pt", weights_only=False)
-    paused = [s for g in host["recipe"]["in_flight"] for s in g.samples if s.finish_reason is None and s.token_ids]
+    host = torch.load(crashed / "checkpoint" / "step-2" / "host_rank0.pt", weights_only=True)  # plain data
+    samples = [s for g in host["recipe"]["in_flight"] for s in g["samples"]]
+    paused = [s for s in samples if s["finish_reason"] is None and s["token_ids"]]
     assert paused, "the checkpoint holds no paused sample: the test would not exercise resuming them"
     out = _ok(_run(crashed, 4, extra=PARTIAL))
     assert "resumed from" in out.stdout and "step-2" in out.stdout

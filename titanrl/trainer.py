@@ -55,7 +55,10 @@ class Trainer:
         self.watchdog = Watchdog(config.job.phase_timeout_s, self.rank)
         ckpt = config.checkpoint
         self.checkpointer = CheckpointManager(
-            os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k, ckpt.async_mode
+            os.path.join(config.job.dump_folder, ckpt.folder),
+            ckpt.keep_latest_k,
+            ckpt.async_mode,
+            error_log=os.path.join(config.job.dump_folder, "checkpoint_errors.log"),
         )
         self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
         self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
@@ -255,16 +258,17 @@ class Trainer:
         returns its host state (step, evals) or None for a fresh run."""
         if not self.resuming:
             return None
+        log = print if self.rank == 0 else lambda _: None
         path = self.config.checkpoint.load_path.rstrip("/")
         if path:
             match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
             if not match or not os.path.exists(os.path.join(path, ".metadata")):
                 raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
-            host = self.checkpointer.load(path, *self.checkpoint_parts())
+            # A corrupt or refused load_path raises CheckpointCorrupt, a user error: one line, exit 2.
+            host = self.checkpointer.load(path, *self.checkpoint_parts(), log=log)
         else:
-            restored = self.checkpointer.load_latest(
-                *self.checkpoint_parts(), log=print if self.rank == 0 else lambda _: None
-            )
+            # Damaged checkpoints are skipped with one line each; none loadable is CheckpointCorrupt.
+            restored = self.checkpointer.load_latest(*self.checkpoint_parts(), log=log)
             if restored is None:
                 return None
             host = restored[1]

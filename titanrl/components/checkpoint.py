@@ -12,15 +12,21 @@ thread writes it (over a gloo group of its own, so that its collectives never in
 training's) and rank 0 renames the folder when the write has finished. `wait()` (the next save,
 the end of the run) raises a failed write's error on every rank.
 
+Before the rename, the ranks checksum what they wrote into `checksums.json`; a load checks the
+files against it first and reads host state as plain data (`checkpoint_integrity.py`).
+`load_latest` skips a checkpoint that fails either check, or fails to load, with one line (its
+traceback goes to `checkpoint_errors.log` beside the checkpoint folder) and loads the previous
+one; when none loads, it raises `CheckpointCorrupt` rather than let the run start afresh.
+
 A save that cannot write (disk full, no permission) raises `CheckpointSaveError` on every rank,
 naming the folder and the cause, and removes its temporary folder; no `step-N` appears.
 """
 
-import errno
 import gc
 import os
 import re
 import shutil
+import traceback
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -37,16 +43,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanrl.components.checkpoint_errors import CheckpointSaveError, free_bytes, nbytes, save_error
+from titanrl.components.checkpoint_integrity import (
+    MANIFEST,
+    CheckpointCorrupt,
+    check_files,
+    checksums,
+    corrupt,
+    load_host_state,
+    rank_files,
+    read_manifest,
+    summary,
+    verify_checkpoint,
+    write_manifest,
+)
 from titanrl.components.faults import fault_point
 from titanrl.models.lora import has_lora, is_lora_key
 
+# verify_checkpoint: the launcher's pre-flight; the errors: what callers catch.
+__all__ = ["CheckpointCorrupt", "CheckpointManager", "CheckpointSaveError", "verify_checkpoint"]
+
 _STEP_DIR = re.compile(r"step-(\d+)")
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-_NO_PERMISSION = {errno.EACCES, errno.EPERM, errno.EROFS}
-
-
-class CheckpointSaveError(RuntimeError):
-    """A checkpoint could not be written; the previous complete checkpoint is still the latest."""
 
 
 def _rank() -> int:
@@ -59,10 +76,21 @@ def _barrier() -> None:
 
 
 class CheckpointManager:
-    def __init__(self, folder: str, keep_latest_k: int, async_mode: Literal["disabled", "async"] = "disabled") -> None:
+    def __init__(
+        self,
+        folder: str,
+        keep_latest_k: int,
+        async_mode: Literal["disabled", "async"] = "disabled",
+        error_log: str = "",
+    ) -> None:
+        """`error_log`: where the tracebacks of skipped checkpoints go (default: checkpoint_errors.log
+        beside `folder`)."""
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode must be 'disabled' or 'async', got {async_mode!r}")
         self.folder = folder
+        self.error_log = error_log or os.path.join(os.path.dirname(os.path.abspath(folder)), "checkpoint_errors.log")
+        # Bytes this rank's part of the save in progress holds, for the disk-full message.
+        self._needed = 0
         self.keep_latest_k = keep_latest_k
         self.async_mode = async_mode
         # (step, temporary folder, done when written and renamed) of the last async save, if any.
@@ -106,13 +134,15 @@ class CheckpointManager:
                 error = e
         self._agree(step, tmp, error)
         # Host state first: when an async write has finished, the whole checkpoint is on disk.
+        state = _state(models, optimizers)
+        self._needed = nbytes(state) + nbytes(host_state)
         error = None
         try:
             torch.save(host_state, os.path.join(tmp, f"host_rank{_rank()}.pt"))
-        except OSError as e:
+        # Writing to a path, torch's zip writer reports a full disk as a RuntimeError.
+        except Exception as e:
             error = e
         self._agree(step, tmp, error)
-        state = _state(models, optimizers)
         error = None
         try:
             if self.async_mode == "async":
@@ -177,6 +207,7 @@ class CheckpointManager:
             try:
                 written.result()
                 fault_point("checkpoint_save", step)
+                self._seal(tmp, self._async_group)
                 if _rank() == 0:
                     self._rename(step, tmp)
                 published.set_result(None)
@@ -188,14 +219,34 @@ class CheckpointManager:
 
     def _publish(self, step: int, tmp: str) -> None:
         fault_point("checkpoint_save", step)
-        _barrier()
         error = None
-        if _rank() == 0:
-            try:
+        try:
+            self._seal(tmp, None)
+            if _rank() == 0:
                 self._rename(step, tmp)
-            except OSError as e:
-                error = e
+        except Exception as e:
+            error = e
         self._agree(step, tmp, error)
+
+    def _seal(self, tmp: str, group: dist.ProcessGroup | None) -> None:
+        """Collective over `group` (after every rank's files are written): each rank checksums the
+        files it wrote, rank 0 gathers them and writes the manifest. A rank that cannot read its
+        files back still takes part, so that no rank waits for it."""
+        try:
+            own, error = checksums(tmp, rank_files(tmp, _rank())), None
+        except OSError as e:
+            own, error = None, e
+        claimed = [own]
+        if dist.is_initialized():
+            claimed = [None] * dist.get_world_size(group)
+            dist.all_gather_object(claimed, own, group=group)
+        if error is not None:
+            raise error
+        if _rank() == 0:
+            failed = [r for r, files in enumerate(claimed) if files is None]
+            if failed:
+                raise RuntimeError(f"rank(s) {failed} could not read back the files they wrote")
+            write_manifest(tmp, {name: c for files in claimed for name, c in files.items()})
 
     def _rename(self, step: int, tmp: str) -> None:
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
@@ -219,12 +270,13 @@ class CheckpointManager:
 
     def _fail(self, step: int, tmp: str, error: BaseException):
         """Every rank: drop the partial save (it would only fill the disk) and raise the cause."""
+        free = free_bytes(self.folder)  # before the partial save is removed, which frees space
         _barrier()
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        message = _save_error(self.folder, step, error, self.complete_steps())
+        message, says_all = save_error(self.folder, step, error, self.complete_steps(), free, self._needed)
         # A disk-full or permission error says all in its message; anything else keeps its traceback.
-        raise message from (None if _os_error(error) is not None else error)
+        raise message from (None if says_all else error)
 
     def _purge(self) -> None:
         for name in os.listdir(self.folder):
@@ -237,80 +289,96 @@ class CheckpointManager:
     def load_latest(
         self, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], log=print
     ) -> tuple[int, dict[str, Any]] | None:
-        """Load the newest checkpoint that loads; a damaged one is reported and skipped."""
+        """Collective. Load the newest checkpoint that loads; a damaged one is skipped with one
+        line (`log`). None when there is no checkpoint; `CheckpointCorrupt` when none loads."""
+        reasons = []
         for step in reversed(self.complete_steps()):
+            path = self.step_dir(step)
             try:
-                return step, self.load(self.step_dir(step), models, optimizers)
-            # A truncated or corrupted checkpoint: fall back to an older one. (DCP wraps read
-            # errors in CheckpointException, a BaseException.)
+                return step, self.load(path, models, optimizers, log)
+            # Corrupt, truncated, refused or of another model: fall back to an older one. (DCP
+            # wraps read errors in CheckpointException, a BaseException.)
             except (Exception, CheckpointException) as e:
-                log(
-                    f"checkpoint {self.step_dir(step)} cannot be loaded ({type(e).__name__}: {e}); "
-                    "trying the previous one"
-                )
+                reason = str(e) if isinstance(e, CheckpointCorrupt) else _cannot_load(path, e)
+                reasons.append(reason)
+                self._log_error(path, e)
+                log(f"{reason}; skipped it (traceback in {self.error_log})")
+        if reasons:
+            raise CheckpointCorrupt(
+                f"no checkpoint in {self.folder} can be loaded ({'; '.join(reasons)}); set checkpoint.load_path to "
+                f"an intact step-N folder, or move {self.folder} away to start a fresh run"
+            )
         return None
 
     def load(
-        self, path: str, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]
+        self, path: str, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], log=print
     ) -> dict[str, Any]:
+        """Collective. Check the checkpoint's files, read its host state as plain data (raising
+        `CheckpointCorrupt` on every rank if either fails), then load it; returns the host state."""
+        host_file = self._verify(path, log)
+        host = self._host_state(path, host_file)
         state = _state(models, optimizers)
         dcp.load(state, checkpoint_id=path)
         for name, model in models.items():
             set_model_state_dict(model, state[name], options=_model_options(model))
         for name, optimizer in optimizers.items():
             set_optimizer_state_dict(models[name], optimizer, state[_optimizer_key(name)])
-        # Host state is the same on every rank of a job: all ranks walk the same global data
-        # stream (each keeps its strided share of a batch, so the loader's position does not
-        # depend on the rank or the world size) and sampling RNGs are seeded per sample. So
-        # rank 0's file serves a rank that did not exist when the checkpoint was saved.
-        host_file = os.path.join(path, f"host_rank{_rank()}.pt")
-        if not os.path.exists(host_file):
-            host_file = os.path.join(path, "host_rank0.pt")
-        return torch.load(host_file, weights_only=False)
+        return host
+
+    def _verify(self, path: str, log) -> str:
+        """Collective: check the files against the manifest, shared out over the ranks; returns
+        the host-state file this rank reads. Host state is the same on every rank of a job: all
+        ranks walk the same global data stream (each keeps its strided share of a batch, so the
+        loader's position does not depend on the rank or the world size) and sampling RNGs are
+        seeded per sample. So rank 0's file serves a rank that did not exist at save time."""
+        files = read_manifest(path)
+        if files is None:
+            log(f"checkpoint {path} has no {MANIFEST} (written before checkpoints had checksums): loaded unchecked")
+            files = {name: {} for name in os.listdir(path)}
+        else:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            problem = _first_problem(check_files(files, path, sorted(files)[_rank() :: world]))
+            if problem is not None:
+                raise corrupt(path, problem)
+        own = f"host_rank{_rank()}.pt"
+        return os.path.join(path, own if own in files else "host_rank0.pt")
+
+    def _host_state(self, path: str, host_file: str) -> dict[str, Any]:
+        """Collective: this rank's host state, or `CheckpointCorrupt` on every rank if any rank's
+        file is refused or unreadable."""
+        host, error, problem = None, None, None
+        try:
+            host = load_host_state(host_file)
+        except Exception as e:
+            error = e
+            problem = str(e) if isinstance(e, CheckpointCorrupt) else _cannot_load(path, e)
+        problem = _first_problem(problem)
+        if problem is not None:
+            raise CheckpointCorrupt(problem) from error
+        return host
+
+    def _log_error(self, path: str, error: BaseException) -> None:
+        """Rank 0: the traceback of a skipped checkpoint, appended to the error log."""
+        if _rank() != 0:
+            return
+        try:
+            with open(self.error_log, "a") as f:
+                f.write(f"checkpoint {path} skipped:\n{''.join(traceback.format_exception(error))}\n")
+        except OSError:
+            pass  # the notice on the console still names the cause
 
 
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError behind `error`: itself, its cause, or one a rank reported to DCP."""
-    if isinstance(error, OSError):
-        return error
-    if isinstance(error, CheckpointException):
-        for exc, _ in error.failures.values():
-            found = _os_error(exc)
-            if found is not None:
-                return found
-    cause = error.__cause__ or error.__context__
-    return _os_error(cause) if cause is not None else None
+def _cannot_load(path: str, error: BaseException) -> str:
+    return f"checkpoint {path} cannot be loaded ({summary(error)})"
 
 
-def _free_bytes(folder: str) -> int | None:
-    path = os.path.abspath(folder)
-    while not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
-
-
-def _save_error(folder: str, step: int, error: BaseException, complete: list[int]) -> CheckpointSaveError:
-    """The message a user acts on: which folder, why, what to do, and what is still there."""
-    os_error = _os_error(error)
-    where = f"cannot write the step {step} checkpoint to '{folder}'"
-    latest = f"step-{complete[-1]} is still the latest checkpoint" if complete else "no checkpoint was saved yet"
-    if os_error is not None and os_error.errno in _DISK_FULL:
-        free = _free_bytes(folder)
-        free_text = f", {free / 2**30:.2f} GiB free now" if free is not None else ""
-        return CheckpointSaveError(
-            f"{where}: no free space left on the device ({os_error.strerror}{free_text}); free disk space or "
-            f"lower checkpoint.keep_latest_k, or point job.dump_folder at a larger disk ({latest})"
-        )
-    if os_error is not None and os_error.errno in _NO_PERMISSION:
-        return CheckpointSaveError(
-            f"{where}: permission denied or read-only file system ({os_error.strerror}); make the folder "
-            f"writable for this user or point job.dump_folder / checkpoint.folder elsewhere ({latest})"
-        )
-    cause = os_error if os_error is not None else error
-    return CheckpointSaveError(f"{where}: {type(cause).__name__}: {cause} ({latest})")
+def _first_problem(problem: str | None) -> str | None:
+    """Collective: the first rank's problem (rank order), so that every rank takes the same branch."""
+    if not dist.is_initialized():
+        return problem
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    return next((p for p in problems if p is not None), None)
 
 
 def _optimizer_key(model_name: str) -> str:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from titanrl.components.timer import PhaseTimer
+from titanrl.data.formats import RowSample
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
@@ -188,8 +189,10 @@ class PartialRolloutCollector(RolloutCollector):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        dims = self.host.dims
-        return {"layout": _layout(dims), "in_flight": self.in_flight, "drawn": self.drawn}
+        """Plain containers only (dicts, lists, numbers, strings), so that the checkpoint's host
+        state loads with `weights_only=True`."""
+        in_flight = [asdict(g) for g in self.in_flight]
+        return {"layout": _layout(self.host.dims), "in_flight": in_flight, "drawn": self.drawn}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not state:
@@ -203,11 +206,18 @@ class PartialRolloutCollector(RolloutCollector):
                     flush=True,
                 )
             return
-        self.in_flight, self.drawn = state["in_flight"], state["drawn"]
+        self.in_flight, self.drawn = [_group(g) for g in state["in_flight"]], state["drawn"]
 
 
 def _layout(dims) -> dict[str, int]:
     return {"dp_rank": dims.dp_rank, "dp_size": dims.dp_size, "tp": dims.tp}
+
+
+def _group(state: dict[str, Any]) -> Group:
+    """A group in flight from its `asdict` form in a checkpoint."""
+    samples = [SampleState(**s) for s in state["samples"]]
+    sample = RowSample(**state["sample"]) if "where" in state["sample"] else Sample(**state["sample"])
+    return Group(sample, state["prompt"], state["prompt_id"], samples)
 
 
 def _resumed(groups: list[Group]) -> list[ResumedSample]:
