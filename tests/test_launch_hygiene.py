@@ -209,3 +209,74 @@ def test_torchrun_max_restarts_resumes_like_uninterrupted(tmp_path, uninterrupte
     assert rl_steps == [1, 2, 3, 4]
     _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
     _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+
+
+def test_killed_launcher_leaves_no_process_the_reward_code_started(tmp_path):
+    """Reward function leaving a plain child, a `setsid` child and a double-forked daemon per sample; the first run ends normally, the second's launcher process group (`titanrl run`) is SIGKILLed mid-run -> 0 of those processes alive after either (before: all of them, re-parented to PID 1)"""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = {**_env(), "TITANRL_TEST_PID_DIR": str(pid_dir)}
+    args = [
+        DEBUG,
+        "--reward.function=helpers.contained_fns:spawns",
+        "--sft_warmup.steps=1",
+        "--training.batch_size=2",
+        "--algorithm.group_size=2",
+        "--generator.max_new_tokens=4",
+        "--reward.num_workers=1",
+        "--metrics.eval_freq=0",
+        "--data.num_eval_samples=2",
+    ]
+    try:
+        _ok(run_cmd(_titanrl(*args, f"--job.dump_folder={tmp_path / 'ends'}", "--training.steps=1"), env, 300))
+        assert _spawned_alive(pid_dir, expect=0, timeout_s=10) == 0
+        for name in os.listdir(pid_dir):
+            os.remove(pid_dir / name)
+        folder = tmp_path / "killed"
+        run = subprocess.Popen(
+            _titanrl(*args, f"--job.dump_folder={folder}", "--training.steps=200"),
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            _wait_for(lambda: len(_recorded(pid_dir)) >= 6, 240, run)
+            assert _spawned_alive(pid_dir, expect=len(_recorded(pid_dir)), timeout_s=0) > 0
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        assert _spawned_alive(pid_dir, expect=0, timeout_s=10) == 0
+    finally:
+        for pid in _recorded(pid_dir):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _recorded(pid_dir) -> list[int]:
+    """Pids the reward code recorded (tests/helpers/contained_fns.py), whatever their kind."""
+    return [int(line.split()[1]) for name in os.listdir(pid_dir) for line in open(os.path.join(pid_dir, name))]
+
+
+def _stat(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read()
+    except OSError:  # exited meanwhile
+        return ""
+
+
+def _spawned_alive(pid_dir, expect: int, timeout_s: float) -> int:
+    """How many recorded `sleep`s are alive once `expect` are, or after `timeout_s`."""
+
+    def count():
+        return sum(_alive(p) and "(sleep)" in _stat(p) for p in _recorded(pid_dir))
+
+    deadline = time.monotonic() + timeout_s
+    while count() != expect and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return count()

@@ -8,13 +8,16 @@ in docs/reliability.md ('<fault> -> <observed behaviour>').
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
 import pytest
-from helpers import reward_fns
+from helpers import contained_fns, reward_fns
 from helpers.launch import REPO_ROOT, run_cmd
 
+from titanrl.components.containment import probe
 from titanrl.rewards.runner import OUTPUT_KEEP_BYTES, RewardItem, RewardOutputLog, RewardRunner
 
 
@@ -244,5 +247,140 @@ def test_streamed_batch_scores_like_one_call():
         assert [r.failed for r in streamed] == [None, "timeout", None, None]
         assert 1.5 < waited < 10.0  # the deadline runs from finish(), not from the first submit
         assert runner(_items("d")) and all(w is not None for w in runner._slots)  # replaced, usable
+    finally:
+        runner.close()
+
+
+# ---- containment: nothing the reward code starts outlives its worker ----
+
+CGROUPS = "cgroup" in probe()
+MODES = [pytest.param("cgroup", marks=pytest.mark.skipif(not CGROUPS, reason="no writable cgroup here")), "subreaper"]
+
+
+def _spawned(pid_dir):
+    """{'plain' | 'setsid' | 'daemon': [pids]} the reward code recorded in `pid_dir`."""
+    found = {}
+    for name in os.listdir(pid_dir):
+        for line in open(os.path.join(pid_dir, name)):
+            kind, pid = line.split()
+            found.setdefault(kind, []).append(int(pid))
+    return found
+
+
+def _sleep_alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return "(sleep)" in stat and stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _left_alive(pid_dir, timeout_s=10.0):
+    pids = [p for ps in _spawned(pid_dir).values() for p in ps]
+    end = time.monotonic() + timeout_s
+    while any(_sleep_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return [p for p in pids if _sleep_alive(p)]
+
+
+def _all_alive(pid_dir, timeout_s=5.0):
+    """Every recorded process alive (a daemon may still be between its fork and its exec)?"""
+    pids = [p for ps in _spawned(pid_dir).values() for p in ps]
+    end = time.monotonic() + timeout_s
+    while not all(_sleep_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return len(pids) == 12 and all(_sleep_alive(p) for p in pids)
+
+
+def _kill_leftovers(pid_dir):
+    for pids in _spawned(pid_dir).values() if os.path.isdir(pid_dir) else []:
+        for pid in pids:
+            if _sleep_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def pid_dir(tmp_path, monkeypatch, request):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    monkeypatch.setenv("TITANRL_TEST_PID_DIR", str(folder))
+    if getattr(request, "param", "cgroup") == "subreaper":
+        monkeypatch.setenv("TITANRL_NO_CGROUPS", "1")
+    yield str(folder)
+    _kill_leftovers(str(folder))
+
+
+@pytest.mark.parametrize("pid_dir", MODES, indirect=True)
+def test_spawned_children_setsid_and_daemons_die_with_the_workers(pid_dir):
+    """Reward code leaving a plain child, a `setsid` child and a double-forked daemon per sample; the worker replaced, then the runner closed -> 0 of them alive (cgroup: killed with the worker's cgroup; subreaper fallback: re-parented to the worker's keeper and killed from /proc)"""
+    runner = RewardRunner(contained_fns.spawns, num_workers=2, timeout_s=30.0, failure_reward=-1.0)
+    try:
+        assert [r.failed for r in runner(_items(*["x"] * 4))] == [None] * 4
+        spawned = _spawned(pid_dir)
+        assert {k: len(v) for k, v in spawned.items()} == {"plain": 4, "setsid": 4, "daemon": 4}
+        assert _all_alive(pid_dir)  # they live with their worker
+        runner._slots[0].kill()  # a worker killed (as at a deadline): what it started goes with it
+        runner._slots[0] = None
+        pids = [p for ps in _spawned(pid_dir).values() for p in ps]
+        end = time.monotonic() + 10
+        while sum(map(_sleep_alive, pids)) != 6 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sum(map(_sleep_alive, pids)) == 6  # the other worker's, still running
+        runner.close()
+        assert _left_alive(pid_dir) == []
+    finally:
+        runner.close()
+
+
+_TRAINER = (
+    "import sys; from helpers import contained_fns; from titanrl.rewards.runner import RewardItem, RewardRunner\n"
+    "runner = RewardRunner(contained_fns.spawns, num_workers=2, timeout_s=30.0, failure_reward=-1.0)\n"
+    "print([r.failed for r in runner([RewardItem('p', 'c', 'a')] * 4)], flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.mark.parametrize("pid_dir", MODES, indirect=True)
+def test_spawned_processes_die_when_the_trainer_is_sigkilled(pid_dir):
+    """A trainer process SIGKILLed while its reward workers' code has left plain, `setsid` and double-forked `sleep`s running -> 0 of them alive within 10 s (the keepers' parent-death signal)"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout.readline().startswith("reward workers contained by")
+        assert trainer.stdout.readline().strip() == "[None, None, None, None]"
+        assert _all_alive(pid_dir)
+        trainer.kill()
+        trainer.wait()
+        assert _left_alive(pid_dir) == []
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_leaking_function_fails_only_the_samples_over_the_limit():
+    """Reward function keeping 100 MB more per call, reward.memory_limit_mb = 250, 9 samples on one worker -> only every third sample fails ('memory'): the worker that raised MemoryError is replaced, so what it leaked fails no later sample"""
+    runner = RewardRunner(contained_fns.leaks, num_workers=1, timeout_s=60.0, failure_reward=-1.0, memory_limit_mb=250)
+    try:
+        out = runner(_items(*["x"] * 9, mb=100))
+        assert [r.failed for r in out] == [None, None, "memory"] * 3
+        assert all("MemoryError" in r.detail for r in out if r.failed)
+    finally:
+        runner.close()
+
+
+@pytest.mark.skipif("memory" not in probe(), reason="no cgroup memory controller here")
+def test_worker_tree_over_its_memory_limit_is_killed_and_replaced():
+    """Reward code whose child holds 90 MB while the worker takes 270 MB, reward.memory_limit_mb = 300 (each under its own address-space limit, the tree over its cgroup's memory limit) -> the kernel kills the worker; that sample fails ('memory', not 'crash'), a fresh worker scores the next"""
+    runner = RewardRunner(
+        contained_fns.tree_hog, num_workers=1, timeout_s=60.0, failure_reward=-1.0, memory_limit_mb=300
+    )
+    try:
+        out = runner(_items("x", mb=270, child_mb=90))
+        assert [r.failed for r in out] == ["memory"], out
+        assert "crossed its memory limit" in out[0].detail
+        assert [r.failed for r in runner(_items("x", mb=10, child_mb=10))] == [None]
     finally:
         runner.close()

@@ -5,18 +5,20 @@ Whatever the reward function does to one sample gives that sample the configured
 and a counted reason (`RewardResult.failed`); the other samples of the batch are scored and the
 step goes on:
   'error'   it raised, SystemExit, KeyboardInterrupt and GeneratorExit included (the worker lives on);
-  'memory'  MemoryError past reward.memory_limit_mb;
+  'memory'  MemoryError past reward.memory_limit_mb, or its worker's tree crossed that limit (cgroup);
+            the worker is replaced either way, so memory it leaked fails no later sample;
   'invalid' it returned something that is not a finite number;
   'crash'   its worker died (os._exit, a segfault, a signal, killed for memory);
   'timeout' it was unfinished, running or still queued, when the batch's deadline passed.
 
 Workers (`titanrl/rewards/worker.py`) are plain interpreters that import only the reward
-function's module, each leading its own process group, so that what the function forks dies
-with its worker. A hung worker is killed at the deadline; a dead one is replaced at once, unless
-the same slot's workers die twice in a row within a batch (a function that kills every worker):
-that slot then rests until the batch ends, and once every slot rests the samples left fail as
-'crash' at once. Replacements for a batch's casualties start as it ends, so they warm up while
-the trainer trains. Each sample's stdout and stderr are captured (first OUTPUT_KEEP_BYTES kept).
+function's module, each contained (`titanrl/components/containment.py`), so that what the
+function starts dies with its worker, even when the trainer is SIGKILLed. A hung worker is
+killed at the deadline; a dead one is replaced at once, unless the same slot's workers die twice
+in a row within a batch (a function that kills every worker): that slot then rests until the
+batch ends, and once every slot rests the samples left fail as 'crash' at once. Replacements for
+a batch's casualties start as it ends, so they warm up while the trainer trains. Each sample's
+stdout and stderr are captured (first OUTPUT_KEEP_BYTES kept).
 """
 
 import os
@@ -29,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from titanrl.components.containment import probe
 from titanrl.data.tasks import Task
 from titanrl.rewards.worker import OUTPUT_KEEP_BYTES, RewardWorker
 
@@ -113,12 +116,12 @@ class RewardRunner:
             "sys_path": list(sys.path),
             "main": _main_module(blob),
             "memory_limit_mb": memory_limit_mb,
-            "parent": os.getpid(),
         }
         self._slots: list[RewardWorker | None] = [None] * num_workers
         self._sel: selectors.BaseSelector | None = None
         self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
         self._batch: _Batch | None = None
+        _log_containment()
         self._start_missing()  # they warm up while the trainer builds its model
 
     def __call__(self, items: list[RewardItem]) -> list[RewardResult]:
@@ -208,9 +211,13 @@ class RewardRunner:
                 w.read_output()  # the rest of what the call wrote
                 b.results[index] = self._result(w, kind, reward, correct, detail)
                 w.sample, b.deaths[slot], b.done = None, 0, b.done + 1
+                if kind == "memory":  # what it leaked would fail every later sample: a fresh worker
+                    w.kill()
+                    self._slots[slot] = self._start()
             elif event == "dead":
                 if w.sample is not None:
-                    b.results[w.sample] = self._result(w, "crash", 0.0, False, payload)
+                    kind = "memory" if w.over_memory else "crash"
+                    b.results[w.sample] = self._result(w, kind, 0.0, False, payload)
                     b.done += 1
                 b.deaths[slot] += 1
                 self._slots[slot] = self._start() if b.deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
@@ -316,6 +323,17 @@ class RewardRunner:
         if self._sel is not None:
             self._sel.close()
             self._sel = None
+
+
+_LOGGED = False
+
+
+def _log_containment() -> None:
+    """Say once per process how reward workers are contained on this machine."""
+    global _LOGGED
+    if not _LOGGED:
+        _LOGGED = True
+        print(f"reward workers contained by {probe()}", flush=True)
 
 
 def _main_module(blob: bytes) -> dict:

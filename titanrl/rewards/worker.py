@@ -9,7 +9,9 @@ length-prefixed pickle frame each way per sample:
   worker -> trainer: ("ready",) once, then (sample index, kind, reward, correct, detail) per call,
   kind 'ok', 'error', 'memory' or 'invalid'.
 Its stdout and stderr (file descriptors 1 and 2, so C code and subprocesses too) are one pipe
-that the trainer drains; each worker leads its own session and process group.
+that the trainer drains. Each worker is contained (`titanrl/components/containment.py`): the
+child of a keeper that kills everything the worker started, `setsid` children and daemons
+included, when the worker ends, is killed, or the trainer dies.
 """
 
 import math
@@ -18,9 +20,9 @@ import pickle
 import selectors
 import signal
 import struct
-import subprocess
 import sys
 
+from titanrl.components.containment import OOM_EXIT_CODE, spawn_contained, stop_contained
 from titanrl.components.workers import init_worker
 
 _HEADER = struct.Struct("<Q")
@@ -131,9 +133,7 @@ def reward_worker_main(request_fd: int, result_fd: int) -> None:
     else:
         sys.path[:] = init["sys_path"]
     fn = pickle.loads(init["fn"])  # imports the user's module before the memory limit is measured
-    init_worker(init["memory_limit_mb"])
-    if os.getppid() != init["parent"]:  # the trainer died before PDEATHSIG was set
-        os._exit(0)
+    init_worker(init["memory_limit_mb"])  # its keeper checked that the trainer lives
     import faulthandler
 
     faulthandler.enable()  # a segfault's traceback goes to stderr, which the trainer captures
@@ -171,7 +171,7 @@ class RewardWorker:
 
     def __init__(self, sel: selectors.BaseSelector, init: dict) -> None:
         self.sel = sel
-        self.ready = self.dead = self.results_closed = False
+        self.ready = self.dead = self.results_closed = self.over_memory = False
         self.death = ""
         self.sample: int | None = None
         self.outbox = memoryview(b"")  # request bytes the pipe has not taken yet
@@ -180,21 +180,9 @@ class RewardWorker:
         req_r, self.requests = os.pipe()
         self.results, res_w = os.pipe()
         self.output, out_w = os.pipe()
-        code = (
-            f"import sys; sys.path.insert(0, {_ROOT!r}); from titanrl.rewards.worker import "
-            f"reward_worker_main; reward_worker_main({req_r}, {res_w})"
-        )
         try:
-            # Its own session: its process group holds whatever the function forks, and the
-            # trainer's terminal signals (Ctrl-C) are the trainer's to handle.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", code],
-                stdin=subprocess.DEVNULL,
-                stdout=out_w,
-                stderr=out_w,
-                pass_fds=(req_r, res_w),
-                start_new_session=True,
-            )
+            # `proc` is the worker's keeper; it exits as the worker did, once nothing of it is left.
+            self.proc = spawn_contained("titanrl.rewards.worker:reward_worker_main", (req_r, res_w), out_w, _ROOT)
         except BaseException:
             for fd in (self.requests, self.results, self.output):
                 os.close(fd)
@@ -281,25 +269,22 @@ class RewardWorker:
             return True
 
     def kill(self) -> str:
-        """Kill its process group (what it forked dies with it), reap it, close its pipes; how it
-        died. Idempotent: closing its pipes twice could close descriptors reused since."""
+        """Kill it and everything it started (its keeper does), reap its keeper, close its pipes;
+        how it died. Idempotent: closing its pipes twice could close descriptors reused since."""
         if self.dead:
             return self.death
         self.read_output()  # e.g. the traceback faulthandler printed as it died
-        # The group before the reaping: while the worker is unreaped its pid, the group's id,
-        # cannot be reused. The worker leads its session, so it cannot leave the group.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            self.proc.kill()
-        code = self.proc.wait()
+        code = stop_contained(self.proc)
         for fd in (self.requests, self.results, self.output, self.pidfd):
             if fd is not None and fd >= 0:
                 if fd in self.sel.get_map():
                     self.sel.unregister(fd)
                 os.close(fd)
         self.dead = True
-        if code >= 0:
+        self.over_memory = code == OOM_EXIT_CODE
+        if self.over_memory:
+            self.death = "the worker crossed its memory limit (reward.memory_limit_mb) and was killed"
+        elif code >= 0:
             self.death = f"the worker exited with code {code}"
         else:
             try:
