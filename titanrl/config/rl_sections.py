@@ -237,12 +237,14 @@ class Reward:
     worker or returned a non-finite value (counted by reason: reward_failures_<reason>)."""
 
     num_workers: int = 2
-    """Worker processes that run reward functions, each in its own process group: what a function
-    forks is killed with its worker."""
+    """Worker processes that run reward functions, each under a keeper that kills whatever the
+    function started (plain, `setsid` and double-forked children) with its worker, in the worker's
+    own cgroup where the machine allows it (docs/reliability.md, "Containment")."""
 
     memory_limit_mb: int = 2048
-    """Address-space limit of each reward worker (a runaway reward function gets MemoryError,
-    counted as a failure, 'memory'); 0 means no limit."""
+    """Memory limit of each reward worker: its address space (a runaway reward function gets
+    MemoryError) and, with a memory cgroup, the resident memory of everything it started. A sample
+    over it fails as 'memory' and the worker is replaced; 0 means no limit."""
 
     function: str = ""
     """Your reward function as 'module:callable', called as f(prompt, completion, metadata) and
