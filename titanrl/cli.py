@@ -6,7 +6,10 @@
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
 error (config, degrees, data, checkpoint or model paths, reward function, a dump folder in use)
-is one line on stderr and exit code 2, before any rank starts. A run stopped by SIGTERM / SIGUSR1
+is one line on stderr and exit code 2, before any rank starts; so is a checkpoint to resume from
+whose parameters do not fit the model, that the dump folder has no room to save again, or whose
+data file has changed (`titanrl.data.provenance`). A user error that only a rank finds is printed
+once, by this launcher. A run stopped by SIGTERM / SIGUSR1
 that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
@@ -149,8 +152,8 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
 
     started = time.time()
     args = get_args_parser().parse_args([*opts, "-m", module, *config_args])
-    quiet_user_errors()
     errors = tempfile.TemporaryDirectory(prefix="titanrl-errors-")
+    quiet = quiet_user_errors(errors.name)
     os.environ[ERROR_DIR_ENV] = errors.name  # the ranks inherit it: they leave their user error there
     try:
         run(args)
@@ -182,6 +185,7 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         return failure.exitcode if failure.exitcode in (2, 3) else 1
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
         errors.cleanup()
 
 
@@ -197,17 +201,26 @@ def rank_error(folder: str, rank: int) -> str:
 
 class _UserErrorFilter(logging.Filter):
     """Drops torchrun's 'failed (exitcode: 2|3)' log line: a user error (2) or the watchdog (3)
-    is already one line of its own, and this one only added the rank's pid and python binary."""
+    is already one line of its own, and this one only added the rank's pid and python binary.
+    Once a rank has reported a user error (a file in `folder`), also its 'Sending process N
+    closing signal SIGTERM' lines for the ranks it stops."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not ("failed (exitcode: 2)" in message or "failed (exitcode: 3)" in message)
+        if "failed (exitcode: 2)" in message or "failed (exitcode: 3)" in message:
+            return False
+        return not ("closing signal" in message and os.path.isdir(self.folder) and os.listdir(self.folder))
 
 
-def quiet_user_errors() -> None:
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    if not any(isinstance(f, _UserErrorFilter) for f in logger.filters):
-        logger.addFilter(_UserErrorFilter())
+def quiet_user_errors(folder: str) -> _UserErrorFilter:
+    """Filter torchrun's own log lines about a rank's user error (`remove` it after the run)."""
+    found = _UserErrorFilter(folder)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(found)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ def load_object(spec: str, key: str):
     except (Exception, SystemExit) as e:
         raise ValueError(
             f"{key} '{spec}': importing '{module_name}' failed at {failed_at(e)}: {type(e).__name__}: "
-            f"{exception_text(e)}; fix the module (run `python -c \"import {module_name}\"` to see the "
+            f'{exception_text(e)}; fix the module (run `python -c "import {module_name}"` to see the '
             "whole traceback)"
         ) from None
     try:
