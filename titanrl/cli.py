@@ -173,7 +173,8 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        if failure.exitcode == 2:
+        # A user error, also one a rank left while another rank failed first in another way.
+        if failure.exitcode == 2 or os.listdir(errors.name):
             print(rank_error(errors.name, rank), file=sys.stderr, flush=True)
         # The watchdog (3) has already printed its one line.
         if failure.exitcode not in (2, 3):
