@@ -235,3 +235,30 @@ def test_resume_without_room_for_the_next_checkpoint_is_refused(checkpointed, tm
         _one_error_line(_titanrl_run(args), "no space left on device", f"'{run}'")
     finally:
         subprocess.run(["umount", str(mount)])
+
+
+def test_checkpoint_dtype_or_layer_count_mismatch_is_named(tmp_path):
+    """Checkpoint whose parameters are bfloat16 where the model keeps float32, or with a layer the model lacks -> ValueError naming the parameter and both dtypes / the extra parameter"""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanrl.components.launch import check_checkpoint_shapes
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.model import Transformer
+
+    args = get_model_args("debug")
+    deeper = dataclasses.replace(args, n_layers=args.n_layers + 1)
+    for name, model_args, dtype in (("bf16", args, torch.bfloat16), ("deeper", deeper, torch.float32)):
+        with torch.device("meta"):
+            sd = Transformer(model_args).state_dict()
+        state = {"model": {k: torch.zeros(v.shape, dtype=dtype) for k, v in sd.items()}}
+        dcp.save(state, checkpoint_id=str(tmp_path / name), no_dist=True)
+    check_checkpoint_shapes(str(tmp_path / "deeper"), deeper, None)  # its own model fits
+    with pytest.raises(
+        ValueError,
+        match=r"'model.tok_embeddings.weight' is \[264, 256\] bfloat16 in the checkpoint but \[264, 256\] float32",
+    ):
+        check_checkpoint_shapes(str(tmp_path / "bf16"), args, None)
+    with pytest.raises(ValueError, match=rf"the checkpoint's 'model.layers.{args.n_layers}.\S+' is not in the model"):
+        check_checkpoint_shapes(str(tmp_path / "deeper"), args, None)
