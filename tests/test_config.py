@@ -266,3 +266,22 @@ def test_text_settings_from_the_command_line_write_valid_toml(tmp_path):
         loaded = load_config([f"--job.config_file={path}"])
         validate_algorithm(loaded)
         assert loaded.algorithm.tables["reinforce_pp"]["baseline"] == "group"
+
+
+def test_user_module_failing_at_import_names_file_and_line(tmp_path, monkeypatch):
+    """Plug-in module (algorithm, environment, reward) that raises at import, any exception, or imports a missing dependency -> ValueError naming the config key, file:line and the exception"""
+    from titanrl.components.plugins import load_object
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "attr_at_import.py").write_text("import os\n\nPATH = os.no_such_thing\n")
+    (tmp_path / "missing_dep.py").write_text("import no_such_dependency_xyz\n")
+    with pytest.raises(ValueError) as e:
+        load_object("attr_at_import:Env", "env.name")
+    assert str(e.value).startswith(
+        f"env.name 'attr_at_import:Env': importing 'attr_at_import' failed at {tmp_path / 'attr_at_import.py'}:3: "
+        "AttributeError: module 'os' has no attribute 'no_such_thing'"
+    )
+    with pytest.raises(ValueError, match=r"algorithm.name 'missing_dep:X' cannot be imported \(No module named"):
+        load_object("missing_dep:X", "algorithm.name")
+    with pytest.raises(ValueError, match=r"reward.function 'os:no_such_fn' cannot be imported"):
+        load_object("os:no_such_fn", "reward.function")

@@ -279,3 +279,43 @@ def test_dropping_every_row_or_a_template_error_is_a_clear_error(tmp_path):
     generated = [Sample("x" * 999, "1", "1")]
     assert fit_prompts(load_config(["--data.task=reverse"]), 256, encode, None, generated) == (None, generated)
     assert fit_prompts(_config(path, "--env.name=calculator"), 256, encode, generated, []) == (generated, [])
+
+
+# ---- provenance: which rows a checkpoint was trained on ----
+
+
+def test_data_identity_hashes_the_rows_read_not_the_bytes(tmp_path, capsys):
+    """Data file edited, reordered or reformatted between a checkpoint and its resume -> an edit or reorder is refused naming the file and the fix, a reformat (same rows) resumes, an old checkpoint without the record resumes with one notice"""
+    from titanrl.data.preferences import load_preferences
+    from titanrl.data.prompts import DatasetStream, build_prompt_loader
+    from titanrl.data.provenance import SOURCES_KEY, check_sources, sources_in
+
+    rows = [{"prompt": f"rev:{w}=", "answer": w[::-1]} for w in ["ab", "abc", "bca", "cab"]]
+    path = _jsonl(tmp_path / "p.jsonl", rows)
+    loader = build_prompt_loader(DatasetStream(load_samples(path), 0), 2, 0, 1)
+    next(iter(loader))
+    state = loader.state_dict()
+    [saved] = state[SOURCES_KEY]
+    assert saved["path"] == path and saved["rows"] == 4 and saved["size"] == os.path.getsize(path)
+    # The same rows written with other spacing and key order: the same identity but for the size.
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(dict(reversed(r.items())), indent=None) + " \n" for r in rows))
+    again = build_prompt_loader(DatasetStream(load_samples(path), 0), 2, 0, 1)
+    again.load_state_dict(state)
+    fresh = iter(build_prompt_loader(DatasetStream(load_samples(path), 0), 2, 0, 1))
+    next(fresh)
+    assert [s.prompt for s in next(iter(again))] == [s.prompt for s in next(fresh)]  # resumed where it was
+    for changed in (rows[::-1], [*rows[:3], {"prompt": "rev:xy=", "answer": "yx"}]):
+        _jsonl(tmp_path / "p.jsonl", changed)
+        with pytest.raises(
+            ValueError, match=rf"data.path '{path}' changed since the checkpoint.*--data.allow_changed=true"
+        ):
+            build_prompt_loader(DatasetStream(load_samples(path), 0), 2, 0, 1).load_state_dict(state)
+    allowed = load_samples(path, allow_changed=True)
+    check_sources(state[SOURCES_KEY], sources_in(allowed))
+    assert "resuming on the new rows as data.allow_changed = true asks" in capsys.readouterr().out
+    check_sources(None, sources_in(allowed))  # a checkpoint from before provenance was recorded
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "does not record the data it was trained on" in out[0]
+    # Preference pairs carry their file's identity too.
+    pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    assert [s.rows for s in sources_in(load_preferences(pairs))] == [1]

@@ -4,6 +4,9 @@
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,3 +90,175 @@ def test_bad_input_fails_at_start_with_a_clear_message(tmp_path, args, message):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ---- through `titanrl run`: resuming from a checkpoint that does not fit, user code that fails at import ----
+
+RESUME = [
+    "--sft_warmup.steps=0",
+    "--training.batch_size=4",
+    "--algorithm.group_size=2",
+    "--generator.max_new_tokens=4",
+    "--data.num_eval_samples=4",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--checkpoint.enable=true",
+    "--checkpoint.interval=1",
+]
+WORDS = ["ab", "abc", "bca", "cab", "ba", "cb", "abd", "dba", "bad", "dab", "adb", "bda"]
+
+
+def _titanrl_run(args, pythonpath=(), nproc=1):
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.join(REPO_ROOT, "tests"), *map(str, pythonpath)]),
+    }
+    env.pop("TITANRL_FAULT", None)
+    return run_cmd(
+        [sys.executable, "-m", "titanrl.cli", "run", "--nproc", str(nproc), CONFIG, *args], env, timeout_s=300
+    )
+
+
+def _one_error_line(proc, *parts):
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("titanrl: error: "), proc.stderr[-3000:]
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+def _write_rows(path, words):
+    path.write_text("".join(json.dumps({"prompt": f"rev:{w}=", "answer": w[::-1]}) + "\n" for w in words))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    """A finished 2-step run of the `debug` flavor on a data file, with checkpoints step-1 and step-2."""
+    root = tmp_path_factory.mktemp("checkpointed")
+    data = _write_rows(root / "prompts.jsonl", WORDS)
+    run = root / "run"
+    args = [*RESUME, f"--data.path={data}", f"--job.dump_folder={run}", "--training.steps=2"]
+    proc = _run(run, [a for a in args if not a.startswith("--job.dump_folder")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"data": data, "run": run, "args": args}
+
+
+def test_checkpoint_of_another_model_shape_is_one_line(checkpointed):
+    """checkpoint.load_path of a `debug` run loaded into `debug-large` (other shapes) -> exit 2 and one stderr line before any rank starts, naming the parameter and both shapes (was: rc 1 and a 51-line traceback)"""
+    step = checkpointed["run"] / "checkpoint" / "step-2"
+    args = [
+        *RESUME,
+        f"--data.path={checkpointed['data']}",
+        "--model.flavor=debug-large",
+        f"--checkpoint.load_path={step}",
+    ]
+    proc = _titanrl_run([*args, f"--job.dump_folder={checkpointed['run'].parent / 'large'}"])
+    _one_error_line(
+        proc, "'model.tok_embeddings.weight' is [264, 256] float32 in the checkpoint but [264, 384] float32"
+    )
+
+
+def test_changed_data_on_resume_stops_with_one_line(checkpointed, tmp_path):
+    """Data file replaced by another between a run and its resume -> exit 2 and one stderr line naming the file and --data.allow_changed=true (launcher and rank alike); with it the run resumes with a one-line notice (was: resumed on the new file without a word)"""
+    run = tmp_path / "run"
+    shutil.copytree(checkpointed["run"], run)
+    data, original = checkpointed["data"], checkpointed["data"].read_text()
+    args = [*RESUME, f"--data.path={data}", f"--job.dump_folder={run}", "--training.steps=3"]
+    try:
+        _write_rows(data, [*WORDS[:7], "xyz", *WORDS[8:]])  # one row edited: same size, same row count
+        proc = _titanrl_run(args)
+        _one_error_line(proc, f"data.path '{data}' changed since the checkpoint", "--data.allow_changed=true")
+        rank = _run(run, [a for a in args if not a.startswith("--job.dump_folder")])  # plain torchrun-less rank
+        assert rank.returncode == 2 and f"data.path '{data}' changed" in rank.stderr, rank.stderr[-3000:]
+        allowed = _titanrl_run([*args, "--data.allow_changed=true"])
+        assert allowed.returncode == 0, allowed.stderr[-3000:]
+        notices = [line for line in allowed.stdout.splitlines() if "titanrl: notice:" in line]
+        assert len(notices) == 1 and "data.allow_changed = true" in notices[0], allowed.stdout[-3000:]
+        assert "resumed from" in allowed.stdout and "(step 2)" in allowed.stdout
+    finally:
+        data.write_text(original)
+
+
+@pytest.mark.parametrize(
+    "source, where, exception",
+    [
+        ("def reward(prompt, completion, metadata:\n    return 1.0\n", ":1", "SyntaxError: "),
+        ("import os\n\nSCALE = 1 / 0\n", ":3", "ZeroDivisionError: division by zero"),
+        ("import sys\n\nsys.exit('no GPU here')\n", ":3", "SystemExit: no GPU here"),
+    ],
+)
+def test_reward_module_failing_at_import_is_one_line(tmp_path, source, where, exception):
+    """Reward module with a SyntaxError, or raising ZeroDivisionError / SystemExit at import -> exit 2 and one stderr line with file:line and the exception (was: rc 1 and a 24-27-line traceback)"""
+    (tmp_path / "my_reward.py").write_text(source)
+    proc = _titanrl_run([f"--job.dump_folder={tmp_path / 'run'}", "--reward.function=my_reward:reward"], [tmp_path])
+    _one_error_line(proc, f"{tmp_path / 'my_reward.py'}{where}: {exception}", "reward.function 'my_reward:reward'")
+    if exception.startswith("ZeroDivisionError"):  # the same line from a rank started without the launcher
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}
+        rank = run_cmd(
+            train_cmd([*SMALL, f"--job.dump_folder={tmp_path / 'run'}", "--reward.function=my_reward:reward"]), env
+        )
+        assert rank.returncode == 2 and proc.stderr.strip() in rank.stderr.splitlines(), rank.stderr[-3000:]
+
+
+@pytest.mark.multirank
+def test_rank_user_error_is_one_line_on_two_ranks(tmp_path):
+    """data.on_long_prompt = 'error' with an over-long prompt on 2 ranks, found inside the ranks -> exit 2 and exactly one stderr line naming file:line (was: the line once per rank plus torchrun's 'failed (exitcode: 2)' line)"""
+    data = _write_rows(tmp_path / "prompts.jsonl", WORDS)
+    data.write_text(data.read_text() + json.dumps({"prompt": "x" * 2000, "answer": "y"}) + "\n")
+    args = [*RESUME, f"--data.path={data}", "--data.on_long_prompt=error", f"--job.dump_folder={tmp_path / 'run'}"]
+    proc = _titanrl_run(args, nproc=2)
+    proc.stderr = "\n".join(
+        line
+        for line in proc.stderr.splitlines()
+        if "DTensor random operators" not in line and "_rng_tracker" not in line
+    )
+    _one_error_line(proc, f"{data}:13: the encoded prompt has 2001 tokens")
+
+
+def test_resume_without_room_for_the_next_checkpoint_is_refused(checkpointed, tmp_path):
+    """Dump folder on a tmpfs with less free space than the checkpoint it resumes from -> exit 2 and one line saying 'no space left on device', naming the folder, before any rank starts"""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    size = sum(f.stat().st_size for f in (checkpointed["run"] / "checkpoint" / "step-2").iterdir())
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2}", "tmpfs", str(mount)]).returncode
+    ):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        run = mount / "run"
+        shutil.copytree(checkpointed["run"] / "checkpoint" / "step-2", run / "checkpoint" / "step-2")
+        args = [*RESUME, f"--data.path={checkpointed['data']}", f"--job.dump_folder={run}", "--training.steps=3"]
+        _one_error_line(_titanrl_run(args), "no space left on device", f"'{run}'")
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+def test_checkpoint_dtype_or_layer_count_mismatch_is_named(tmp_path):
+    """Checkpoint whose parameters are bfloat16 where the model keeps float32, or with a layer the model lacks -> ValueError naming the parameter and both dtypes / the extra parameter"""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanrl.components.launch import check_checkpoint_shapes
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.model import Transformer
+
+    args = get_model_args("debug")
+    deeper = dataclasses.replace(args, n_layers=args.n_layers + 1)
+    for name, model_args, dtype in (("bf16", args, torch.bfloat16), ("deeper", deeper, torch.float32)):
+        with torch.device("meta"):
+            sd = Transformer(model_args).state_dict()
+        state = {"model": {k: torch.zeros(v.shape, dtype=dtype) for k, v in sd.items()}}
+        dcp.save(state, checkpoint_id=str(tmp_path / name), no_dist=True)
+    check_checkpoint_shapes(str(tmp_path / "deeper"), deeper, None)  # its own model fits
+    with pytest.raises(
+        ValueError,
+        match=r"'model.tok_embeddings.weight' is \[264, 256\] bfloat16 in the checkpoint but \[264, 256\] float32",
+    ):
+        check_checkpoint_shapes(str(tmp_path / "bf16"), args, None)
+    with pytest.raises(ValueError, match=rf"the checkpoint's 'model.layers.{args.n_layers}.\S+' is not in the model"):
+        check_checkpoint_shapes(str(tmp_path / "deeper"), args, None)

@@ -6,16 +6,22 @@
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
 error (config, degrees, data, checkpoint or model paths, reward function, a dump folder in use)
-is one line on stderr and exit code 2, before any rank starts. A run stopped by SIGTERM / SIGUSR1
+is one line on stderr and exit code 2, before any rank starts; so is a checkpoint to resume from
+whose parameters do not fit the model, that the dump folder has no room to save again, or whose
+data file has changed (`titanrl.data.provenance`). A user error that only a rank finds is printed
+once, by this launcher. A run stopped by SIGTERM / SIGUSR1
 that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
 """
 
+import dataclasses
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING
 
@@ -93,8 +99,8 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     p = config.parallelism
     if ranks is not None:
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks)
-    get_recipe(config.job.recipe).load_data(config)
-    launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
+    data = get_recipe(config.job.recipe).load_data(config)
+    args = launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
     if config.distillation.teacher_hf_checkpoint:
         read_hf_config(config.distillation.teacher_hf_checkpoint)  # the teacher's folder exists and parses
     path = config.checkpoint.load_path.rstrip("/")
@@ -103,11 +109,37 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     if config.job.recipe == "rl" and config.reward.function:
         load_object(config.reward.function, "reward.function")
     if config.job.recipe == "rl" and config.env.name:
+        if ":" in config.env.name:
+            load_object(config.env.name, "env.name")  # a module that fails at import: one line naming file:line
         resolve_env(config.env.name)
     for suite in config.eval:
         suite_reward(suite, config)  # each [[eval]] suite's scorer imports
     launch.check_dump_folder_free(config.job.dump_folder)
+    check_resume(config, args, data)
     return config
+
+
+def check_resume(config: "JobConfig", args, data) -> None:
+    """The checkpoint the ranks will resume from, if any, fits: its parameters' shapes and dtypes
+    are the model's, the dump folder has room for the next save, and its data is this run's
+    (`data`: the recipe's rows)."""
+    import torch
+
+    from titanrl.components import launch
+    from titanrl.data.provenance import SOURCES_KEY, check_sources, sources_in
+
+    path = launch.checkpoint_to_load(config)
+    if path is None:
+        return
+    if config.job.recipe == "reward_model":
+        args = dataclasses.replace(args, num_labels=1)
+    launch.check_checkpoint_shapes(path, args, config.lora if config.lora.enable else None)
+    launch.check_free_space(config, path)
+    try:  # weights_only: reading a checkpoint never runs code; a host state it cannot read is left to the ranks
+        loader = torch.load(os.path.join(path, "host_rank0.pt"), weights_only=True)["loader"]
+    except Exception:
+        return
+    check_sources(loader.get(SOURCES_KEY), sources_in(data), notify=False)
 
 
 def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, module: str = "titanrl.train") -> int:
@@ -116,10 +148,13 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from titanrl.components.launch import STOPPED_FILE
+    from titanrl.components.launch import ERROR_DIR_ENV, STOPPED_FILE
 
     started = time.time()
     args = get_args_parser().parse_args([*opts, "-m", module, *config_args])
+    errors = tempfile.TemporaryDirectory(prefix="titanrl-errors-")
+    quiet = quiet_user_errors(errors.name)
+    os.environ[ERROR_DIR_ENV] = errors.name  # the ranks inherit it: they leave their user error there
     try:
         run(args)
         return 0
@@ -138,7 +173,10 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        # A rank's user error (2) or the watchdog (3) has already printed its one line.
+        # A user error, also one a rank left while another rank failed first in another way.
+        if failure.exitcode == 2 or os.listdir(errors.name):
+            print(rank_error(errors.name, rank), file=sys.stderr, flush=True)
+        # The watchdog (3) has already printed its one line.
         if failure.exitcode not in (2, 3):
             print(
                 f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)",
@@ -146,6 +184,44 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
                 flush=True,
             )
         return failure.exitcode if failure.exitcode in (2, 3) else 1
+    finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeFilter(quiet)
+        errors.cleanup()
+
+
+def rank_error(folder: str, rank: int) -> str:
+    """The user error line that rank `rank` (else any rank) left in `folder` (`launch.report_user_error`)."""
+    names = [f"rank{rank}.txt", *sorted(os.listdir(folder))]
+    for name in names:
+        if os.path.exists(os.path.join(folder, name)):
+            with open(os.path.join(folder, name)) as f:
+                return f.read().strip()
+    return f"titanrl: error: rank {rank} stopped on a user error (exit code 2) without naming it"
+
+
+class _UserErrorFilter(logging.Filter):
+    """Drops torchrun's 'failed (exitcode: 2|3)' log line: a user error (2) or the watchdog (3)
+    is already one line of its own, and this one only added the rank's pid and python binary.
+    Once a rank has reported a user error (a file in `folder`), also its 'Sending process N
+    closing signal SIGTERM' lines for the ranks it stops."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "failed (exitcode: 2)" in message or "failed (exitcode: 3)" in message:
+            return False
+        return not ("closing signal" in message and os.path.isdir(self.folder) and os.listdir(self.folder))
+
+
+def quiet_user_errors(folder: str) -> _UserErrorFilter:
+    """Filter torchrun's own log lines about a rank's user error (`remove` it after the run)."""
+    found = _UserErrorFilter(folder)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(found)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ import fcntl
 import gc
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -17,13 +18,19 @@ from typing import IO
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanrl.components.checkpoint import CheckpointManager
 from titanrl.components.compile_cache import use_compile_cache
 from titanrl.config import JobConfig, help_text, load_config, to_toml
+from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.distributed import ParallelDims, device_type, init_distributed, set_determinism
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import read_hf_config
+from titanrl.models.lora import add_lora, is_lora_key
+from titanrl.models.model import Transformer
 
 
 def parse_args(argv: list[str] | None) -> JobConfig | None:
@@ -179,6 +186,105 @@ def run(main: Callable[[], object]) -> None:
     try:
         main()
     except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        report_user_error(e)
         sys.exit(2)
     gc.collect()
+
+
+ERROR_DIR_ENV = "TITANRL_ERROR_DIR"
+"""Set by `titanrl run`: the folder where a rank leaves its user error for the launcher to print."""
+
+
+def report_user_error(error: ValueError) -> None:
+    """The one line `titanrl: error: <message>` on stderr. Under `titanrl run` the rank writes it
+    to `$TITANRL_ERROR_DIR/rank<N>.txt` instead and the launcher prints the failed rank's line
+    once: every rank of a job usually fails the same way, and N ranks printed N copies."""
+    line = "titanrl: error: " + " ".join(str(error).splitlines())
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
+            f.write(line + "\n")
+        return
+    print(line, file=sys.stderr, flush=True)
+
+
+# ---- pre-flight of the checkpoint a run resumes from (`titanrl run`, before any rank starts) ----
+
+
+def checkpoint_to_load(config: JobConfig) -> str | None:
+    """The step-N folder the ranks will resume from: checkpoint.load_path, else the latest
+    complete checkpoint under the dump folder; None for a fresh run."""
+    ckpt = config.checkpoint
+    if not ckpt.enable:
+        return None
+    if ckpt.load_path:
+        return ckpt.load_path.rstrip("/")
+    manager = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k)
+    steps = manager.complete_steps()
+    return manager.step_dir(steps[-1]) if steps else None
+
+
+def check_checkpoint_shapes(path: str, args: TransformerModelArgs, lora: LoRAConfig | None) -> None:
+    """Compare the shape and dtype of every model parameter in the checkpoint's DCP metadata with
+    the model the config builds (on the meta device: no memory, no rank); ValueError naming the
+    first parameter that differs. A LoRA run saves and loads its adapters only, so only those
+    must be there. Unreadable metadata is left to the ranks, which fall back to an older one."""
+    try:
+        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:
+        return
+    with torch.device("meta"):
+        model = Transformer(args)
+        if lora is not None:
+            add_lora(model, lora)
+    expected = {f"model.{k}": v for k, v in model.state_dict().items()}
+    saved = {k: v for k, v in saved.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    fix = (
+        "point checkpoint.load_path at a checkpoint of this model, set model.flavor / model.hf_checkpoint "
+        "to the checkpoint's model, or start a fresh run in another --job.dump_folder"
+    )
+    for key, tensor in expected.items():
+        was = _shape(saved[key].size, saved[key].properties.dtype) if key in saved else None
+        now = _shape(tensor.shape, tensor.dtype)
+        if was is not None and was != now:
+            raise ValueError(
+                f"checkpoint '{path}' does not fit the model: '{key}' is {was} in the checkpoint but {now} "
+                f"in the model ({describe_model(args)}); {fix}"
+            )
+    heads = {"model.output.weight", "model.score.weight"}  # a reward model's head replaces the LM head
+    loaded = [k for k in expected if k not in heads and (lora is None or is_lora_key(k))]
+    odd = [f"'{k}' is not in the checkpoint" for k in loaded if k not in saved]
+    odd += [f"the checkpoint's '{k}' is not in the model" for k in saved if k not in expected and k not in heads]
+    if odd:
+        more = f" ({len(odd) - 1} more)" if len(odd) > 1 else ""
+        raise ValueError(f"checkpoint '{path}' does not fit the model ({describe_model(args)}): {odd[0]}{more}; {fix}")
+
+
+def _shape(size, dtype: torch.dtype) -> str:
+    return f"{list(size)} {str(dtype).removeprefix('torch.')}"
+
+
+def describe_model(args: TransformerModelArgs) -> str:
+    return f"dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}"
+
+
+def check_free_space(config: JobConfig, path: str) -> None:
+    """ValueError when the dump folder's file system has less free space than the checkpoint the
+    run resumes from takes: the next save (written whole before an older one is removed) could
+    not fit, and the run would fail there after training that long."""
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    folder = os.path.abspath(config.job.dump_folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder).free
+    if free < size:
+        raise ValueError(
+            f"no space left on device for the next checkpoint: the file system of job.dump_folder "
+            f"'{config.job.dump_folder}' has {_mib(free)} free, less than the {_mib(size)} of the checkpoint "
+            f"'{path}' this run resumes from; free disk space, lower checkpoint.keep_latest_k, or point "
+            "job.dump_folder at a larger disk"
+        )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

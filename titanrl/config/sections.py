@@ -264,6 +264,11 @@ class Data:
     """Held-out prompts used by the periodic greedy evaluation (with `path`: the file's first
     rows, which are then not trained on)."""
 
+    allow_changed: bool = False
+    """Resume even if `path` is not the data the checkpoint was trained on. A checkpoint records
+    each data file's path, size and a hash of the rows read; a resume on other rows stops with
+    an error naming the file, unless this is true (then a notice is printed)."""
+
     def validate(self) -> None:
         if self.task == "jsonl":
             raise ValueError(

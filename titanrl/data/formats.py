@@ -24,8 +24,9 @@ import math
 import os
 import shlex
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from titanrl.data.provenance import DataSource
 from titanrl.data.tasks import Sample
 
 DATA_EXTRA = 'pip install -e ".[data]"'
@@ -297,6 +298,9 @@ class RowSample(Sample):
 
     where: str = ""
     """`file:line` (JSONL, 1-based) or `file row i` (Parquet, Arrow, datasets folders; 0-based)."""
+
+    source: DataSource | None = field(default=None, repr=False, compare=False)
+    """The file it was read from (`titanrl.data.provenance`), recorded in checkpoints."""
 
 
 def sample_where(sample: Sample, index: int) -> str:

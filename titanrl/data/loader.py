@@ -34,7 +34,7 @@ def load_data(config: JobConfig, kind: DataKind, tasks: dict[str, Callable[[], T
     chosen / rejected pairs). `tasks` is the registry `data.task` is looked up in."""
     data, n_eval, seed = config.data, config.data.num_eval_samples, config.job.seed
     if data.path:
-        rows = load_preferences(data.path) if kind == "preferences" else samples_from_config(data)
+        rows = load_preferences(data.path, data.allow_changed) if kind == "preferences" else samples_from_config(data)
         train, held_out = held_out_split(rows, n_eval)
         return DataSplit(NumericMath(), train, held_out)
     task = build_task(data.task, tasks)

@@ -4,9 +4,10 @@ from an embedded task (the task's solution is chosen, a corrupted copy of it is 
 that the offline recipes run with no data files."""
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from titanrl.data.formats import check_unicode, read_rows, shown
+from titanrl.data.provenance import DataSource, hashed_rows, new_source
 from titanrl.data.tasks import Task
 
 PAIR_KEYS = ("prompt", "chosen", "rejected")
@@ -20,12 +21,16 @@ class PreferencePair:
     where: str = ""
     """`file:line` or `file row i` of a pair read from a file, for errors found after loading."""
 
+    source: DataSource | None = field(default=None, repr=False, compare=False)
+    """The file it was read from (`titanrl.data.provenance`), recorded in checkpoints."""
 
-def load_preferences(path: str) -> list[PreferencePair]:
+
+def load_preferences(path: str, allow_changed: bool = False) -> list[PreferencePair]:
     """Rows {"prompt": str, "chosen": str, "rejected": str}; a malformed row is an error naming
-    the file, the line (or row) and the column."""
-    pairs = []
-    for where, row in read_rows(path):
+    the file, the line (or row) and the column. Each pair keeps its file's identity (`source`);
+    `allow_changed` is data.allow_changed."""
+    pairs, source = [], new_source(path, allow_changed)
+    for where, row in hashed_rows(read_rows(path), source):
         for key in PAIR_KEYS:
             value = row.get(key)
             if not isinstance(value, str) or not value.strip():
@@ -37,7 +42,7 @@ def load_preferences(path: str) -> list[PreferencePair]:
             check_unicode(value, where, f"'{key}'")
         if row["chosen"] == row["rejected"]:
             raise ValueError(f"{where}: 'chosen' and 'rejected' are identical")
-        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"], where))
+        pairs.append(PreferencePair(row["prompt"], row["chosen"], row["rejected"], where, source))
     if not pairs:
         raise ValueError(f"data.path '{path}' has no rows")
     return pairs

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torchdata.nodes as tn
 
 from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
+from titanrl.data.provenance import ProvenanceLoader, hashed_rows, new_source, sources_in
 from titanrl.data.tasks import Sample, Task
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def build_prompt_loader(stream, global_batch: int, dp_rank: int, dp_size: int) -
     node = tn.IterableWrapper(stream)
     node = tn.Batcher(node, batch_size=global_batch)
     node = tn.Mapper(node, lambda batch: batch[dp_rank::dp_size])
-    return tn.Loader(node)
+    return ProvenanceLoader(node, sources_in(getattr(stream, "samples", [])))
 
 
 LISTED = 5
@@ -86,6 +87,7 @@ def load_samples(
     solution_key: str = "solution",
     max_prompt_chars: int = 0,
     on_long_prompt: str = "drop",
+    allow_changed: bool = False,
 ) -> list[Sample]:
     """The rows of a JSONL / Parquet file or a `datasets` save_to_disk folder as Samples (see
     `titanrl.data.formats`): a prompt string or message list, a string or numeric answer, other
@@ -95,14 +97,18 @@ def load_samples(
     Prompts longer than `max_prompt_chars` characters (0 = no limit; counted on `Sample.prompt`,
     the plain text, before any chat template) are dropped with a count printed naming the file
     and the first rows (`on_long_prompt='drop'`), or are an error naming the file and row ('error').
+    Each Sample keeps its file's identity (`source`, `titanrl.data.provenance`); `allow_changed`
+    is data.allow_changed.
     """
     if on_long_prompt not in ("drop", "error"):
         raise ValueError(f"on_long_prompt must be 'drop' or 'error', got {on_long_prompt!r}")
     schema = RowSchema(prompt_key, answer_key, solution_key)
     samples, dropped, total = [], [], 0
-    for where, row in read_rows(path):
+    source = new_source(path, allow_changed)
+    for where, row in hashed_rows(read_rows(path), source):
         total += 1
         sample = schema.to_sample(row, where)
+        sample.source = source
         if max_prompt_chars and len(sample.prompt) > max_prompt_chars:
             if on_long_prompt == "error":
                 raise ValueError(
@@ -140,6 +146,7 @@ def samples_from_config(data: "Data") -> list[Sample]:
         solution_key=data.solution_key,
         max_prompt_chars=data.max_prompt_chars,
         on_long_prompt=data.on_long_prompt,
+        allow_changed=data.allow_changed,
     )
 
 
