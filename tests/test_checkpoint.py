@@ -165,6 +165,24 @@ def test_bit_flip_in_the_only_checkpoint_stops_with_one_line(tmp_path, uninterru
     assert not (run / "hf").exists() and sorted(os.listdir(run / "checkpoint")) == ["step-4"]
 
 
+def test_preflight_picks_the_latest_checkpoint_that_passes_its_checksums(tmp_path, uninterrupted):
+    """Bytes flipped in the latest checkpoint, then in both -> `titanrl run`'s pre-flight picks step-2 (the one the ranks will load), then stops with one line naming each corrupt file"""
+    from titanrl.components.checkpoint_integrity import CheckpointCorrupt
+    from titanrl.components.launch import checkpoint_to_load
+    from titanrl.config import load_config
+
+    run = _copy_run(uninterrupted, tmp_path / "run")
+    config = load_config([*BASE, f"--job.dump_folder={run}"])
+    assert checkpoint_to_load(config) == str(run / "checkpoint" / "step-4")
+    flip(kind_file(run / "checkpoint" / "step-4", "shard"))
+    assert checkpoint_to_load(config) == str(run / "checkpoint" / "step-2")
+    flip(kind_file(run / "checkpoint" / "step-2", "host"))
+    with pytest.raises(CheckpointCorrupt) as e:
+        checkpoint_to_load(config)
+    message = str(e.value)
+    assert "\n" not in message and "step-4 is corrupt" in message and "step-2 is corrupt: host_rank0.pt" in message
+
+
 def test_load_path_with_host_state_that_would_run_code_is_refused(tmp_path, uninterrupted):
     """checkpoint.load_path to a checkpoint whose host state is a pickle calling os.system (manifest rewritten to match) -> exit 2 with one stderr line naming the file; the code never runs"""
     src = _copy_run(uninterrupted, tmp_path / "src")

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.checkpoint_integrity import CheckpointCorrupt, verify_checkpoint
 from titanrl.components.compile_cache import use_compile_cache
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
@@ -212,16 +213,33 @@ def report_user_error(error: ValueError) -> None:
 
 
 def checkpoint_to_load(config: JobConfig) -> str | None:
-    """The step-N folder the ranks will resume from: checkpoint.load_path, else the latest
-    complete checkpoint under the dump folder; None for a fresh run."""
+    """The step-N folder the ranks will resume from, its files checked against its checksum
+    manifest: checkpoint.load_path (`CheckpointCorrupt`, a ValueError, when it fails the check),
+    else the latest complete checkpoint under the dump folder that passes (the ranks skip a
+    failing one too, and say so in one line; `CheckpointCorrupt` when none passes); None for a
+    fresh run."""
     ckpt = config.checkpoint
     if not ckpt.enable:
         return None
     if ckpt.load_path:
-        return ckpt.load_path.rstrip("/")
+        path = ckpt.load_path.rstrip("/")
+        if os.path.isdir(path):
+            verify_checkpoint(path)
+        return path
     manager = CheckpointManager(os.path.join(config.job.dump_folder, ckpt.folder), ckpt.keep_latest_k)
-    steps = manager.complete_steps()
-    return manager.step_dir(steps[-1]) if steps else None
+    reasons = []
+    for step in reversed(manager.complete_steps()):
+        try:
+            verify_checkpoint(manager.step_dir(step))
+            return manager.step_dir(step)
+        except CheckpointCorrupt as e:
+            reasons.append(str(e))
+    if reasons:
+        raise CheckpointCorrupt(
+            f"no checkpoint in {manager.folder} passes its checksums ({'; '.join(reasons)}); set "
+            f"checkpoint.load_path to an intact step-N folder, or move {manager.folder} away to start a fresh run"
+        )
+    return None
 
 
 def check_checkpoint_shapes(path: str, args: TransformerModelArgs, lora: LoRAConfig | None) -> None:
