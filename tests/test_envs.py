@@ -3,11 +3,18 @@ through the real paged generator (scripted and random models), KV reuse across t
 failing environments isolated per episode."""
 
 import math
+import os
+import subprocess
+import sys
 
+import pytest
 import torch
+from helpers import contained_envs
+from helpers.launch import REPO_ROOT
 from helpers.reference import greedy_reference
 from torch import nn
 
+from titanrl.components.containment import probe
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.envs.base import parse_json_call, parse_tool_call
 from titanrl.envs.builtin import CalculatorEnv, CalculatorTask, GuessNumberEnv, GuessNumberTask, run_sandboxed
@@ -215,3 +222,113 @@ def test_failing_environments_end_only_their_episode():
         assert episode.reward == (1.0 if failed[i] is None else -1.0), (i, episode)
     assert pool.restarts == 1  # only the hung worker was replaced
     assert all(math.isfinite(lp) for c in completions for lp in c.logprobs)
+
+
+# ---- containment: nothing an environment starts outlives its worker ----
+
+CGROUPS = "cgroup" in probe()
+MODES = [pytest.param("cgroup", marks=pytest.mark.skipif(not CGROUPS, reason="no writable cgroup here")), "subreaper"]
+
+
+@pytest.fixture
+def pid_dir(tmp_path, monkeypatch, request):
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    monkeypatch.setenv("TITANRL_TEST_PID_DIR", str(folder))
+    if getattr(request, "param", "cgroup") == "subreaper":
+        monkeypatch.setenv("TITANRL_NO_CGROUPS", "1")
+    yield str(folder)
+    contained_envs.kill_leftovers(str(folder))
+
+
+def _run(pool, episode, op, payload):
+    """Send one call and wait for its result."""
+    getattr(pool, op)(episode, payload)
+    (result,) = pool.poll(block=True)
+    assert result.episode == episode
+    return result
+
+
+@pytest.mark.parametrize("pid_dir", MODES, indirect=True)
+def test_env_children_setsid_and_daemons_die_with_their_workers(pid_dir):
+    """Environment whose reset leaves a plain child, a `setsid` child and a double-forked daemon; its worker crashing, then hanging past env.timeout_s, then the pool closed -> 0 of them alive each time (cgroup: killed with the worker's cgroup; subreaper fallback: re-parented to the worker's keeper and killed from /proc)"""
+    pool = EnvPool("helpers.contained_envs:SpawningEnv", num_workers=2, timeout_s=2.0)
+    try:
+        for episode in range(4):  # episodes 0 and 2 on worker 0, 1 and 3 on worker 1
+            assert _run(pool, episode, "reset", {"prompt": "p"}).error is None
+        assert contained_envs.alive_when_settled(pid_dir, 12) == 12
+        assert _run(pool, 0, "step", "exit").error == "worker died"
+        assert contained_envs.alive_when_settled(pid_dir, 6) == 6  # worker 1's, still running
+        assert _run(pool, 1, "step", "hang").error == "timeout"
+        assert contained_envs.alive_when_settled(pid_dir, 0) == 0
+        assert pool.restarts == 2
+        for episode in (4, 5):  # on the replacements
+            assert _run(pool, episode, "reset", {"prompt": "p"}).error is None
+        assert contained_envs.alive_when_settled(pid_dir, 6) == 6
+        pool.close()
+        assert contained_envs.alive_when_settled(pid_dir, 0) == 0
+    finally:
+        pool.close()
+
+
+_RANK = (
+    "import sys; from titanrl.envs.pool import EnvPool\n"
+    "pool = EnvPool('helpers.contained_envs:SpawningEnv', num_workers=2)\n"
+    "for e in range(4): pool.reset(e, {'prompt': 'p'})\n"
+    "done = []\n"
+    "while len(done) < 4: done += pool.poll(block=True)\n"
+    "print([r.error for r in done], flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.mark.parametrize("pid_dir", MODES, indirect=True)
+def test_env_children_die_when_the_rank_is_sigkilled(pid_dir):
+    """A rank process SIGKILLed while its environments have left plain, `setsid` and double-forked `sleep`s running -> 0 of them alive within 10 s (the keepers' parent-death signal)"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout.readline().startswith("environment workers contained by")
+        assert rank.stdout.readline().strip() == "[None, None, None, None]"
+        assert contained_envs.alive_when_settled(pid_dir, 12) == 12
+        rank.kill()
+        rank.wait()
+        assert contained_envs.alive_when_settled(pid_dir, 0) == 0
+    finally:
+        rank.kill()
+        rank.wait()
+
+
+def test_leaking_environment_fails_only_the_episodes_over_the_limit():
+    """Environment keeping 100 MB more per step, memory_limit_mb = 250, episodes one after another on one worker while an earlier episode stays open -> only every third episode fails ('memory: MemoryError'); its worker is retired (a fresh one takes new episodes), so what it leaked fails no later episode, and the open episode finishes on it"""
+    pool = EnvPool("helpers.contained_envs:LeakyEnv", num_workers=1, memory_limit_mb=250)
+    try:
+        assert _run(pool, 0, "reset", {"prompt": "p"}).error is None  # stays open on the first worker
+        failed = []
+        for episode in range(1, 7):
+            assert _run(pool, episode, "reset", {"prompt": "p"}).error is None
+            result = _run(pool, episode, "step", "100")
+            failed.append(result.error)
+            if result.error is None:
+                pool.close_episode(episode)
+        assert [f and f.split(":")[0] for f in failed] == [None, None, "memory"] * 2, failed
+        assert "MemoryError" in failed[2]
+        assert _run(pool, 0, "step", "0").error is None  # the retired worker finished what it held
+        assert pool.restarts == 2
+    finally:
+        pool.close()
+
+
+@pytest.mark.skipif("memory" not in probe(), reason="no cgroup memory controller here")
+def test_env_worker_tree_over_its_memory_limit_is_killed_and_replaced():
+    """Environment whose step has a child hold 90 MB while the worker takes 270 MB, memory_limit_mb = 300 (each under its own address-space limit, the tree over its cgroup's memory limit) -> the kernel kills the worker; that episode fails ('memory: ...', not 'worker died'), a fresh worker runs the next"""
+    pool = EnvPool("helpers.contained_envs:TreeHogEnv", num_workers=1, memory_limit_mb=300, timeout_s=60.0)
+    try:
+        assert _run(pool, 0, "reset", {"prompt": "p"}).error is None
+        assert _run(pool, 0, "step", "270 90").error.startswith("memory: the worker crossed its memory limit")
+        assert _run(pool, 1, "reset", {"prompt": "p"}).error is None
+        assert _run(pool, 1, "step", "10 10").error is None
+    finally:
+        pool.close()

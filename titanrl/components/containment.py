@@ -274,10 +274,10 @@ def kill_descendants(pid: int) -> None:
 # ---- the keeper ----
 
 
-def spawn_contained(target: str, fds: tuple[int, ...], output: int, root: str) -> subprocess.Popen:
+def spawn_contained(target: str, fds: tuple[int, ...], output: int | None, root: str) -> subprocess.Popen:
     """Start a keeper that runs `target` ('module:function', called with `fds`) in a contained
-    worker; stdout and stderr of both go to `output`. The keeper leads its own session: the
-    trainer's terminal and process-group signals are not the worker's."""
+    worker; stdout and stderr of both go to `output` (None: this process's). The keeper leads its
+    own session: the trainer's terminal and process-group signals are not the worker's."""
     code = (
         f"import sys; sys.path.insert(0, {root!r}); from titanrl.components.containment import keeper_main; "
         f"keeper_main({os.getpid()}, {target!r}, {tuple(fds)!r})"

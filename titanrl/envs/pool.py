@@ -1,24 +1,34 @@
 """Environment episodes in worker processes: asynchronous reset / step with a timeout.
 
 Each episode lives in one worker (its state is there); calls are sent without waiting and their
-results collected by `poll`, so the generator keeps decoding other samples meanwhile. Isolation
-is the reward runner's (`titanrl/components/workers.py: init_worker`): a per-worker address-space limit,
-death with the trainer. A call that raises, returns garbage or runs past the timeout fails
-*its episode* (recorded, never raised); a hung or dead worker is killed and replaced, failing
-the episodes it held.
+results collected by `poll`, so the generator keeps decoding other samples meanwhile. Workers are
+contained as reward workers are (`titanrl/components/containment.py`): each is the child of a
+keeper that kills everything the environment's code started, `setsid` children and daemons
+included, when the worker ends, is replaced, or the trainer dies; a per-worker address-space
+limit (`titanrl/components/workers.py: init_worker`) and, with a cgroup, a memory limit on its
+whole tree. A call that raises, returns garbage or runs past the timeout fails *its episode*
+(recorded, never raised); a hung or dead worker is killed and replaced, failing the episodes it
+held. A worker that raised MemoryError is retired: its episode fails ('memory: ...'), new
+episodes go to a fresh worker, and the episodes it still holds finish on it before it is stopped.
 """
 
 import importlib
-import multiprocessing as mp
+import os
+import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from titanrl.components.containment import OOM_EXIT_CODE, probe, spawn_contained, stop_contained
 from titanrl.components.workers import init_worker
 from titanrl.envs.base import StepResult
 from titanrl.envs.builtin import ENVS
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OVER_MEMORY = "memory: the worker crossed its memory limit (reward.memory_limit_mb) and was killed"
 
 
 def resolve_env(spec: str) -> type:
@@ -34,28 +44,75 @@ def resolve_env(spec: str) -> type:
         ) from None
 
 
-def _worker_main(conn: Connection, spec: str, kwargs: dict, memory_limit_mb: int) -> None:
-    init_worker(memory_limit_mb)
-    cls = resolve_env(spec)
+def _call(envs: dict[int, Any], cls: type, kwargs: dict, op: str, eid: int, payload: Any) -> tuple | None:
+    """Run one request on the worker's episodes: (eid, kind, value) to send back, or None."""
+    try:
+        if op == "reset":
+            envs[eid] = cls(**kwargs)
+            return eid, "ok", envs[eid].reset(payload)
+        if op == "step":
+            return eid, "ok", envs[eid].step(payload)
+        envs.pop(eid, None)  # "close"
+        return None
+    except MemoryError as e:  # what the code holds may fail every later call: the worker is retired
+        envs.pop(eid, None)
+        return eid, "memory", f"MemoryError: {e}"
+    except BaseException as e:  # noqa: BLE001 - any failure of user code ends only its episode
+        envs.pop(eid, None)
+        return eid, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"[:2000]
+
+
+def env_worker_main(fd: int) -> None:
+    """The environment worker (run by its keeper): requests and results on the socket `fd`."""
+    conn = Connection(fd)
+    init = conn.recv()
+    sys.path[:] = init["sys_path"]
+    cls = resolve_env(init["spec"])
+    init_worker(init["memory_limit_mb"])  # after the import: the limit is what the env may allocate
+    me = os.getpid()
     envs: dict[int, Any] = {}
     while True:
         try:
             op, eid, payload = conn.recv()
         except EOFError:
             return
+        reply = _call(envs, cls, init["kwargs"], op, eid, payload)
+        if os.getpid() != me:  # a process the env's code forked came back here: it must not answer
+            os._exit(0)
+        if reply is not None:
+            conn.send(reply)
+
+
+class _Worker:
+    """The trainer's handle on one environment worker: its keeper and its end of the socket."""
+
+    def __init__(self, init: dict) -> None:
+        parent, child = socket.socketpair()
         try:
-            if op == "reset":
-                envs[eid] = cls(**kwargs)
-                result = envs[eid].reset(payload)
-            elif op == "step":
-                result = envs[eid].step(payload)
-            else:  # "close"
-                envs.pop(eid, None)
-                continue
-            conn.send((eid, True, result))
-        except BaseException as e:  # noqa: BLE001 - any failure of user code ends only its episode
-            envs.pop(eid, None)
-            conn.send((eid, False, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"[:2000]))
+            self.proc = spawn_contained("titanrl.envs.pool:env_worker_main", (child.fileno(),), None, _ROOT)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send(init)
+
+    def stop(self) -> int:
+        """Kill it and everything it started; its exit status (OOM_EXIT_CODE: killed for memory)."""
+        self.conn.close()
+        return stop_contained(self.proc)
+
+
+_LOGGED = False
+
+
+def _log_containment() -> None:
+    """Say once per process how environment workers are contained on this machine."""
+    global _LOGGED
+    if not _LOGGED:
+        _LOGGED = True
+        print(f"environment workers contained by {probe()}", flush=True)
 
 
 @dataclass
@@ -65,7 +122,8 @@ class EnvResult:
     value: str | StepResult | None
     """reset: the first observation; step: a validated StepResult; None if failed."""
     error: str | None = None
-    """'error: ...', 'timeout', 'invalid: ...' or 'worker died' when the call failed."""
+    """'error: ...', 'memory: ...', 'timeout', 'invalid: ...', 'worker died' or 'worker restarted'
+    when the call failed."""
 
 
 def validate_step(out: Any) -> StepResult:
@@ -98,35 +156,30 @@ class EnvPool:
         memory_limit_mb: int = 2048,
     ) -> None:
         resolve_env(spec)  # a bad name fails here, in the trainer, with a clear message
-        self.spec, self.kwargs = spec, kwargs or {}
-        self.timeout_s, self.memory_limit_mb = timeout_s, memory_limit_mb
-        self._ctx = mp.get_context("spawn")
-        self._workers: list[tuple[mp.Process, Connection] | None] = [None] * num_workers
-        self._home: dict[int, int] = {}  # episode -> worker index
+        self.timeout_s = timeout_s
+        self._init = {
+            "spec": spec,
+            "kwargs": kwargs or {},
+            "memory_limit_mb": memory_limit_mb,
+            "sys_path": list(sys.path),
+        }
+        _log_containment()
+        self._workers: list[_Worker] = [_Worker(self._init) for _ in range(num_workers)]
+        self._retiring: list[_Worker] = []  # raised MemoryError: they finish the episodes they hold
+        self._home: dict[int, _Worker] = {}  # episode -> its worker
         self._pending: dict[int, tuple[str, float]] = {}  # episode -> (op, deadline)
         self._ready: list[EnvResult] = []
         self.restarts = 0
-        for i in range(num_workers):
-            self._start(i)
-
-    def _start(self, i: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(
-            target=_worker_main, args=(child, self.spec, self.kwargs, self.memory_limit_mb), daemon=True
-        )
-        proc.start()
-        child.close()
-        self._workers[i] = (proc, parent)
 
     def _send(self, episode: int, op: str, payload: Any) -> None:
         if op == "reset":
-            self._home[episode] = episode % len(self._workers)
+            self._home[episode] = self._workers[episode % len(self._workers)]
         home = self._home.get(episode)
         if home is None:  # its worker was replaced: the state is gone
             self._ready.append(EnvResult(episode, op, None, "worker died"))
             return
         try:
-            self._workers[home][1].send((op, episode, payload))
+            home.conn.send((op, episode, payload))
         except (BrokenPipeError, OSError):
             self._restart(home, "worker died")
             self._ready.append(EnvResult(episode, op, None, "worker died"))
@@ -143,74 +196,90 @@ class EnvPool:
         home = self._home.pop(episode, None)
         if home is not None:
             try:
-                self._workers[home][1].send(("close", episode, None))
+                home.conn.send(("close", episode, None))
             except (BrokenPipeError, OSError):
                 pass
+        self._stop_idle_retired()
 
-    def _restart(self, i: int, reason: str, culprit: int | None = None) -> None:
-        """Replace worker i; its pending calls fail (`reason` for `culprit`, else 'worker
-        restarted') and its other episodes lose their state."""
-        proc, conn = self._workers[i]
-        proc.kill()
-        proc.join(timeout=5)
-        conn.close()
+    def _restart(self, w: _Worker, reason: str, culprit: int | None = None) -> None:
+        """Replace worker `w`; its pending calls fail (`reason` for `culprit`, else 'worker
+        restarted'; the worker's own memory-limit kill for all) and its other episodes lose their state."""
+        if w.stop() == OOM_EXIT_CODE:
+            reason, culprit = _OVER_MEMORY, None
         self.restarts += 1
         for episode, home in list(self._home.items()):
-            if home == i:
+            if home is w:
                 del self._home[episode]
                 if episode in self._pending:
                     op, _ = self._pending.pop(episode)
                     why = reason if culprit is None or episode == culprit else "worker restarted"
                     self._ready.append(EnvResult(episode, op, None, why))
-        self._start(i)
+        if w in self._retiring:
+            self._retiring.remove(w)
+        else:
+            self._workers[self._workers.index(w)] = _Worker(self._init)
+
+    def _retire(self, w: _Worker) -> None:
+        """A fresh worker takes `w`'s slot; `w` serves the episodes it holds until they end."""
+        if w in self._workers:
+            self._workers[self._workers.index(w)] = _Worker(self._init)
+            self._retiring.append(w)
+            self.restarts += 1
+
+    def _stop_idle_retired(self) -> None:
+        for w in [w for w in self._retiring if w not in self._home.values()]:
+            self._retiring.remove(w)
+            w.stop()
 
     def poll(self, block: bool) -> list[EnvResult]:
         """Results of finished calls; with `block`, wait until at least one (or a timeout)."""
         while True:
-            conns = {self._workers[i][1]: i for i in range(len(self._workers))}
-            now = time.monotonic()
+            conns = {w.conn: w for w in self._workers + self._retiring}
             wait_s = 0.0
             if block and not self._ready and self._pending:
-                wait_s = max(0.0, min(d for _, d in self._pending.values()) - now)
-            messages = []
+                wait_s = max(0.0, min(d for _, d in self._pending.values()) - time.monotonic())
             for conn in wait(list(conns), timeout=wait_s):
                 try:
                     while True:  # drain: several episodes' results may be queued on one worker
-                        messages.append(conn.recv())
+                        self._receive(conns[conn], *conn.recv())
                         if not conn.poll():
                             break
                 except (EOFError, OSError):
                     self._restart(conns[conn], "worker died")
-            for episode, ok, value in messages:
-                if episode not in self._pending:
-                    continue
-                op, _ = self._pending.pop(episode)
-                if not ok:
-                    self._ready.append(EnvResult(episode, op, None, "error: " + value.splitlines()[0]))
-                    continue
-                if op == "step":
-                    try:
-                        value = validate_step(value)
-                    except ValueError as e:
-                        self._ready.append(EnvResult(episode, op, None, f"invalid: {e}"))
-                        continue
-                elif not isinstance(value, str) or not value:
-                    self._ready.append(EnvResult(episode, op, None, "invalid: reset() must return a non-empty str"))
-                    continue
-                self._ready.append(EnvResult(episode, op, value))
             now = time.monotonic()
             for episode, (_op, deadline) in list(self._pending.items()):
                 if now >= deadline and episode in self._pending:
                     # A call past its deadline: its worker is stuck; replace it.
                     self._restart(self._home[episode], "timeout", culprit=episode)
+            self._stop_idle_retired()
             if self._ready or not block or not self._pending:
                 out, self._ready = self._ready, []
                 return out
 
+    def _receive(self, w: _Worker, episode: int, kind: str, value: Any) -> None:
+        """A worker's answer to a call: checked and queued as that episode's result."""
+        if episode not in self._pending:
+            return
+        op, _ = self._pending.pop(episode)
+        if kind != "ok":  # the worker dropped the episode's state
+            self._home.pop(episode, None)
+            if kind == "memory":
+                self._retire(w)
+            self._ready.append(EnvResult(episode, op, None, f"{kind}: " + value.splitlines()[0]))
+            return
+        if op == "step":
+            try:
+                value = validate_step(value)
+            except ValueError as e:
+                self._ready.append(EnvResult(episode, op, None, f"invalid: {e}"))
+                return
+        elif not isinstance(value, str) or not value:
+            self._ready.append(EnvResult(episode, op, None, "invalid: reset() must return a non-empty str"))
+            return
+        self._ready.append(EnvResult(episode, op, value))
+
     def close(self) -> None:
-        for entry in self._workers:
-            if entry is not None:
-                proc, conn = entry
-                conn.close()
-                proc.kill()
-                proc.join(timeout=5)
+        """Kill every worker and whatever its environment started."""
+        for w in self._workers + self._retiring:
+            w.stop()
+        self._workers, self._retiring = [], []
