@@ -332,3 +332,18 @@ def test_env_worker_tree_over_its_memory_limit_is_killed_and_replaced():
         assert _run(pool, 1, "step", "10 10").error is None
     finally:
         pool.close()
+
+
+def test_env_module_failing_at_import_is_one_line_with_file_and_line(tmp_path, monkeypatch):
+    """env.name 'module:Class' whose module has a SyntaxError or raises at import -> ValueError of one line naming env.name, the file:line and the exception"""
+    from titanrl.envs.pool import resolve_env
+
+    (tmp_path / "broken_env_syntax.py").write_text("class Env:\n    def reset(self\n")
+    (tmp_path / "broken_env_raises.py").write_text("x = 1\nraise RuntimeError('no sandbox here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module, line, kind in (("broken_env_syntax", 2, "SyntaxError"), ("broken_env_raises", 2, "RuntimeError")):
+        with pytest.raises(ValueError) as e:
+            resolve_env(f"{module}:Env")
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"env.name '{module}:Env'")
+        assert f"{module}.py:{line}: {kind}" in message

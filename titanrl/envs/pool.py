@@ -12,7 +12,6 @@ held. A worker that raised MemoryError is retired: its episode fails ('memory: .
 episodes go to a fresh worker, and the episodes it still holds finish on it before it is stopped.
 """
 
-import importlib
 import os
 import socket
 import sys
@@ -23,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from titanrl.components.containment import OOM_EXIT_CODE, probe, spawn_contained, stop_contained
+from titanrl.components.plugins import load_object
 from titanrl.components.workers import init_worker
 from titanrl.envs.base import StepResult
 from titanrl.envs.builtin import ENVS
@@ -32,16 +32,13 @@ _OVER_MEMORY = "memory: the worker crossed its memory limit (reward.memory_limit
 
 
 def resolve_env(spec: str) -> type:
-    """A built-in env name or 'module:Class'."""
+    """A built-in env name or 'module:Class' (a module failing at import is one line naming its
+    file:line, as for reward functions)."""
     if spec in ENVS:
         return ENVS[spec]
-    module_name, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(
-            f"env.name '{spec}' is neither a built-in env ({', '.join(ENVS)}) nor an importable 'module:Class' ({e})"
-        ) from None
+    if ":" not in spec:
+        raise ValueError(f"env.name '{spec}' is neither a built-in env ({', '.join(ENVS)}) nor a 'module:Class'")
+    return load_object(spec, "env.name")
 
 
 def _call(envs: dict[int, Any], cls: type, kwargs: dict, op: str, eid: int, payload: Any) -> tuple | None:
