@@ -223,3 +223,23 @@ def test_tmpfs_too_small_says_no_space_left(small_tmpfs, async_mode):
     assert manager.load_latest({"model": fresh}, {"model": fresh_optimizer})[0] == 1
     assert all(torch.equal(v, at_step_1[k]) for k, v in fresh.state_dict().items())
     shutil.rmtree(folder)
+
+
+def test_optimizer_saved_before_its_first_step_resumes_fresh(tmp_path):
+    """A checkpoint of an optimizer that never stepped though its parameters have gradients (PPO's policy during the critic warm-up) -> loads: that optimizer stays without state, as it was, and the next step equals the uninterrupted run's"""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()  # gradients, no step: DCP leaves the state empty
+    manager = CheckpointManager(str(tmp_path), keep_latest_k=0)
+    _save(manager, 1, model, optimizer)
+    resumed = nn.Linear(8, 4)
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    manager.load(manager.step_dir(1), {"model": resumed}, {"model": resumed_optimizer})
+    assert not resumed_optimizer.state
+    x = torch.randn(4, 8)
+    for m, opt in ((model, optimizer), (resumed, resumed_optimizer)):
+        opt.zero_grad()
+        m(x).square().mean().backward()
+        opt.step()
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in model.state_dict().items())

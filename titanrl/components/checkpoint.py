@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -317,6 +318,7 @@ class CheckpointManager:
         `CheckpointCorrupt` on every rank if either fails), then load it; returns the host state."""
         host_file = self._verify(path, log)
         host = self._host_state(path, host_file)
+        optimizers = _with_saved_state(path, optimizers)
         state = _state(models, optimizers)
         dcp.load(state, checkpoint_id=path)
         for name, model in models.items():
@@ -405,6 +407,17 @@ def _state(models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optim
     for name, optimizer in optimizers.items():
         state[_optimizer_key(name)] = get_optimizer_state_dict(models[name], optimizer)
     return state
+
+
+def _with_saved_state(path: str, optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, torch.optim.Optimizer]:
+    """The optimizers whose state the checkpoint holds. One saved before its first step (PPO's
+    policy while the critic warms up: gradients, no step) has none; it stays fresh here too, as
+    it was then. (Asking DCP for its state dict would initialise it, and the load would look
+    for state the checkpoint never had.)"""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    prefixes = {f"{_optimizer_key(name)}.state." for name in optimizers}
+    found = {prefix for key in saved for prefix in prefixes if key.startswith(prefix)}
+    return {name: opt for name, opt in optimizers.items() if f"{_optimizer_key(name)}.state." in found}
 
 
 def _check_finite(name: str, model: nn.Module) -> None:
