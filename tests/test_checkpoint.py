@@ -6,9 +6,9 @@ import shutil
 import sys
 
 import pytest
+from helpers.checkpoint_faults import flip, kind_file, plant_code
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from safetensors.torch import load_file
-from test_checkpoint_integrity import flip, kind_file, plant_code
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 BASE = [
