@@ -93,7 +93,9 @@ def batch_invariant_mode() -> TorchDispatchMode:
 
 def in_batch_invariant_mode() -> bool:
     """Whether a `batch_invariant_mode()` is active: ops it does not cover (grouped GEMMs) must
-    then take a path made of the ops it does."""
+    then take a path made of the ops it does. The mode runs eagerly only, never under compile."""
+    if torch.compiler.is_compiling():
+        return False
     return any(isinstance(m, _BatchInvariantMode) for m in _get_current_dispatch_mode_stack())
 
 

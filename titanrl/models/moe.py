@@ -31,13 +31,14 @@ from titanrl.models.batch_invariant import in_batch_invariant_mode
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm` runs on `x`'s device and dtype: CUDA bf16 on sm90+ (the
-    kernel TorchTitan uses), CPU float32 / bf16; never in batch-invariant mode, which covers
-    only mm / addmm / bmm."""
+    kernel TorchTitan uses), CPU bf16, and CPU float32 in eager mode (compile traces bf16 only);
+    never in batch-invariant mode, which covers only mm / addmm / bmm."""
     if not hasattr(torch, "_grouped_mm") or in_batch_invariant_mode():
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    eager_fp32 = x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or eager_fp32)
 
 
 class TopKRouter(nn.Module):
