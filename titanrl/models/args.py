@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -21,9 +21,9 @@ class RopeScaling:
 
 @dataclass
 class TransformerModelArgs:
-    """Shape of a decoder-only transformer of the Llama-3 / Qwen2 / Qwen3 families."""
+    """Shape of a decoder-only transformer of the Llama-3 / Qwen2 / Qwen3 / Qwen3-MoE families."""
 
-    family: Literal["llama3", "qwen2", "qwen3"] = "llama3"
+    family: Literal["llama3", "qwen2", "qwen3", "qwen3_moe"] = "llama3"
     """Architecture family; decides the HF model_type on export."""
 
     dim: int = 256
@@ -78,6 +78,48 @@ class TransformerModelArgs:
     depth_init: bool = True
     """Scale each block's output-projection init std by its depth (TorchTitan's init)."""
 
+    moe_num_experts: int = 0
+    """Routed experts per mixture-of-experts layer; 0: every layer is a dense SwiGLU (HF
+    `num_experts`)."""
+
+    moe_top_k: int = 2
+    """Experts each token is routed to (HF `num_experts_per_tok`)."""
+
+    moe_intermediate_size: int = 0
+    """SwiGLU intermediate size of each routed (and shared) expert; 0 means hidden_dim."""
+
+    moe_shared_experts: int = 0
+    """Always-on shared experts (DeepSeek style), one SwiGLU of moe_intermediate_size times this
+    width added to the routed output; Qwen3-MoE has none."""
+
+    moe_decoder_sparse_step: int = 1
+    """Layer i is MoE when (i + 1) % step == 0 and i is not in moe_mlp_only_layers (HF
+    `decoder_sparse_step`)."""
+
+    moe_mlp_only_layers: list[int] = field(default_factory=list)
+    """Layers that stay dense SwiGLU of hidden_dim (HF `mlp_only_layers`)."""
+
+    moe_norm_topk_prob: bool = True
+    """Renormalise the top-k softmax probabilities to sum to 1 (HF `norm_topk_prob`)."""
+
+    moe_expert_bias: bool = False
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): a per-expert bias, updated outside
+    autograd from the expert loads, is added to the scores for top-k selection only. The bias
+    is then a persistent buffer of the checkpoint; HF export needs it off."""
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""
+        return (
+            self.moe_num_experts > 0
+            and layer_id not in self.moe_mlp_only_layers
+            and (layer_id + 1) % self.moe_decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        """Intermediate size of one routed expert."""
+        return self.moe_intermediate_size or self.hidden_dim
+
     @property
     def ties_output(self) -> bool:
         """The output projection is the embedding matrix (never for a score head)."""
@@ -92,3 +134,7 @@ class TransformerModelArgs:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.moe_num_experts > 0 and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            raise ValueError(f"moe_top_k ({self.moe_top_k}) must be in [1, moe_num_experts={self.moe_num_experts}]")
+        if self.moe_decoder_sparse_step < 1:
+            raise ValueError(f"moe_decoder_sparse_step ({self.moe_decoder_sparse_step}) must be >= 1")

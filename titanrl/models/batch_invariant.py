@@ -28,7 +28,7 @@ identical, at a small cost over the ordinary kernels (bench_bitwise in docs/benc
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 aten = torch.ops.aten
 
@@ -89,6 +89,14 @@ class _BatchInvariantMode(TorchDispatchMode):
 def batch_invariant_mode() -> TorchDispatchMode:
     """Context manager: `with batch_invariant_mode(): model(...)`."""
     return _BatchInvariantMode()
+
+
+def in_batch_invariant_mode() -> bool:
+    """Whether a `batch_invariant_mode()` is active: ops it does not cover (grouped GEMMs) must
+    then take a path made of the ops it does. The mode runs eagerly only, never under compile."""
+    if torch.compiler.is_compiling():
+        return False
+    return any(isinstance(m, _BatchInvariantMode) for m in _get_current_dispatch_mode_stack())
 
 
 def attend_exact_batched(

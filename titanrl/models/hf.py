@@ -1,7 +1,10 @@
 """Hugging Face interop: config.json <-> model args, safetensors (sharded or not) <-> state dict.
 
-Supported `model_type`s: llama, qwen2, qwen3 (the `*ForCausalLM` layouts). Weight names map
-one-to-one; q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
+Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts). Weight names
+map one-to-one but for Qwen3-MoE's experts: HF stores `mlp.experts.{e}.gate_proj / up_proj /
+down_proj` per expert; titanrl stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...]
+on import and splits them on export. q/k need no permutation because titanrl applies RoPE in HF's
+rotate-half layout.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ _HF_FAMILIES = {
     "llama3": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 _FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
 
@@ -54,12 +58,21 @@ _HF_TO_TITAN = {
     "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+    "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
 }
 _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Qwen3-MoE experts: HF projection -> titanrl grouped weight.
+_EXPERT_PROJ_TO_TITAN = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_HF_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# transformers 5's in-memory fused layout, accepted on import: gate_up_proj [E, 2H, D] (gate
+# rows first), down_proj [E, D, H].
+_HF_FUSED_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+_TITAN_EXPERT_KEY = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
 
 
 def _map_name(name: str, table: dict[str, str]) -> str | None:
@@ -123,10 +136,42 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
         # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 use attention_bias for all four.
         qkv_bias=True if family == "qwen2" else attention_bias,
         o_bias=False if family == "qwen2" else attention_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         num_labels=_num_labels(cfg),
+        **_moe_args_from_hf_config(cfg),
     )
+
+
+def _moe_args_from_hf_config(cfg: dict) -> dict:
+    """The `moe_*` args of a qwen3_moe config (transformers 5 writes `num_local_experts`)."""
+    if cfg.get("model_type") != "qwen3_moe":
+        return {}
+    return dict(
+        moe_num_experts=cfg.get("num_experts", cfg.get("num_local_experts", 128)),
+        moe_top_k=cfg.get("num_experts_per_tok", 8),
+        moe_intermediate_size=cfg.get("moe_intermediate_size", 768),
+        moe_decoder_sparse_step=cfg.get("decoder_sparse_step", 1),
+        moe_mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+        moe_norm_topk_prob=cfg.get("norm_topk_prob", False),
+    )
+
+
+def _moe_hf_config(args: TransformerModelArgs) -> dict:
+    if args.family != "qwen3_moe":
+        if args.moe_num_experts:
+            raise ValueError(f"A {args.family} model exports only dense; MoE exports as the qwen3_moe family")
+        return {}
+    if args.moe_shared_experts or args.moe_expert_bias:
+        raise ValueError("Qwen3-MoE has no shared experts and no expert bias: export needs both off")
+    return {
+        "num_experts": args.moe_num_experts,
+        "num_experts_per_tok": args.moe_top_k,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "decoder_sparse_step": args.moe_decoder_sparse_step,
+        "mlp_only_layers": list(args.moe_mlp_only_layers),
+        "norm_topk_prob": args.moe_norm_topk_prob,
+    }
 
 
 def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict:
@@ -138,8 +183,8 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
         raise ValueError("A qwen2 model exports only with qkv_bias=True and o_bias=False (the Qwen2 layout)")
     if args.family != "qwen2" and args.qkv_bias != args.o_bias:
         raise ValueError(f"A {args.family} model exports only with qkv_bias == o_bias (HF attention_bias)")
-    if args.qk_norm != (args.family == "qwen3"):
-        raise ValueError("qk_norm exports only as the qwen3 family")
+    if args.qk_norm != (args.family in ("qwen3", "qwen3_moe")):
+        raise ValueError("qk_norm exports only as the qwen3 or qwen3_moe family")
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         rope.update(
@@ -168,6 +213,7 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
         "rope_theta": args.rope_theta,
         "rope_scaling": None if args.rope_scaling is None else dict(rope),
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **_moe_hf_config(args),
     }
     if args.family != "qwen2":
         cfg["attention_bias"] = args.qkv_bias
@@ -178,9 +224,11 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Rename HF weights to titanrl names; unknown names are errors, not silently dropped."""
-    sd = {}
+    sd = _stack_hf_experts(hf_sd)
     for hf_name, tensor in hf_sd.items():
-        if _IGNORED_HF_KEYS.fullmatch(hf_name):
+        if _IGNORED_HF_KEYS.fullmatch(hf_name) or _HF_EXPERT_KEY.fullmatch(hf_name):
+            continue
+        if _HF_FUSED_EXPERT_KEY.fullmatch(hf_name):
             continue
         name = "output.weight" if hf_name == "score.weight" and args.num_labels else _map_name(hf_name, _HF_TO_TITAN)
         if name is None:
@@ -192,10 +240,38 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
     return sd
 
 
+def _stack_hf_experts(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """titanrl's grouped `layers.{l}.moe.experts.w1 / w2 / w3` from HF's per-expert (or fused)
+    weights, experts stacked in index order; a missing expert is an error."""
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
+    sd = {}
+    for hf_name, tensor in hf_sd.items():
+        if m := _HF_EXPERT_KEY.fullmatch(hf_name):
+            name = f"layers.{m.group(1)}.moe.experts.{_EXPERT_PROJ_TO_TITAN[m.group(3)]}"
+            per_expert.setdefault(name, {})[int(m.group(2))] = tensor
+        elif m := _HF_FUSED_EXPERT_KEY.fullmatch(hf_name):
+            prefix = f"layers.{m.group(1)}.moe.experts"
+            if m.group(2) == "down_proj":
+                sd[f"{prefix}.w2"] = tensor
+            else:
+                sd[f"{prefix}.w1"], sd[f"{prefix}.w3"] = tensor.chunk(2, dim=1)
+    for name, experts in per_expert.items():
+        if sorted(experts) != list(range(len(experts))):
+            missing = sorted(set(range(max(experts) + 1)) - set(experts))
+            raise ValueError(f"HF checkpoint lacks experts {missing[:5]} of '{name}'")
+        sd[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return sd
+
+
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     hf_sd = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:
+            continue
+        if m := _TITAN_EXPERT_KEY.fullmatch(name):
+            proj = {v: k for k, v in _EXPERT_PROJ_TO_TITAN.items()}[m.group(2)]
+            for e, expert in enumerate(tensor.unbind(0)):
+                hf_sd[f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight"] = expert
             continue
         hf_name = "score.weight" if name == "output.weight" and args.num_labels else _map_name(name, _TITAN_TO_HF)
         if hf_name is None:
@@ -307,10 +383,11 @@ def export_hf(
     if rank != 0:
         return
     sd = merge_lora_state_dict(sd, model) if merge_lora else {k: v for k, v in sd.items() if not is_lora_key(k)}
+    hf_config = hf_config_from_args(model.args, dtype)  # first: it names what HF cannot represent
     hf_sd = {k: v.to(dtype) for k, v in to_hf_state_dict(sd, model.args).items()}
     save_safetensors_folder(hf_sd, folder, max_shard_bytes)
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config_from_args(model.args, dtype), f, indent=2)
+        json.dump(hf_config, f, indent=2)
 
 
 def export_peft_adapter(

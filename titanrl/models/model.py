@@ -1,4 +1,4 @@
-"""Decoder-only transformer for the Llama-3, Qwen2 and Qwen3 families.
+"""Decoder-only transformer for the Llama-3, Qwen2, Qwen3 and Qwen3-MoE families.
 
 One model code path serves the trainer and (later) the generator, so both compute the same
 numbers. Parameter names follow TorchTitan (`attention.wq`, `feed_forward.w1`, ...); the HF
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
 from titanrl.models.logprobs import chunked_token_logprobs, vocab_parallel_token_logprobs
+from titanrl.models.moe import MoE
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -155,26 +156,46 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Attention, then a dense SwiGLU (`feed_forward`) or a mixture of experts (`moe`) as
+    `args.is_moe_layer(layer_id)` says; the other attribute is None."""
+
     def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.moe_enabled = args.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            shared = args.moe_hidden_dim * args.moe_shared_experts
+            self.moe = MoE(args, FeedForward(args.dim, shared) if shared else None)
+            self.feed_forward = None
+        else:
+            self.moe = None
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
         depth = (layer_id + 1) if args.depth_init else args.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(
-        self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor, backend: AttentionBackend | None = None
+        self,
+        x_BTD: torch.Tensor,
+        rope_BTD2: torch.Tensor,
+        backend: AttentionBackend | None = None,
+        routes_TK: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`routes_TK`: the experts of an MoE block's B * T tokens (routing replay)."""
         h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2, backend)
+        if self.moe is not None:
+            return h + self.moe(self.ffn_norm(h), routes_TK)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self) -> None:
+    def init_weights(self, buffer_device: torch.device) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.weight_init_std)
-        self.feed_forward.init_weights(self.weight_init_std)
+        if self.moe is not None:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
 
 
 class Transformer(nn.Module):
@@ -202,7 +223,7 @@ class Transformer(nn.Module):
         # A tied matrix is also the output projection, so it gets the small std of a linear layer.
         nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.ties_output else 1.0)
         for block in self.layers.values():
-            block.init_weights()
+            block.init_weights(buffer_device)
         self.norm.reset_parameters()
         if not self.args.ties_output:
             final_std = self.args.dim**-0.5
@@ -213,11 +234,25 @@ class Transformer(nn.Module):
         tokens_BT: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
+        routes_LTK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] (scores [B, T, num_labels] for a score head). `positions_BT` defaults
         to 0..T-1 for every row; `backend` replaces causal attention over the batch (the generator's
-        paged KV cache)."""
-        return self.output(self.hidden_states(tokens_BT, positions_BT, backend))
+        paged KV cache); `routes_LTK` as in `hidden_states`."""
+        return self.output(self.hidden_states(tokens_BT, positions_BT, backend, routes_LTK))
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE feed-forwards in layer order (empty for a dense model)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def moe_routes(self) -> torch.Tensor:
+        """The experts the last forward used, [MoE layers, B * T, top_k]: what `routes_LTK` takes."""
+        return torch.stack([m.routes_TK for m in self.moe_layers()])
+
+    def moe_aux_loss(self) -> torch.Tensor:
+        """The last forward's load-balancing loss, the mean over MoE layers of each layer's
+        `moe.load_balancing_loss` (differentiable; the trainer scales it by its coefficient)."""
+        return torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
 
     def logprobs(
         self,
@@ -228,14 +263,16 @@ class Transformer(nn.Module):
         backend: AttentionBackend | None = None,
         mask_BT: torch.Tensor | None = None,
         positions_BT: torch.Tensor | None = None,
+        routes_LTK: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(log p(targets) [B, T] in float32, entropy [B, T] or None) without [B, T, vocab]
         logits: `chunk_tokens` positions of logits at a time (`models/logprobs.py`), only where
         `mask_BT` is non-zero when it is given (0 elsewhere). Under TP the head's weight is a
         vocab-sharded DTensor: each rank projects onto its vocab shard and the softmax is
         reduced over tp (vocab-parallel chunks, no gathered logits; `self.output` is not called).
-        `positions_BT` as in `hidden_states` (packed rows: positions restart at each document)."""
-        h_BTD = self.hidden_states(tokens_BT, positions_BT, backend)
+        `positions_BT` and `routes_LTK` as in `hidden_states` (packed rows: positions restart at
+        each document)."""
+        h_BTD = self.hidden_states(tokens_BT, positions_BT, backend, routes_LTK)
         weight_VD = self.output.weight
         if isinstance(weight_VD, DTensor):
             return vocab_parallel_token_logprobs(h_BTD, weight_VD, targets_BT, chunk_tokens, with_entropy, mask_BT)
@@ -246,9 +283,12 @@ class Transformer(nn.Module):
         tokens_BT: torch.Tensor,
         positions_BT: torch.Tensor | None = None,
         backend: AttentionBackend | None = None,
+        routes_LTK: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final normed hidden states [B, T, dim], before the output layer: a caller that
-        needs logits at a few positions only (the generator's prefill) applies `output` to those."""
+        needs logits at a few positions only (the generator's prefill) applies `output` to those.
+        `routes_LTK`: the experts each MoE layer uses for the B * T tokens (routing replay; the
+        layout of `moe_routes()`); None: the routers choose."""
         if positions_BT is None:
             T = tokens_BT.shape[1]
             if T > self.args.max_seq_len:
@@ -257,6 +297,14 @@ class Transformer(nn.Module):
         else:
             rope_BTD2 = self.rope_cache[positions_BT]
         h = self.tok_embeddings(tokens_BT)
+        if routes_LTK is None:
+            for block in self.layers.values():
+                h = block(h, rope_BTD2, backend)
+            return self.norm(h)
+        n_moe = sum(map(self.args.is_moe_layer, range(self.args.n_layers)))
+        if routes_LTK.shape[0] != n_moe:
+            raise ValueError(f"routes_LTK has {routes_LTK.shape[0]} layers of routes; the model has {n_moe} MoE layers")
+        routes = iter(routes_LTK)
         for block in self.layers.values():
-            h = block(h, rope_BTD2, backend)
+            h = block(h, rope_BTD2, backend, next(routes) if block.moe_enabled else None)
         return self.norm(h)

@@ -1,0 +1,182 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE routing, TorchTitan layout).
+
+A token-choice top-k router (softmax over experts in float32, top-k, the k weights renormalised
+when `norm_topk_prob`, as transformers' `Qwen3MoeSparseMoeBlock`), routed experts held as grouped
+weights `w1, w3: [E, H, D]`, `w2: [E, D, H]` (HF's per-expert `gate_proj / up_proj / down_proj`
+stacked in expert order) and optional always-on shared experts.
+
+The experts run on the (token, slot) pairs sorted by expert: one `torch._grouped_mm` per weight
+where the device and dtype have it, else a loop over the experts' contiguous slices (float64,
+batch-invariant mode, old GPUs). Each expert's output is scaled by its routing weight, put back
+in token order and summed over the k slots.
+
+What later work reads after a forward, per MoE layer (`MoE` attributes):
+- `routes_TK`: the experts chosen for each of the T = B * S tokens (routing replay passes such a
+  table back in as `routes_TK`: the same experts, weights recomputed from the router's current
+  probabilities so that the router still gets gradients);
+- `aux_loss`: the Switch / Qwen load-balancing loss of this forward (differentiable);
+- `tokens_per_expert`: a float32 buffer that accumulates the routed (token, slot) pairs per
+  expert over forwards until `update_expert_bias` (or the caller) resets it. Activation
+  checkpointing recomputes forwards and counts them twice: every count doubles, so the ratios
+  that the bias update and load metrics use do not change.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanrl.models.args import TransformerModelArgs
+from titanrl.models.batch_invariant import in_batch_invariant_mode
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs on `x`'s device and dtype: CUDA bf16 on sm90+ (the
+    kernel TorchTitan uses), CPU bf16, and CPU float32 in eager mode (compile traces bf16 only);
+    never in batch-invariant mode, which covers only mm / addmm / bmm."""
+    if not hasattr(torch, "_grouped_mm") or in_batch_invariant_mode():
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    eager_fp32 = x.dtype == torch.float32 and not torch.compiler.is_compiling()
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or eager_fp32)
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k routing over softmax probabilities (Qwen3-MoE's gate)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+    def forward(
+        self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None, routes_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, experts [T, k], probabilities [T, E] in float32 or wider).
+
+        `expert_bias_E` shifts the scores for the choice of experts only; `routes_TK` replaces the
+        choice. Either way the weights are the router's probabilities of the chosen experts."""
+        # float32 as HF for 16/32-bit models; float64 models stay float64.
+        probs_TE = torch.softmax(self.gate(x_TD), dim=-1, dtype=torch.promote_types(x_TD.dtype, torch.float32))
+        if routes_TK is None:
+            scores_TE = probs_TE if expert_bias_E is None else probs_TE + expert_bias_E
+            routes_TK = torch.topk(scores_TE, self.top_k, dim=-1).indices
+        weights_TK = probs_TE.gather(1, routes_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        return weights_TK.to(x_TD.dtype), routes_TK, probs_TE
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: expert e computes w2[e](silu(w1[e] x) * w3[e] x)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """`x_SD` holds expert 0's rows, then expert 1's ... (`counts_E` rows each)."""
+        if grouped_mm_supported(x_SD):
+            return self.forward_grouped(x_SD, counts_E)
+        return self.forward_loop(x_SD, counts_E)
+
+    def forward_grouped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        # Transposed views are the column-major right operands the CUDA kernel wants.
+        h_SH = F.silu(torch._grouped_mm(x_SD, self.w1.transpose(-2, -1), offs=offsets_E))
+        h_SH = h_SH * torch._grouped_mm(x_SD, self.w3.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(h_SH, self.w2.transpose(-2, -1), offs=offsets_E)
+
+    def forward_loop(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, x_ND in enumerate(torch.split(x_SD, counts_E.tolist())):
+            if x_ND.shape[0] == 0:
+                continue
+            h_NH = F.silu(F.linear(x_ND, self.w1[e])) * F.linear(x_ND, self.w3[e])
+            outs.append(F.linear(h_NH, self.w2[e]))
+        return torch.cat(outs) if outs else x_SD.new_zeros(x_SD.shape)
+
+    def init_weights(self, init_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, mean=0.0, std=0.02)
+        for w in (self.w2, self.w3):
+            nn.init.trunc_normal_(w, mean=0.0, std=init_std)
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss as Qwen3-MoE computes it for one layer:
+    E * sum_e f_e * P_e, f_e = (routed (token, slot) pairs of e) / T (sums to k),
+    P_e = mean over tokens of the router probability of e. Balanced routing gives k."""
+    T, E = probs_TE.shape
+    return E * torch.sum(counts_E.to(probs_TE.dtype) / max(T, 1) * probs_TE.mean(dim=0))
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) replacing a block's dense feed-forward."""
+
+    def __init__(self, args: TransformerModelArgs, shared_experts: nn.Module | None = None):
+        super().__init__()
+        self.num_experts = args.moe_num_experts
+        self.top_k = args.moe_top_k
+        self.use_expert_bias = args.moe_expert_bias
+        self.router = TopKRouter(args.dim, args.moe_num_experts, args.moe_top_k, args.moe_norm_topk_prob)
+        self.experts = GroupedExperts(args.moe_num_experts, args.dim, args.moe_hidden_dim)
+        self.shared_experts = shared_experts
+        # Checkpointed only when routing uses it; a Qwen3-MoE checkpoint has none.
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts), persistent=args.moe_expert_bias)
+        self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts), persistent=False)
+        self.routes_TK: torch.Tensor | None = None
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x_BTD: torch.Tensor, routes_TK: torch.Tensor | None = None) -> torch.Tensor:
+        """`routes_TK`: experts to use for the B * T tokens (routing replay); None: the router's."""
+        x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
+        if routes_TK is not None and routes_TK.shape != (x_TD.shape[0], self.top_k):
+            raise ValueError(f"routes_TK has shape {tuple(routes_TK.shape)}, expected ({x_TD.shape[0]}, {self.top_k})")
+        bias_E = self.expert_bias if self.use_expert_bias else None
+        weights_TK, routes_TK, probs_TE = self.router(x_TD, bias_E, routes_TK)
+        # scatter_add, not bincount: a static output shape keeps the block compilable.
+        ones_S = torch.ones_like(routes_TK.flatten())
+        counts_E = routes_TK.new_zeros(self.num_experts).scatter_add_(0, routes_TK.flatten(), ones_S)
+        self.routes_TK = routes_TK
+        self.aux_loss = load_balancing_loss(probs_TE, counts_E)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(counts_E.to(self.tokens_per_expert.dtype))
+        out_TD = self.routed(x_TD, weights_TK, routes_TK, counts_E)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(x_BTD.shape)
+
+    def routed(
+        self, x_TD: torch.Tensor, weights_TK: torch.Tensor, routes_TK: torch.Tensor, counts_E: torch.Tensor
+    ) -> torch.Tensor:
+        """Sum over the k slots of weight * expert(x), experts run on slots sorted by expert."""
+        T, K = routes_TK.shape
+        order_S = torch.argsort(routes_TK.flatten(), stable=True)
+        y_SD = self.experts(x_TD[order_S // K], counts_E)
+        y_SD = y_SD * weights_TK.flatten()[order_S].unsqueeze(-1)
+        y_TKD = y_SD[torch.argsort(order_S)].view(T, K, -1)
+        return y_TKD.sum(dim=1)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free update from the loads counted since the last one:
+        bias_e += rate * sign(mean load - load_e), then the counts restart. Under data
+        parallelism, sum `tokens_per_expert` over the ranks first so that every rank agrees."""
+        load_E = self.tokens_per_expert
+        self.expert_bias.add_(rate * torch.sign(load_E.mean() - load_E))
+        load_E.zero_()
+
+    def init_weights(self, init_std: float, buffer_device: torch.device) -> None:
+        self.router.init_weights(init_std)
+        self.experts.init_weights(init_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(init_std)
+        with torch.device(buffer_device):
+            self.expert_bias = torch.zeros(self.num_experts)
+            self.tokens_per_expert = torch.zeros(self.num_experts)
