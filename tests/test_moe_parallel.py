@@ -15,6 +15,8 @@ import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_torchrun
 
+from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.model_builder import build_model
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed.expert_parallel import regroup_index
 from titanrl.distributed.parallel_dims import ParallelDims
@@ -36,10 +38,10 @@ def reference():
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    results = {}
+    results = {"ckpt": str(tmp_path_factory.mktemp("moe_ckpt"))}
     for nproc, layouts in LAUNCHES.items():
         out = tmp_path_factory.mktemp(f"moe{nproc}") / "results.pt"
-        run_torchrun(WORKER, nproc, ["--layouts", ",".join(layouts), "--out", str(out)])
+        run_torchrun(WORKER, nproc, ["--layouts", ",".join(layouts), "--out", str(out), "--ckpt", results["ckpt"]])
         results.update(torch.load(out))
     return results
 
@@ -61,6 +63,23 @@ def test_expert_parallel_layout_matches_one_rank(launched, reference, layout, dt
     assert _max_diff(got["params"], ref["params"]) < tol
     assert ref["losses"][1] < ref["losses"][0] - 0.1  # the steps did something
     assert ref["params"]["layers.0.moe.experts.w1"].shape[0] == moe_parity_worker.MOE_ARGS.moe_num_experts
+
+
+@pytest.mark.multirank
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP without a process group
+def test_ep2_checkpoint_loads_on_one_rank(launched):
+    """Resharding ep = 2 -> 1: the DCP checkpoint of the 2-rank run (experts as ep x FSDP2
+    DTensor shards) loads into an unsharded model: its parameters, and AdamW's state for them."""
+    model = build_model(moe_parity_worker.MOE_ARGS, ParallelDims(1, 1, 1, 1), JobConfig(), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    path = CheckpointManager(launched["ckpt"], keep_latest_k=0).step_dir(moe_parity_worker.STEPS)
+    CheckpointManager(launched["ckpt"], keep_latest_k=0).load(path, {"model": model}, {"model": optimizer})
+    saved = launched["ep2/float32"]["params"]
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), saved[name]), name
+    w1 = model.get_parameter("layers.0.moe.experts.w1")
+    assert optimizer.state[w1]["step"].item() == moe_parity_worker.STEPS
+    assert optimizer.state[w1]["exp_avg"].abs().sum() > 0
 
 
 def test_regroup_index_orders_rows_by_local_expert():

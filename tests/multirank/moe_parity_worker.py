@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from parity_worker import make_batch
 
+from titanrl.components.checkpoint import CheckpointManager
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
@@ -51,7 +52,9 @@ LAYOUTS = {
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def run_layout(layout: str | None, dtype: str, world_size: int) -> dict:
+def run_layout(layout: str | None, dtype: str, world_size: int, ckpt: str = "") -> dict:
+    """2 steps under `layout` (None: one rank); with `ckpt`, a checkpoint of the model and its
+    optimizer after them (CheckpointManager, DCP) in that folder, as step-2."""
     dp_shard, tp, ep = LAYOUTS[layout] if layout else (1, 1, 1)
     parallel_dims = ParallelDims(1, dp_shard, tp, world_size, ep)
     previous = torch.get_default_dtype()
@@ -86,6 +89,8 @@ def run_layout(layout: str | None, dtype: str, world_size: int) -> dict:
             dist.all_reduce(global_loss, group=dp_group)
         losses.append(global_loss.item())
         optimizer.step()
+    if ckpt:
+        CheckpointManager(ckpt, keep_latest_k=0).save(STEPS, {"model": model}, {"model": optimizer}, {})
     return {"losses": losses, "grad_norms": grad_norms, **full_params_and_grads(model)}
 
 
@@ -104,12 +109,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default="", help="checkpoint the ep2 float32 run here")
     cli = parser.parse_args()
     rank, world_size = init_distributed()
     results = {}
     for layout in cli.layouts.split(","):
         for dtype in DTYPES:
-            results[f"{layout}/{dtype}"] = run_layout(layout, dtype, world_size)
+            ckpt = cli.ckpt if (layout, dtype) == ("ep2", "float32") else ""
+            results[f"{layout}/{dtype}"] = run_layout(layout, dtype, world_size, ckpt)
     if rank == 0:
         torch.save(results, cli.out)
     dist.barrier()
