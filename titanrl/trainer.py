@@ -18,6 +18,7 @@ import signal
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from titanrl.components import launch
@@ -34,6 +35,7 @@ from titanrl.data.batch import plan_micro_batches
 from titanrl.data.encode import PromptEncoder
 from titanrl.distributed import clip_grad_norm_, dp_sum
 from titanrl.models.hf import export_hf, export_lora
+from titanrl.models.moe import MoE
 from titanrl.models.tokenizer import build_tokenizer
 
 
@@ -63,6 +65,7 @@ class Trainer:
         self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
         self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
         self.model = recipe_cls.build_model(self)
+        self.configure_moe(self.model)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.recipe = recipe_cls(self, data)
@@ -216,9 +219,37 @@ class Trainer:
             optimizer.zero_grad()
             return float("nan")
         optimizer.step()
+        self.update_expert_biases(model)
         # float8 all-gather: one all-reduce for every weight's scale instead of one per weight.
         precompute_float8_scales(model, self.config.float8)
         return grad_norm.item()
+
+    def configure_moe(self, model: nn.Module) -> None:
+        """[moe]: each MoE layer's share of the load-balancing loss in backward (the mean over
+        layers, summed over dp ranks, so divided by both), and a check that a bias update has
+        a bias to move."""
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        for layer in layers:
+            layer.aux_loss_coeff = self.config.moe.aux_loss_coeff / (len(layers) * self.dims.dp_size)
+        if self.config.moe.bias_update_rate > 0 and not (layers and all(layer.use_expert_bias for layer in layers)):
+            raise ValueError(
+                f"[moe] bias_update_rate = {self.config.moe.bias_update_rate} needs a mixture-of-experts "
+                "model with moe_expert_bias on; this model has "
+                + ("no MoE layers" if not layers else "no expert bias")
+                + ": set [moe] bias_update_rate = 0 or use such a model"
+            )
+
+    @torch.no_grad()
+    def update_expert_biases(self, model: nn.Module) -> None:
+        """The auxiliary-loss-free bias update after an optimizer step, from the loads summed over
+        dp ranks (TP peers count the same tokens and are not summed), equal on every rank."""
+        if self.config.moe.bias_update_rate <= 0:
+            return
+        for layer in model.modules():
+            if isinstance(layer, MoE):
+                if self.dp_group is not None:
+                    dist.all_reduce(layer.tokens_per_expert, group=self.dp_group)
+                layer.update_expert_bias(self.config.moe.bias_update_rate)
 
     def dp_sum(self, values: list[float]) -> list[float]:
         """Host numbers summed over data-parallel ranks (TP peers hold equal copies, not counted)."""

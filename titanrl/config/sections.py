@@ -75,8 +75,13 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """FSDP2 resharding: 'default' reshards every block but the root, 'always'/'never' force it."""
 
+    ep: int = 1
+    """Expert-parallel degree of mixture-of-experts models: each group of `ep` dp_shard ranks holds
+    1/ep of the experts and exchanges tokens with all-to-all; FSDP2 shards the experts further over
+    dp_shard / ep (TorchTitan's layout, no extra ranks). Must divide dp_shard and the expert count."""
+
     def validate(self) -> None:
-        for name in ("dp_replicate", "tp"):
+        for name in ("dp_replicate", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")
         if self.dp_shard < 1 and self.dp_shard != -1:

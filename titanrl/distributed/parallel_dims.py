@@ -11,10 +11,14 @@ from titanrl.config.sections import Parallelism
 class ParallelDims:
     """Parallel degrees of a job and the `DeviceMesh` they define.
 
-    The world mesh always has three named dims, ("dp_replicate", "dp_shard", "tp"), outermost
-    first; a degree of 1 is a size-1 dim. Views used by the rest of the code:
+    The world mesh always has four named dims, ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"),
+    outermost first, with "dp_shard" = ("dp_shard_mod_ep", "ep") flattened; a degree of 1 is a
+    size-1 dim. Expert parallelism borrows its ranks from dp_shard (TorchTitan's layout): the ep
+    ranks of a group see different data and hold different experts. Views used by the code:
       - world_mesh["tp"]: tensor parallelism (and the generator's TP shards).
       - world_mesh["dp_shard"]: FSDP2 (or ("dp_replicate", "dp_shard") for HSDP).
+      - world_mesh["ep"]: the experts' shards and the token all-to-all.
+      - expert_fsdp_mesh: FSDP2 of the experts over what ep leaves of dp_shard (and dp_replicate).
       - dp_mesh: dp_replicate x dp_shard flattened: ranks that see different data.
     TP is innermost so that its frequent collectives stay within a node.
     """
@@ -23,11 +27,12 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
         # Each degree's own range is the [parallelism] section's rule (one place); here only how
         # the degrees fit the world size.
-        Parallelism(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp).validate()
+        Parallelism(dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, ep=self.ep).validate()
         if self.dp_shard == -1:
             rest, remainder = divmod(self.world_size, self.dp_replicate * self.tp)
             if remainder or rest < 1:
@@ -42,6 +47,11 @@ class ParallelDims:
                 f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x tp ({self.tp}) = {product}, "
                 f"but the job runs on {self.world_size} ranks; set dp_shard = -1 or launch {product} ranks"
             )
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"[parallelism] ep ({self.ep}) must divide dp_shard ({self.dp_shard}): expert parallelism "
+                "shares the dp_shard ranks; choose an ep that divides it or launch more ranks"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -55,13 +65,26 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     @cached_property
     def world_mesh(self) -> DeviceMesh:
-        return init_device_mesh(
+        mesh = init_device_mesh(
             device_type(),
-            (self.dp_replicate, self.dp_shard, self.tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
+            mesh_dim_names=("dp_replicate", "dp_shard_mod_ep", "ep", "tp"),
         )
+        mesh["dp_shard_mod_ep", "ep"]._flatten(mesh_dim_name="dp_shard")
+        return mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP2 mesh of ep-sharded experts: dp_shard / ep, or 2-D with dp_replicate (HSDP)."""
+        if self.dp_replicate > 1:
+            return self.world_mesh["dp_replicate", "dp_shard_mod_ep"]
+        return self.world_mesh["dp_shard_mod_ep"]
 
     @cached_property
     def dp_mesh(self) -> DeviceMesh:

@@ -1,8 +1,8 @@
-"""Apply TP, activation checkpointing, compile and FSDP2 to a `Transformer`, in that order.
+"""Apply TP, EP, activation checkpointing, compile and FSDP2 to a `Transformer`, in that order.
 
-The order is TorchTitan's: TP first (it swaps parameters to DTensors on the tp mesh), then AC
-wraps blocks, then each block is compiled, then FSDP2 shards what TP left (2-D DTensors when
-both are on).
+The order is TorchTitan's: TP first (it swaps parameters to DTensors on the tp mesh), then EP
+(experts to DTensors on the ep mesh), then AC wraps blocks, then each block is compiled, then
+FSDP2 shards what TP / EP left (2-D DTensors when both are on).
 """
 
 from collections import defaultdict
@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -26,16 +27,21 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanrl.config.job_config import JobConfig
+from titanrl.distributed.expert_parallel import ExpertParallel
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.models.lora import LoRALinear, freeze_base, has_lora
 from titanrl.models.model import Transformer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "float32": no cast, parameters compute in their own dtype (float32 master weights; a float64
+# model, which the parity tests build, stays float64).
+_DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
+    if parallel_dims.ep_enabled:
+        apply_ep(model, parallel_dims.world_mesh["ep"])
     if has_lora(model):
         # After TP (its styles make new parameters, trainable by default), before FSDP2 groups them.
         freeze_base(model)
@@ -52,8 +58,23 @@ def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_confi
             param_dtype=_DTYPES[job_config.training.mixed_precision_param],
             reduce_dtype=_DTYPES[job_config.training.mixed_precision_reduce],
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            expert_mesh=parallel_dims.expert_fsdp_mesh if parallel_dims.ep_enabled else None,
         )
     return model
+
+
+def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
+    """Shard every MoE layer's experts over `ep_mesh` (`titanrl.distributed.expert_parallel`)."""
+    ep, num_experts = ep_mesh.size(), model.args.moe_num_experts
+    if num_experts == 0:
+        raise ValueError(f"[parallelism] ep = {ep} needs a mixture-of-experts model; this one is dense: set ep = 1")
+    if num_experts % ep:
+        raise ValueError(
+            f"[parallelism] ep ({ep}) must divide the number of experts ({num_experts}); choose another ep degree"
+        )
+    for block in model.layers.values():
+        if block.moe is not None:
+            parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
@@ -95,8 +116,8 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
         model.output.weight = model.tok_embeddings.weight
 
-    block_plan = _block_tp_plan(args, residual, sequence_parallel)
     for block in model.layers.values():
+        block_plan = _block_tp_plan(args, residual, sequence_parallel, block.moe_enabled)
         plan = {
             path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
             for path, style in block_plan.items()
@@ -130,18 +151,36 @@ class LoRAParallel(ParallelStyle):
         return module
 
 
-def _block_tp_plan(args, residual, sequence_parallel: bool) -> dict:
+def _block_tp_plan(args, residual, sequence_parallel: bool, moe: bool) -> dict:
     """The per-block TP plan: projections column/row-wise; with sequence parallelism the norms run
-    on sequence shards and attention / MLP inputs are all-gathered first."""
+    on sequence shards and attention / MLP inputs are all-gathered first.
+
+    A mixture of experts is not tensor-parallel: every tp rank runs it on the whole (gathered)
+    sequence with plain weights (expert parallelism is what shards the experts), and its output
+    goes back to the residual's sequence shard."""
     block_plan = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if not moe:
+        block_plan.update(
+            {
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
+                "feed_forward.w3": ColwiseParallel(),
+            }
+        )
+    if sequence_parallel and moe:
+        block_plan["moe"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1), None),
+            desired_input_layouts=(Replicate(), None),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
+        )
     if sequence_parallel:
         block_plan.update(
             {
@@ -150,9 +189,12 @@ def _block_tp_plan(args, residual, sequence_parallel: bool) -> dict:
                     input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
                 "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             }
         )
+        if not moe:
+            block_plan["feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
         if args.qk_norm:
             # q/k are [B, T, heads, head_dim] with heads sharded; the norm weight is replicated
             # and its gradient all-reduced over tp by DTensor.
@@ -204,11 +246,14 @@ def apply_compile(model: Transformer, backend: str = "inductor") -> None:
 def apply_fsdp(
     model: Transformer,
     dp_mesh: DeviceMesh,
-    param_dtype: torch.dtype = torch.float32,
-    reduce_dtype: torch.dtype = torch.float32,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: str = "default",
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """FSDP2: one unit per block, the root holds embeddings, final norm and output.
+    """FSDP2: one unit per block, the root holds embeddings, final norm and output; with
+    `expert_mesh` (expert parallelism) each block's ep-sharded experts are a unit of their own
+    over that mesh, the ranks that hold the same experts.
 
     Gradients are summed, not averaged, over dp ranks: the loss must be normalised by the global
     token count (see `titanrl.components.loss`), which keeps results identical to one rank
@@ -222,6 +267,14 @@ def apply_fsdp(
             reshard = i < len(blocks) - 1
         else:
             reshard = reshard_after_forward == "always"
+        if expert_mesh is not None and block.moe is not None:
+            fully_shard(
+                block.moe.experts,
+                mesh=expert_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=reshard,
+                shard_placement_fn=partial(_expert_placement, fsdp_size=expert_mesh.size()),
+            )
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
     # The trainer's logprobs come from `model.logprobs`, not `forward`: FSDP must gather for it too.
@@ -233,6 +286,12 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
+def _expert_placement(param: nn.Parameter, fsdp_size: int) -> Shard:
+    """FSDP2 shards this rank's experts on the expert dim when there are enough of them, else
+    on the hidden dim (TorchTitan's rule): no padded, empty shards."""
+    return Shard(0) if param.to_local().shape[0] % fsdp_size == 0 else Shard(1)
+
+
 @torch.no_grad()
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip by the norm over all gradients, which may be DTensors on different meshes/placements.
@@ -241,18 +300,20 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: 
     (FSDP+TP, replicated norms), so norms are computed per (mesh, placements) group, made full,
     and combined. Returns the total norm (before clipping); max_norm <= 0 only measures it.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
-        groups[key].append(g)
+    groups: dict[object, list[nn.Parameter]] = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        # Per group as well: one foreach op cannot mix DTensors of several meshes (experts on
+        # the ep mesh, the rest on dp_shard).
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total

@@ -24,6 +24,7 @@ What later work reads after a forward, per MoE layer (`MoE` attributes):
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import in_batch_invariant_mode
@@ -81,25 +82,37 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """`x_SD` holds expert 0's rows, then expert 1's ... (`counts_E` rows each)."""
+        """`x_SD` holds expert 0's rows, then expert 1's ... (`counts_E` rows each).
+
+        Under expert parallelism (`titanrl.distributed.expert_parallel`) the weights are DTensors
+        sharded on the expert dim, and the rows and counts arriving here are this rank's experts'
+        only: the hook where tokens are dispatched and combined wraps this call."""
         if grouped_mm_supported(x_SD):
             return self.forward_grouped(x_SD, counts_E)
         return self.forward_loop(x_SD, counts_E)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """w1, w2, w3 of the experts this rank holds (all of them without expert parallelism)."""
+        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+
     def forward_grouped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
+        assert counts_E.numel() == w1.shape[0], (counts_E.numel(), w1.shape)
         offsets_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
         # Transposed views are the column-major right operands the CUDA kernel wants.
-        h_SH = F.silu(torch._grouped_mm(x_SD, self.w1.transpose(-2, -1), offs=offsets_E))
-        h_SH = h_SH * torch._grouped_mm(x_SD, self.w3.transpose(-2, -1), offs=offsets_E)
-        return torch._grouped_mm(h_SH, self.w2.transpose(-2, -1), offs=offsets_E)
+        h_SH = F.silu(torch._grouped_mm(x_SD, w1.transpose(-2, -1), offs=offsets_E))
+        h_SH = h_SH * torch._grouped_mm(x_SD, w3.transpose(-2, -1), offs=offsets_E)
+        return torch._grouped_mm(h_SH, w2.transpose(-2, -1), offs=offsets_E)
 
     def forward_loop(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.local_weights()
+        assert counts_E.numel() == w1.shape[0], (counts_E.numel(), w1.shape)
         outs = []
         for e, x_ND in enumerate(torch.split(x_SD, counts_E.tolist())):
             if x_ND.shape[0] == 0:
                 continue
-            h_NH = F.silu(F.linear(x_ND, self.w1[e])) * F.linear(x_ND, self.w3[e])
-            outs.append(F.linear(h_NH, self.w2[e]))
+            h_NH = F.silu(F.linear(x_ND, w1[e])) * F.linear(x_ND, w3[e])
+            outs.append(F.linear(h_NH, w2[e]))
         return torch.cat(outs) if outs else x_SD.new_zeros(x_SD.shape)
 
     def init_weights(self, init_std: float) -> None:
@@ -114,6 +127,23 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch
     P_e = mean over tokens of the router probability of e. Balanced routing gives k."""
     T, E = probs_TE.shape
     return E * torch.sum(counts_E.to(probs_TE.dtype) / max(T, 1) * probs_TE.mean(dim=0))
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """Identity on `out`; in backward, `aux`'s gradient is `coeff` (Megatron's aux-loss scaler):
+    the loss term coeff * aux then trains the router through whichever backward runs through this
+    forward, without the caller adding it to its loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, coeff: float) -> torch.Tensor:
+        ctx.coeff = coeff
+        ctx.save_for_backward(aux)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad_out, torch.full_like(aux, ctx.coeff), None
 
 
 class MoE(nn.Module):
@@ -132,6 +162,8 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(self.num_experts), persistent=False)
         self.routes_TK: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
+        # Weight of this layer's aux_loss in backward (`AuxLossGrad`); the trainer sets it.
+        self.aux_loss_coeff = 0.0
 
     def forward(self, x_BTD: torch.Tensor, routes_TK: torch.Tensor | None = None) -> torch.Tensor:
         """`routes_TK`: experts to use for the B * T tokens (routing replay); None: the router's."""
@@ -150,6 +182,8 @@ class MoE(nn.Module):
         out_TD = self.routed(x_TD, weights_TK, routes_TK, counts_E)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            out_TD = AuxLossGrad.apply(out_TD, self.aux_loss, self.aux_loss_coeff)
         return out_TD.view(x_BTD.shape)
 
     def routed(
