@@ -65,7 +65,7 @@ def _skip_reason(fqn: str, module: nn.Module, config: Float8Config) -> str:
 
 def _check_supported(model: nn.Module) -> None:
     """Reject block linears that float8 cannot replace, naming the fix."""
-    if any(getattr(block, "moe", None) is not None for block in getattr(model, "layers", {}).values()):
+    if any(getattr(module, "moe", None) is not None for module in model.modules()):
         raise ValueError(
             "[float8] does not support mixture-of-experts models yet (the routed experts are grouped "
             "weights, not linear layers, and would stay in high precision): set float8.enable = false"
