@@ -65,6 +65,11 @@ def _skip_reason(fqn: str, module: nn.Module, config: Float8Config) -> str:
 
 def _check_supported(model: nn.Module) -> None:
     """Reject block linears that float8 cannot replace, naming the fix."""
+    if any(getattr(module, "moe", None) is not None for module in model.modules()):
+        raise ValueError(
+            "[float8] does not support mixture-of-experts models yet (the routed experts are grouped "
+            "weights, not linear layers, and would stay in high precision): set float8.enable = false"
+        )
     for fqn, module in model.named_modules():
         if fqn.startswith(BLOCKS_PREFIX) and isinstance(module, nn.Linear) and type(module) is not nn.Linear:
             # A subclass (e.g. LoRALinear) carries behaviour that Float8Linear would drop.
@@ -87,9 +92,9 @@ def convert_to_float8(model: nn.Module, config: Float8Config, fsdp_sharded: bool
     `config.filter_fqns` or a weight dim is not a multiple of 16; a model where nothing is
     converted is an error, since the job would silently train in high precision.
     """
+    _check_supported(model)
     from torchao.float8 import convert_to_float8_training
 
-    _check_supported(model)
     converted: list[str] = []
     skipped: dict[str, str] = {}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from titanrl.config.adapt_sections import Distillation, Float8, LoRA
 from titanrl.config.eval_sections import EvalSuite, validate_suites
-from titanrl.config.moe_sections import Moe
+from titanrl.config.moe_sections import MoE
 from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, SFTWarmup
 from titanrl.config.rollout_sections import Rollout
 from titanrl.config.sections import (
@@ -60,7 +60,7 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     float8: Float8 = field(default_factory=Float8)
     distillation: Distillation = field(default_factory=Distillation)
-    moe: Moe = field(default_factory=Moe)
+    moe: MoE = field(default_factory=MoE)
     eval: list[EvalSuite] = field(default_factory=list)
     """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/eval_sections.py`."""
 

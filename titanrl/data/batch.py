@@ -53,9 +53,10 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     T = int(batch["length"].max())
     out = batch.clone()
     out["tokens"] = batch["tokens"][:, :T]
-    # Every other [B, T-1] field is per next-token target (masks, logprobs, values, advantages).
+    # Every other [B, T-1, ...] field is per next-token target (masks, logprobs, values,
+    # advantages) or per input (MoE routes).
     for key in batch.keys():
-        if key != "tokens" and batch[key].dim() == 2:
+        if key != "tokens" and batch[key].dim() >= 2:
             out[key] = batch[key][:, : T - 1]
     return out
 

@@ -101,6 +101,26 @@ def packed_backend(
     return DocumentFlexAttention(doc_RS) if use_flex else DocumentSDPA(doc_RS)
 
 
+def routes_in_rows(routes_BTLK: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
+    """A batch's recorded MoE routes [B, T-1, L, K] (-1: none) in the model's token order [N, L, K]:
+    the padded rows flattened, or the packed rows' slots (-1 on packing padding)."""
+    B, T1, L, K = routes_BTLK.shape
+    if layout is None:
+        return routes_BTLK.reshape(B * T1, L, K).long()
+    flat_NX = routes_BTLK.reshape(B * T1, L * K).long()
+    out_NX = flat_NX.new_full((layout.R * layout.S, L * K), -1)
+    out_NX[layout.dst_N.to(flat_NX.device)] = flat_NX[layout.src_N.to(flat_NX.device)]
+    return out_NX.view(-1, L, K)
+
+
+def replay_routes_LTK(routes_BTLK: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
+    """`routes_LTK` for routing replay: the recorded experts; where none was recorded (padding,
+    a sample's last token: positions no loss reads) experts 0 .. K-1."""
+    routes_NLK = routes_in_rows(routes_BTLK, layout)
+    filler_NLK = torch.arange(routes_NLK.shape[-1], device=routes_NLK.device).expand_as(routes_NLK)
+    return torch.where(routes_NLK < 0, filler_NLK, routes_NLK).transpose(0, 1)
+
+
 def forward_logprobs(
     model: Transformer,
     batch: TensorDict,
@@ -108,17 +128,26 @@ def forward_logprobs(
     chunk_tokens: int,
     with_entropy: bool = False,
     packing: str = "off",
+    replay_routes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs of the next tokens [B, T-1], entropy or None) as the trainer computes them, at
     the loss mask's positions only (0 elsewhere: prompt tokens are not projected to the vocabulary).
-    Packed (`data.packing.layout_of`: as planned, or by `packing`) or over the padded rows."""
+    Packed (`data.packing.layout_of`: as planned, or by `packing`) or over the padded rows.
+    `replay_routes`: MoE layers use the experts in batch["routes"] (routing replay)."""
     tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
     layout = layout_of(batch, packing)
+    routes_LTK = replay_routes_LTK(batch["routes"], layout) if replay_routes else None
     if layout is None:
         backend = ExactCausalAttention() if invariant else None
         with batch_invariant_mode() if invariant else contextlib.nullcontext():
             return model.logprobs(
-                tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, with_entropy, backend=backend, mask_BT=mask_BT
+                tokens_BT[:, :-1],
+                tokens_BT[:, 1:],
+                chunk_tokens,
+                with_entropy,
+                backend=backend,
+                mask_BT=mask_BT,
+                routes_LTK=routes_LTK,
             )
     inputs_RS, targets_RS = layout.pack(tokens_BT[:, :-1]), layout.pack(tokens_BT[:, 1:])
     mask_RS = layout.pack(mask_BT)
@@ -132,6 +161,7 @@ def forward_logprobs(
             backend=backend,
             mask_BT=mask_RS,
             positions_BT=layout.positions_RS.to(tokens_BT.device),
+            routes_LTK=routes_LTK,
         )
     return layout.unpack(logprobs_RS), layout.unpack(entropy_RS) if entropy_RS is not None else None
 

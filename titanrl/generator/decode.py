@@ -39,11 +39,13 @@ def decode_step(
     stop_ids_E: torch.Tensor,
     scratch: int,
     attention: AttentionKind,
+    record_routes: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
-    left), the sampled tokens' logprobs, which rows stopped at this step and how many rows are
-    still live (0-d, the host's one read per step). `attention` 'exact': batch-invariant mode
-    (eager only)."""
+    left), the sampled tokens' logprobs, which rows stopped at this step, how many rows are
+    still live (0-d, the host's one read per step) and, with `record_routes`, each MoE layer's
+    experts for the fed tokens [MoE layers, N, top_k] (else None). `attention` 'exact':
+    batch-invariant mode (eager only)."""
     batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, v_cache[0].shape[1], page_index_P)
     backend = paged_attention(attention, batch, k_cache, v_cache)
     with batch_invariant_mode() if attention == "exact" else contextlib.nullcontext():
@@ -61,6 +63,7 @@ def decode_step(
         logprobs_N,
         stopped_N,
         next_live_N.sum(),
+        model.moe_routes() if record_routes else None,
     )
 
 
@@ -132,6 +135,8 @@ class DecodeOutput:
     stopped: list[bool]
     """Whether the row stopped (eos / stop id / length) in this pass."""
     steps: int
+    routes: list[torch.Tensor] | None = None
+    """With route recording: per row, the experts of its fed tokens [new tokens, MoE layers, top_k]."""
 
 
 class _TableWidths:
@@ -183,22 +188,30 @@ def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.devi
     return tokens_N, pos_N, left_N, key_N, table_NM
 
 
-def _collect(out_tokens: list, out_logprobs: list, out_stopped: list, live_N: torch.Tensor) -> DecodeOutput:
+def _collect(
+    out_tokens: list, out_logprobs: list, out_stopped: list, live_N: torch.Tensor, out_routes: list
+) -> DecodeOutput:
     """The pass's per-step outputs read back once, each row cut after its stop token."""
     N = len(live_N)
     done = len(out_tokens)
     tokens = torch.stack(out_tokens)[:, :N].t().tolist()
     logprobs = torch.stack(out_logprobs)[:, :N].t().tolist()
     stopped_KN = torch.stack(out_stopped)[:, :N]
+    lengths = [done] * N
     if stopped_KN.any():  # cut each stopped row after its stop (argmax finds the first True)
         lengths = torch.where(stopped_KN.any(0), stopped_KN.int().argmax(0) + 1, done).tolist()
         tokens = [t[:n] for t, n in zip(tokens, lengths)]
         logprobs = [lp[:n] for lp, n in zip(logprobs, lengths)]
+    routes = None
+    if out_routes:  # [steps, L, bucket, K] -> per row [its steps, L, K], int16 on the host
+        routes_NSLK = torch.stack(out_routes)[:, :, :N].permute(2, 0, 1, 3).to(torch.int16).cpu()
+        routes = [routes_NSLK[i, :n] for i, n in enumerate(lengths)]
     return DecodeOutput(
         tokens=tokens,
         logprobs=logprobs,
         stopped=(~live_N).tolist(),
         steps=done,
+        routes=routes,
     )
 
 
@@ -218,6 +231,7 @@ def run_decode_pass(
     device: torch.device,
     attention: AttentionKind,
     cuda_graphs: bool = False,
+    record_routes: bool = False,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
@@ -229,11 +243,11 @@ def run_decode_pass(
     tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
     # The pass's pages keep their logical index at every step: computed once, an input of the step.
     page_index_P = logical_page_index(table_NM, scratch, v_cache[0].shape[0]) if attention == "flex" else None
-    out_tokens, out_logprobs, out_stopped = [], [], []
+    outs = []  # per step: tokens, logprobs, stopped, routes (or None)
     for step in range(steps):
         if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
             torch.compiler.cudagraph_mark_step_begin()
-        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live = step_fn(
+        tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live, routes_LNK = step_fn(
             model,
             k_cache,
             v_cache,
@@ -248,15 +262,16 @@ def run_decode_pass(
             stop_ids_E,
             scratch,
             attention,
+            record_routes,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
-            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
-                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N)
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK = (
+                t if t is None else t.clone()
+                for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK)
             )
-        out_tokens.append(tokens_N)
-        out_logprobs.append(logprobs_N)
-        out_stopped.append(stopped_N)
+        outs.append((tokens_N, logprobs_N, stopped_N, routes_LNK))
         num_live = int(num_live)  # the one host read per step
         if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
             break
-    return _collect(out_tokens, out_logprobs, out_stopped, live_N[:N])
+    out_tokens, out_logprobs, out_stopped, out_routes = zip(*outs)
+    return _collect(out_tokens, out_logprobs, out_stopped, live_N[:N], out_routes if record_routes else [])

@@ -33,12 +33,14 @@ from titanrl.generator.decode import (
 )
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
+from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
 from titanrl.generator.weight_sync import (
     build_quantizer,
     can_sync_trainable_only,
+    copy_expert_bias,
     copy_trainer_weights,
     share_trainer_weights,
     weight_storage,
@@ -86,6 +88,13 @@ class Generator:
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.tp = tp_mesh.size() if tp_mesh is not None else 1
+        self.record_routes = has_moe_layers(model_args)  # routing replay (`routes.py`)
+        if self.record_routes and config.quantize != "none":
+            raise ValueError(
+                f"[generator] quantize = '{config.quantize}' is not supported for mixture-of-experts models "
+                "(routed experts are grouped weights, and a quantised router would pick other experts than "
+                "the trainer's): set generator.quantize = 'none'"
+            )
         self.quantizer = build_quantizer(config.quantize, device, dtype, self.tp)  # before the model
         self.model = self._build_model(tp_mesh)
         self.shares_weights = False
@@ -162,7 +171,8 @@ class Generator:
                 self.dtype,
                 self.device,
             )
-            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            prefix_caching = self.config.enable_prefix_caching and not self.record_routes
+            self.allocator = BlockAllocator(self.num_blocks, prefix_caching)
             if self._cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
@@ -189,6 +199,7 @@ class Generator:
         """Copy the trainer's weights into this generator's, in place (`weight_sync`): quantised ones
         are re-quantised; with runtime LoRA, loads after the first copy only the adapters."""
         copy_trainer_weights(self.model, trainer_model, self.quantizer, trainable_only=self._base_loaded)
+        copy_expert_bias(self.model, trainer_model)
         self._base_loaded = can_sync_trainable_only(self.model)
         # Cached prefix blocks hold K/V computed with the old weights.
         if self.allocator is not None:
@@ -325,10 +336,11 @@ class Generator:
     def _prefill(self, sched: Scheduler, seqs: list[Seq]) -> None:
         """One packed forward over the new context tokens of the admitted sequences; each group
         prompt's last row then gives its samples their first token."""
-        slices, tokens, last_index = [], [], []
+        slices, tokens, last_index, starts = [], [], [], []
         for seq in seqs:
             end = seq.context_end
             new = seq.token_ids[seq.num_computed : end]
+            starts.append(seq.num_computed)
             if seq.is_group_prompt:
                 sched.stats.prefix_cache_hit_tokens += seq.num_computed
             slices.append(SeqSlice(seq.block_table, end, len(new)))
@@ -339,6 +351,9 @@ class Generator:
         # Logits only at each sequence's last new token: the rows that are sampled (a full
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
         logits_SV = self._forward(slices, tokens, logits_at=last_index)
+        if self.record_routes:
+            counts = [s.num_new for s in slices]
+            record_packed_routes(seqs, starts, counts, self.model.moe_routes())
         samples, rows = [], []
         for i, seq in enumerate(seqs):
             forked = sched.after_prefill(seq)
@@ -384,10 +399,13 @@ class Generator:
                 device=self.device,
                 attention=self.attention if compiled else self.eager_attention,
                 cuda_graphs=self._cuda_graphs,
+                record_routes=self.record_routes,
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
-        for seq, tokens, logprobs, stopped in zip(batch, out.tokens, out.logprobs, out.stopped):
+        for i, (seq, tokens, logprobs, stopped) in enumerate(zip(batch, out.tokens, out.logprobs, out.stopped)):
+            if out.routes is not None:
+                add_route_chunk(seq, len(seq.token_ids) - 1, out.routes[i])
             seq.token_ids.extend(tokens)
             seq.logprobs.extend(logprobs)
             seq.num_computed = len(seq.token_ids) - 1
@@ -401,6 +419,9 @@ class Generator:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
         with torch.profiler.record_function("generator/decode"):
             logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
+        if self.record_routes:
+            starts = [len(s.token_ids) - 1 for s in batch]
+            record_packed_routes(batch, starts, [1] * len(batch), self.model.moe_routes())
         sched.stats.decode_tokens += len(batch)
         sched.stats.decode_steps += 1
         for seq in batch:

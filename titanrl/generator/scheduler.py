@@ -187,6 +187,7 @@ class Scheduler:
             self.sample_key(group.prompt_index, sample_index),
             block_table=[self.allocator.fork(b) for b in group.block_table],
             num_computed=group.num_computed,
+            route_chunks=None if group.route_chunks is None else list(group.route_chunks),
         )
 
     # ---- decode ----

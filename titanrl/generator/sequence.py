@@ -5,6 +5,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import torch
+
 from titanrl.generator.sampling import SamplingParams
 from titanrl.models.tokenizer import Tokenizer
 
@@ -24,6 +26,10 @@ class Completion:
     """Multi-turn only: 1 for tokens the model sampled, 0 for environment tokens (logprob 0)."""
     key: int = 0
     """Key of the sample's random stream: a resumed sample continues the same stream."""
+    routes: torch.Tensor | None = None
+    """MoE models: the experts each MoE layer chose for every token the generator fed to the
+    model, prompt and completion, [prompt + completion tokens - 1, MoE layers, top_k] int16
+    (the last token is sampled, never fed); -1 where none was recorded. None for dense models."""
 
 
 @dataclass
@@ -117,6 +123,9 @@ class Seq:
     # the model / appended by the environment).
     turn_start: int = 0
     model_mask: list[int] = field(default_factory=list)
+    # MoE route recording: (first position, experts [n, MoE layers, top_k]) per forward that fed
+    # positions first .. first + n - 1; a recomputed position's later chunk wins.
+    route_chunks: list[tuple[int, torch.Tensor]] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -157,4 +166,16 @@ class Seq:
             top_logprobs=self.top_logprobs if self.params.num_top_logprobs else None,
             model_mask=(self.model_mask + [1] * (len(ids) - len(self.model_mask))) if self.model_mask else None,
             key=self.key,
+            routes=self.assemble_routes(),
         )
+
+    def assemble_routes(self) -> torch.Tensor | None:
+        """The recorded routes of the fed positions 0 .. len(token_ids) - 2 (`Completion.routes`)."""
+        if self.route_chunks is None:
+            return None
+        L, K = self.route_chunks[0][1].shape[1:] if self.route_chunks else (0, 0)
+        routes_PLK = torch.full((len(self.token_ids) - 1, L, K), -1, dtype=torch.int16)
+        for start, chunk_NLK in self.route_chunks:
+            n = max(0, min(len(chunk_NLK), len(routes_PLK) - start))
+            routes_PLK[start : start + n] = chunk_NLK[:n]
+        return routes_PLK

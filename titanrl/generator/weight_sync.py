@@ -57,6 +57,17 @@ def copy_trainer_weights(
             unit.reshard()
 
 
+@torch.no_grad()
+def copy_expert_bias(generator_model: nn.Module, trainer_model: nn.Module) -> None:
+    """MoE routing's `expert_bias` buffers (DeepSeek-V3's auxiliary-loss-free balancing) choose
+    experts as much as the router's weights do: copy them too (they are not parameters, so
+    neither the parameter copy nor shared weights carry them). Replicated, never sharded."""
+    dst = {clean_fqn(n): b for n, b in generator_model.named_buffers() if n.endswith("expert_bias")}
+    for name, src in trainer_model.named_buffers():
+        if name.endswith("expert_bias"):
+            dst[clean_fqn(name)].copy_(src)
+
+
 def can_sync_trainable_only(generator_model: nn.Module) -> bool:
     """Whether, after one full copy, syncs may copy only the trainer's trainable parameters: the
     generator holds each trainer parameter as it is (LoRA adapters at runtime, not merged into

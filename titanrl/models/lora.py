@@ -98,8 +98,14 @@ def add_lora(model: nn.Module, config: LoRAConfig) -> int:
     parallelization) by `LoRALinear`s; returns how many were adapted."""
     targets = [_TARGETS[name] for name in resolve_targets(config.target_modules)]
     count = 0
-    for block in model.layers.values():
+    for layer_id, block in model.layers.items():
         for path in targets:
+            if getattr(block, "moe", None) is not None and path.startswith("feed_forward."):
+                raise ValueError(
+                    f"[lora] target_modules names the feed-forward projection '{path.split('.')[-1]}', but layer "
+                    f"{layer_id} is a mixture of experts (grouped expert weights, not linear layers): adapt only "
+                    "the attention projections (target_modules = ['wq', 'wk', 'wv', 'wo'])"
+                )
             parent_path, _, attr = path.rpartition(".")
             parent = block.get_submodule(parent_path)
             linear = getattr(parent, attr)

@@ -40,12 +40,14 @@ from titanrl.data.tasks import Sample, Task
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.pool import EnvPool
 from titanrl.generator import SamplingParams
+from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardItem, RewardOutputLog
 from titanrl.rl.builders import rollout_collector_class
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.evaluation import EvalSuites, load_suites
+from titanrl.rl.moe_replay import MoEMonitor, routes_batch
 from titanrl.rl.rollouts import Rollouts, build_generator, build_reward_runner
 from titanrl.rl.stats import RLStats
 
@@ -93,6 +95,8 @@ class RLRecipe(Recipe):
         self.console = {**self.console, **self.suites.console()}
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
+        self.moe = MoEMonitor(self.policy)  # routing disagreement, expert loads, router entropy
+        self.replay = cfg.moe.routing_replay == "rollout" and has_moe_layers(trainer.model_args)
         self.distiller = build_distiller(cfg, self.algorithm, trainer)  # a frozen teacher, in no checkpoint
         # The generator next: a KV pool sized from free memory is sized as the policy (and a teacher) leave it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
@@ -177,7 +181,9 @@ class RLRecipe(Recipe):
             if self.reference is not None:
                 batch["ref_logprobs"], _ = forward_logprobs(self.reference, batch, invariant, chunk, packing=pack)
             if off_policy:
-                batch["old_logprobs"], _ = forward_logprobs(self.policy, batch, invariant, chunk, packing=pack)
+                batch["old_logprobs"], _ = forward_logprobs(
+                    self.policy, batch, invariant, chunk, packing=pack, replay_routes=self.replay
+                )
             if self.critic is not None:
                 batch["values"] = forward_values(self.critic, batch, pack) * batch["loss_mask"]
             if self.distiller is not None:
@@ -215,7 +221,13 @@ class RLRecipe(Recipe):
             self.trainer.tokenizer.pad_id,
             [c.logprobs for c in completions],
             [c.model_mask for c in completions],  # environment tokens are not trained on
-        ).to(self.trainer.device)
+        )
+        routes = routes_batch(
+            [len(train.prompts[i // G]) for i in range(len(completions))], completions, batch["tokens"].shape[1]
+        )
+        if routes is not None:
+            batch["routes"] = routes
+        batch = batch.to(self.trainer.device)
         if self.config.rollout.overlong_filter:
             truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=self.trainer.device)
             batch["loss_mask"] = batch["loss_mask"] * (~truncated)[:, None]
@@ -271,7 +283,9 @@ class RLRecipe(Recipe):
                 self.config.generator.batch_invariant,
                 self.config.training.logprob_chunk_tokens,
                 with_entropy=True,
+                replay_routes=self.replay,
             )
+            self.moe.observe(self.policy, mb)
             mask = mb["loss_mask"]
             # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
             old = mb["old_logprobs"] if off_policy else logprobs.detach()
@@ -362,6 +376,7 @@ class RLRecipe(Recipe):
         if self.config.rollout.overlong_filter:
             metrics["overlong_filtered"] = s.overlong_filtered
         metrics.update(self.rollouts.metrics())
+        metrics.update(self.moe.metrics(self.trainer.dp_group))
         if self.config.reward.model_path:
             metrics["rm_score"] = s.rm_score_sum / n
         if self.algorithm.needs_baseline_rollout:
