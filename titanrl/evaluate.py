@@ -115,8 +115,9 @@ def _commit() -> str:
         return ""
 
 
-def summary(config, checkpoint: str, metrics: dict[str, float], world_size: int) -> dict:
-    """The JSON written by `titanrl eval`: suite -> {metric: value}, and what was evaluated."""
+def summary(config, checkpoint: str, metrics: dict[str, float], world_size: int, commit: str) -> dict:
+    """The JSON written by `titanrl eval`: suite -> {metric: value}, and what was evaluated
+    (`commit`: the checkout's commit when the evaluation started; a long one may outlive it)."""
     suites: dict[str, dict] = {s.name: {"metrics": {}, "settings": dataclasses.asdict(s)} for s in config.eval}
     for key, value in metrics.items():
         _, name, metric = key.split("/", 2)
@@ -125,7 +126,7 @@ def summary(config, checkpoint: str, metrics: dict[str, float], world_size: int)
         "config_file": config.job.config_file,
         "checkpoint": checkpoint,
         "hf_checkpoint": config.model.hf_checkpoint,
-        "commit": _commit(),
+        "commit": commit,
         "ranks": world_size,
         "suites": suites,
     }
@@ -203,11 +204,12 @@ def rank_main(argv: list[str] | None = None) -> None:
 
     out, checkpoint, config_args = _split_rank_args(sys.argv[1:] if argv is None else argv)
     config = load_config(config_args)
+    commit = _commit()
     metrics, rank, world_size = evaluate(config, checkpoint)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:
-            json.dump(summary(config, checkpoint, metrics, world_size), f, indent=2)
+            json.dump(summary(config, checkpoint, metrics, world_size, commit), f, indent=2)
             f.write("\n")
     launch.shutdown()
 
