@@ -26,6 +26,13 @@ stops a sample, capped at 1,024), and `warm_compile`: the decode section's batch
 in a new process over this run's compile cache (what a restarted job pays), next to the same
 generation's cold compile seconds in this process.
 
+`moe` (after the first model's sections, before the other models, while `--model-min-s` is
+left): the same decode / train / sync entry for a mixture-of-experts model: two layers of the
+Qwen3-30B-A3B shape (128 experts of width 768, top-8, dim 2048, its vocabulary, untied head:
+1.87B parameters, 0.74B active per token, so float32 AdamW state fits one GPU), `debug-moe` in
+a dry run. Its MFU counts the active parameters (6 * active * tokens); its decode roofline
+reads every expert (at batch 16 and up the tokens' top-8 choices cover nearly all 128).
+
 `rl_step`: `python -m titanrl.train` on `train_configs/grpo_reverse_debug.toml` through
 `benchmarks/bench_rl_step.py` (its assets and runner) with the recipe's own settings (the
 generator compiled on CUDA): a character tokenizer, reverse-task prompts,
@@ -40,11 +47,12 @@ there is no vllm package, otherwise a string saying why it did not run (dry run,
 cap, error). It runs last, in its own process group under its own time cap (start-up with CUDA
 graph capture takes a minute or more), and that process's exit frees its GPU memory; the RL step
 runs the same way. `--budget-s` (bench_gpu.sh passes 540 under its 570 s `timeout`) caps the
-whole run. Order: the first model, the generator sections, the other models (each only with
-`--model-min-s` left), the RL step, vLLM; what the budget cut says so in the JSON.
+whole run. Order: the first model, the generator sections, the MoE model, the other models
+(each only with `--model-min-s` left), the RL step, vLLM; what the budget cut says so in the JSON.
 """
 
 import argparse
+import dataclasses
 import functools
 import gc
 import importlib.util
@@ -60,6 +68,7 @@ import time
 
 import torch
 
+from benchmarks.bench_moe import active_params
 from benchmarks.gpu_generator import attention_rows, compile_worker, long_tail_batch, prefill_rows, warm_compile
 from benchmarks.harness import REPO_ROOT, command_line, environment, timed_call, timeit, write_json
 from titanrl.config.rl_sections import Generator as GeneratorConfig
@@ -72,6 +81,8 @@ from titanrl.models.model import Transformer
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 VLLM_MODEL = "qwen2.5-0.5b"  # compared with vLLM, and the RL step's shape on a GPU
 VLLM_BATCH_SIZES = [1, 64, 256]
+# The `moe` section's model on a GPU: two Qwen3-30B-A3B layers (training state fits one device).
+MOE_MODEL = ("qwen3-30b-a3b-2l", dataclasses.replace(get_model_args("qwen3-30b-a3b"), n_layers=2))
 # Process groups of the running workers: bench_gpu.sh's `timeout` signals only its own process
 # group and a worker runs in a session of its own, so SIGTERM kills them here.
 ACTIVE_GROUPS: set[int] = set()
@@ -82,6 +93,8 @@ DOC_TABLES = [
     ("GRPO batch with a long-tail length distribution", ["generator", "long_tail"], None),
     ("Compile seconds, warm cache in a new process", ["generator", "warm_compile"], None),
     ("Training step and weight sync", ["models"], ["params", "train.*", "weight_sync.*"]),
+    ("MoE model: training step and weight sync", ["moe"], ["model", "params", "train.*", "weight_sync.*"]),
+    ("MoE model: decode vs the bandwidth roofline", ["moe", "decode"], None),
     ("GRPO step, median seconds per phase", ["rl_step", "phases_s"], None),
     ("Decode next to vLLM", ["vllm", "vs_titanrl"], None),
     ("Float8 training step (bench_gpu.sh's float8 section)", ["float8_bench"], None),
@@ -212,7 +225,7 @@ def bench_train(
         opt.step()
 
     seconds = timeit(step, warmup=1, repeat=reps, device=device).median
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = active_params(model)  # all of a dense model's; an MoE token's routed experts only
     attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq * seq * batch / 2  # causal
     flops = 6 * n_params * batch * seq + attention
     out = {
@@ -653,6 +666,7 @@ def main() -> None:
         },
         "models": {},
         "generator": "not run",
+        "moe": "not run",
         "rl_step": "not run",
         "vllm": "not run",
     }
@@ -695,6 +709,15 @@ def main() -> None:
             report["rl_step"] = f"failed: writing the model folder: {type(e).__name__}: {e}"
             report["vllm"] = "not installed" if importlib.util.find_spec("vllm") is None else report["rl_step"]
             model_dir = None
+        moe_name, moe_args = ("debug-moe", get_model_args("debug-moe")) if a.dry_run else MOE_MODEL
+        if left() < a.model_min_s:
+            report["moe"] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
+        else:
+            report["moe"] = {"model": moe_name, **measure(moe_name, moe_args)}
+        write_report({**report, "wall_s": time.perf_counter() - start})
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         for name in other_names:
             if left() < a.model_min_s:
                 report["models"][name] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"

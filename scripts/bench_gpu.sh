@@ -3,7 +3,8 @@
 # decode tok/s vs the bandwidth roofline for Qwen2.5-0.5B / 1.5B shapes (random weights) at batch
 # 1/16/64/256 (compiled, the default on CUDA), FlexAttention vs the in-place decode attention it
 # replaced, prefill tok/s at 2k and 8k prompts, a long-tail GRPO batch, compile seconds cold and
-# warm, training MFU, weight-sync time, the per-phase seconds of a few GRPO steps of a real recipe
+# warm, training MFU, weight-sync time, the same decode / train / sync entry for an MoE model (two
+# Qwen3-30B-A3B layers: 128 experts, top-8; MFU of its active parameters), the per-phase seconds of a few GRPO steps of a real recipe
 # with its default config (generate, reward, logprob, train, sync), and decode tok/s next to
 # vLLM's when vllm is installed ("vllm": "not installed" otherwise); one JSON with the commit and
 # device. The run's compile cache is a fresh folder (cold start), shared by its sections and

@@ -95,6 +95,11 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
     assert gen["warm_compile"]["generate_s"] > 0 and "cold_compile_s_in_this_process" in gen["warm_compile"]
     assert entry["train"]["tokens_per_s"] > 0 and entry["train"]["mfu"] is None  # no peak known on CPU
     assert entry["weight_sync"]["sync_s"] > 0
+    moe = report["moe"]  # the same entry for an MoE model; its MFU counts the active parameters
+    assert moe["model"] == "debug-moe" and moe["params"] > entry["params"]
+    assert all(row["decode_tok_s"] > 0 for row in moe["decode"]) and moe["train"]["tokens_per_s"] > 0
+    assert moe["train"]["tflops"] < moe["train"]["tokens_per_s"] * 6 * moe["params"] / 1e12
+    assert moe["weight_sync"]["sync_s"] > 0
     # A real GRPO recipe, 2 steps on CPU (the first dropped), split by phase.
     rl = report["rl_step"]
     assert isinstance(rl, dict), rl  # a string says why it did not run
