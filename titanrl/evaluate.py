@@ -14,6 +14,7 @@ exit code 2. Nothing of a training run in the same dump folder is touched but ev
 On each rank: `python -m titanrl.evaluate --out=FILE [--checkpoint=PATH] --job.config_file=...`.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -205,7 +206,9 @@ def rank_main(argv: list[str] | None = None) -> None:
     out, checkpoint, config_args = _split_rank_args(sys.argv[1:] if argv is None else argv)
     config = load_config(config_args)
     commit = _commit()
-    metrics, rank, world_size = evaluate(config, checkpoint)
+    # stdout is the JSON summary alone (`titanrl eval ... | jq`): the ranks' notices go to stderr.
+    with contextlib.redirect_stdout(sys.stderr):
+        metrics, rank, world_size = evaluate(config, checkpoint)
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with open(out, "w") as f:

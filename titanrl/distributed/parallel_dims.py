@@ -71,6 +71,16 @@ class ParallelDims:
 
     @cached_property
     def world_mesh(self) -> DeviceMesh:
+        """(dp_replicate, dp_shard, tp); with expert parallelism dp_shard is split into
+        (dp_shard_mod_ep, ep) and flattened back to `dp_shard`, so every view works either way.
+        Without it no dim is flattened: slicing a flattened dim from the root mesh warns on every
+        rank (torch 2.13), and a user error must stay one line."""
+        if not self.ep_enabled:
+            return init_device_mesh(
+                device_type(),
+                (self.dp_replicate, self.dp_shard, self.tp),
+                mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            )
         mesh = init_device_mesh(
             device_type(),
             (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp),
