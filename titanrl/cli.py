@@ -123,9 +123,8 @@ def check_resume(config: "JobConfig", args, data) -> None:
     """The checkpoint the ranks will resume from, if any, fits: its parameters' shapes and dtypes
     are the model's, the dump folder has room for the next save, and its data is this run's
     (`data`: the recipe's rows)."""
-    import torch
-
     from titanrl.components import launch
+    from titanrl.components.checkpoint_integrity import load_host_state
     from titanrl.data.provenance import SOURCES_KEY, check_sources, sources_in
 
     path = launch.checkpoint_to_load(config)
@@ -135,8 +134,8 @@ def check_resume(config: "JobConfig", args, data) -> None:
         args = dataclasses.replace(args, num_labels=1)
     launch.check_checkpoint_shapes(path, args, config.lora if config.lora.enable else None)
     launch.check_free_space(config, path)
-    try:  # weights_only: reading a checkpoint never runs code; a host state it cannot read is left to the ranks
-        loader = torch.load(os.path.join(path, "host_rank0.pt"), weights_only=True)["loader"]
+    try:  # as the ranks read it (plain data, runs no code); a host state it cannot read is left to them
+        loader = load_host_state(os.path.join(path, "host_rank0.pt"))["loader"]
     except Exception:
         return
     check_sources(loader.get(SOURCES_KEY), sources_in(data), notify=False)

@@ -10,19 +10,16 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from parity_worker import make_batch
+from parity_worker import make_batch, train_steps
 
 from titanrl.components.checkpoint import CheckpointManager
-from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
-from titanrl.distributed import ParallelDims, clip_grad_norm_, init_distributed
+from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.models.args import TransformerModelArgs
-from titanrl.models.logprobs import token_logprobs
 
 STEPS = 2
 GLOBAL_BATCH = 8
-MAX_NORM = 0.5  # small: clipping is active, so the norm over ep / dp / tp meshes is part of the check
 
 # Layer 0 MoE (8 experts, top-2, one shared expert), layer 1 dense: both kinds under every layout.
 MOE_ARGS = TransformerModelArgs(
@@ -77,18 +74,7 @@ def run_layout(layout: str | None, dtype: str, world_size: int, ckpt: str = "") 
     rows = slice(parallel_dims.dp_rank * local_B, (parallel_dims.dp_rank + 1) * local_B)
     inputs_BT, targets_BT, mask_BT = tokens_BT[rows, :-1], tokens_BT[rows, 1:], mask_BT[rows].to(DTYPES[dtype])
 
-    losses, grad_norms = [], []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        num_tokens = global_token_count(mask_BT, dp_group)
-        loss = sft_loss(token_logprobs(model(inputs_BT), targets_BT), mask_BT, num_tokens)
-        loss.backward()
-        grad_norms.append(clip_grad_norm_(list(model.parameters()), MAX_NORM).item())
-        global_loss = loss.detach().clone()
-        if dp_group is not None:
-            dist.all_reduce(global_loss, group=dp_group)
-        losses.append(global_loss.item())
-        optimizer.step()
+    losses, grad_norms = train_steps(model, optimizer, (inputs_BT, targets_BT, mask_BT), dp_group, STEPS)
     if ckpt:
         CheckpointManager(ckpt, keep_latest_k=0).save(STEPS, {"model": model}, {"model": optimizer}, {})
     return {"losses": losses, "grad_norms": grad_norms, **full_params_and_grads(model)}

@@ -70,6 +70,25 @@ def families(layout: str) -> list[str]:
     return ["qwen3"] if "compile" in layout else list(MODEL_ARGS)
 
 
+def train_steps(model, optimizer, batch, dp_group, steps: int) -> tuple[list[float], list[float]]:
+    """`steps` SFT optimizer steps on this rank's rows (inputs, targets, mask), gradients clipped
+    to MAX_NORM: the global loss and the gradient norm of each step."""
+    inputs_BT, targets_BT, mask_BT = batch
+    losses, grad_norms = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        num_tokens = global_token_count(mask_BT, dp_group)
+        loss = sft_loss(token_logprobs(model(inputs_BT), targets_BT), mask_BT, num_tokens)
+        loss.backward()
+        grad_norms.append(clip_grad_norm_(list(model.parameters()), MAX_NORM).item())
+        global_loss = loss.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(global_loss, group=dp_group)
+        losses.append(global_loss.item())
+        optimizer.step()
+    return losses, grad_norms
+
+
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1234)
     tokens_BT = torch.randint(0, 128, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
@@ -101,18 +120,7 @@ def run_layout(family: str, layout: str | None, world_size: int) -> dict:
     rows = slice(parallel_dims.dp_rank * local_B, (parallel_dims.dp_rank + 1) * local_B)
     inputs_BT, targets_BT, mask_BT = tokens_BT[rows, :-1], tokens_BT[rows, 1:], mask_BT[rows]
 
-    losses, grad_norms = [], []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        num_tokens = global_token_count(mask_BT, dp_group)
-        loss = sft_loss(token_logprobs(model(inputs_BT), targets_BT), mask_BT, num_tokens)
-        loss.backward()
-        grad_norms.append(clip_grad_norm_(list(model.parameters()), MAX_NORM).item())
-        global_loss = loss.detach().clone()
-        if dp_group is not None:
-            dist.all_reduce(global_loss, group=dp_group)
-        losses.append(global_loss.item())
-        optimizer.step()
+    losses, grad_norms = train_steps(model, optimizer, (inputs_BT, targets_BT, mask_BT), dp_group, STEPS)
 
     # Full (unsharded) parameters and last-step gradients, keyed by state-dict name.
     params, grads = {}, {}

@@ -7,7 +7,6 @@ import fcntl
 import gc
 import json
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.checkpoint_errors import free_bytes
 from titanrl.components.checkpoint_integrity import CheckpointCorrupt, verify_checkpoint
 from titanrl.components.compile_cache import use_compile_cache
 from titanrl.config import JobConfig, help_text, load_config, to_toml
@@ -291,11 +291,8 @@ def check_free_space(config: JobConfig, path: str) -> None:
     run resumes from takes: the next save (written whole before an older one is removed) could
     not fit, and the run would fail there after training that long."""
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-    folder = os.path.abspath(config.job.dump_folder)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    free = shutil.disk_usage(folder).free
-    if free < size:
+    free = free_bytes(config.job.dump_folder)
+    if free is not None and free < size:
         raise ValueError(
             f"no space left on device for the next checkpoint: the file system of job.dump_folder "
             f"'{config.job.dump_folder}' has {_mib(free)} free, less than the {_mib(size)} of the checkpoint "
