@@ -154,6 +154,16 @@ def probe() -> str:
     return _DESCRIPTION
 
 
+_ANNOUNCED: set[str] = set()
+
+
+def announce(kind: str) -> None:
+    """Say once per process and kind ('reward', 'environment') how its workers are contained."""
+    if kind not in _ANNOUNCED:
+        _ANNOUNCED.add(kind)
+        print(f"{kind} workers contained by {probe()}", flush=True)
+
+
 def join_cgroups(cgroups: dict[str, str]) -> None:
     """Move this process into `cgroups` (before it runs user code: what it starts is then inside)."""
     joined = []

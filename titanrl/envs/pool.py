@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from titanrl.components.containment import OOM_EXIT_CODE, probe, spawn_contained, stop_contained
+from titanrl.components.containment import OOM_EXIT_CODE, announce, spawn_contained, stop_contained
 from titanrl.components.plugins import load_object
 from titanrl.components.workers import init_worker
 from titanrl.envs.base import StepResult
@@ -101,17 +101,6 @@ class _Worker:
         return stop_contained(self.proc)
 
 
-_LOGGED = False
-
-
-def _log_containment() -> None:
-    """Say once per process how environment workers are contained on this machine."""
-    global _LOGGED
-    if not _LOGGED:
-        _LOGGED = True
-        print(f"environment workers contained by {probe()}", flush=True)
-
-
 @dataclass
 class EnvResult:
     episode: int
@@ -160,7 +149,7 @@ class EnvPool:
             "memory_limit_mb": memory_limit_mb,
             "sys_path": list(sys.path),
         }
-        _log_containment()
+        announce("environment")
         self._workers: list[_Worker] = [_Worker(self._init) for _ in range(num_workers)]
         self._retiring: list[_Worker] = []  # raised MemoryError: they finish the episodes they hold
         self._home: dict[int, _Worker] = {}  # episode -> its worker

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from titanrl.components.containment import probe
+from titanrl.components.containment import announce
 from titanrl.data.tasks import Task
 from titanrl.rewards.worker import OUTPUT_KEEP_BYTES, RewardWorker
 
@@ -121,7 +121,7 @@ class RewardRunner:
         self._sel: selectors.BaseSelector | None = None
         self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
         self._batch: _Batch | None = None
-        _log_containment()
+        announce("reward")
         self._start_missing()  # they warm up while the trainer builds its model
 
     def __call__(self, items: list[RewardItem]) -> list[RewardResult]:
@@ -323,17 +323,6 @@ class RewardRunner:
         if self._sel is not None:
             self._sel.close()
             self._sel = None
-
-
-_LOGGED = False
-
-
-def _log_containment() -> None:
-    """Say once per process how reward workers are contained on this machine."""
-    global _LOGGED
-    if not _LOGGED:
-        _LOGGED = True
-        print(f"reward workers contained by {probe()}", flush=True)
 
 
 def _main_module(blob: bytes) -> dict:
