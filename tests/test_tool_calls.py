@@ -271,23 +271,28 @@ LLAMA31 = r"""{{- bos_token }}
     {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
 {%- endif %}
 """
+VOCAB = 640
 LLAMA_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 TOOLS = [CALCULATOR_TOOL, {"type": "function", "function": {"name": "search", "description": "Search the web."}}]
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """{'qwen': a Qwen2.5-layout tokenizer folder (tests/helpers/real_vocab.py), 'llama': the same
-    tokenizer with the Llama 3.1 template and special tokens}."""
+    """{'qwen': tests/helpers/real_vocab.py's BPE with Qwen2.5's template, 'llama': the same BPE
+    with the Llama 3.1 template and special tokens}: tokenizer folders."""
     pytest.importorskip("jinja2")
     pytest.importorskip("tokenizers")
-    from helpers.real_vocab import write_qwen_layout_folder
+    from helpers.real_vocab import QWEN_CONFIG, train_bpe
 
+    # The BPE of the Qwen layout without its padding to 151,936 ids: a small vocabulary keeps the
+    # scripted model's logits (and the test) cheap.
     qwen, llama = tmp_path_factory.mktemp("qwen"), tmp_path_factory.mktemp("llama")
-    write_qwen_layout_folder(qwen)
-    for name in ("tokenizer.json", "config.json"):
-        (llama / name).write_bytes((qwen / name).read_bytes())
-    (llama / "tokenizer_config.json").write_text(json.dumps({**LLAMA_TOKENS, "chat_template": LLAMA31}))
+    tok = train_bpe()
+    for folder, config in ((qwen, QWEN_CONFIG), (llama, {**LLAMA_TOKENS, "chat_template": LLAMA31})):
+        (folder / "tokenizer.json").write_text(tok.to_str())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
+    assert tok.get_vocab_size() <= VOCAB
     return {"qwen": str(qwen), "llama": str(llama)}
 
 
@@ -383,7 +388,7 @@ def test_episode_keeps_the_generated_ids_and_renders_like_transformers(folders):
     from titanrl.generator import Generator, SamplingParams
     from titanrl.models.tokenizer import HFTokenizer
 
-    ARGS = dataclasses.replace(SHORT_ARGS, max_seq_len=2048)  # the tools' descriptions make a long prompt
+    ARGS = dataclasses.replace(SHORT_ARGS, vocab_size=VOCAB, max_seq_len=2048)  # the tools make a long prompt
     folder = folders["qwen"]
     tok, hf = HFTokenizer(folder), transformers.AutoTokenizer.from_pretrained(folder)
     encoder = PromptEncoder(tok, ChatTemplate.from_folder(folder))
