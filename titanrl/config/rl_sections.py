@@ -310,6 +310,12 @@ class Env:
     ('user', or 'tool' for tool results, which the template renders as such); without a template
     observations are appended as raw tokens and this is unused."""
 
+    tool_format: str = "tag"
+    """How the model writes tool calls: 'tag' (titanrl's `<tool>...</tool>`), or a chat template's own
+    format, 'hermes' (Qwen2.5 / Qwen3 / Hermes `<tool_call>{json}</tool_call>`) or 'llama3' (Llama 3.1 /
+    3.2 JSON calls), or 'auto' (read from data.chat_template's template). Not 'tag': the env's tools go to
+    the template as `tools` and results render through its tool role (see docs/tool_calls.md)."""
+
     def validate(self) -> None:
         for name in ("max_turns", "max_total_tokens", "num_workers"):
             if getattr(self, name) < 1:
@@ -318,6 +324,9 @@ class Env:
             raise ValueError(f"[env] timeout_s must be > 0, got {self.timeout_s}")
         if self.observation_role not in ("user", "tool"):
             raise ValueError(f"[env] observation_role must be 'user' or 'tool', got {self.observation_role!r}")
+        formats = ("tag", "hermes", "llama3", "auto")
+        if self.tool_format not in formats:
+            raise ValueError(f"[env] tool_format must be one of {formats}, got {self.tool_format!r}")
 
 
 @dataclass

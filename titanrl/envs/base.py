@@ -12,7 +12,11 @@ and is masked out of the loss. Rewards of all turns are summed into the episode'
 
 Tool calls use a tag format by default, `<tool>...</tool>` answered by `<result>...</result>`;
 `parse_tool_call` reads it and `parse_json_call` reads a JSON function call inside it,
-`{"name": ..., "arguments": {...}}`.
+`{"name": ..., "arguments": {...}}`. The formats chat templates define (Qwen / Hermes
+`<tool_call>` tags, Llama 3 JSON calls) are read by `titanrl/envs/tool_calls.py`: an environment
+that reads them lists them in `tool_formats`, declares its tools' JSON schemas in `tools` (passed
+to the chat template as HF's `apply_chat_template(tools=...)` does) and is built with
+`tool_format=` the configured one (env.tool_format) when that is not 'tag'.
 """
 
 import json
@@ -36,7 +40,16 @@ class Environment:
     """Base class (subclass it, or duck-type `reset` / `step`)."""
 
     stop_strings: tuple[str, ...] = (TOOL_CLOSE,)
-    """Strings that end a model turn (besides eos) and hand control to the environment."""
+    """Strings that end a model turn (besides eos) and hand control to the environment (with the
+    'tag' tool format; in a chat template's format the turn ends at the template's end of turn)."""
+
+    tools: tuple[dict, ...] = ()
+    """JSON schemas of the environment's tools ({"type": "function", "function": {"name", "description",
+    "parameters"}}), rendered into the prompt by chat templates that describe tools."""
+
+    tool_formats: tuple[str, ...] = ("tag",)
+    """The tool-call formats the environment reads (see titanrl/envs/tool_calls.py); one other than
+    'tag' is passed to its constructor as `tool_format=`."""
 
     def reset(self, sample: dict[str, Any]) -> str:
         raise NotImplementedError

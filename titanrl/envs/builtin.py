@@ -9,6 +9,11 @@
 Each env's task (`ENV_TASKS`) yields samples whose metadata holds a demonstration episode,
 `demo = [[text, from_model], ...]`, for the supervised warm-up (environment text masked).
 `ALL_TASKS` is the registry of every embedded task: `titanrl/data/tasks.py`'s and these.
+
+The calculator and the Python sandbox also read tool calls in a chat template's format
+(`tool_format='hermes'` or 'llama3', env.tool_format), their tool described in `tools`: then
+every call of a turn is answered (`titanrl/envs/tool_calls.py: tool_step`), a malformed one with an
+error result, and a turn without a call is the final answer. The tag format stays the default.
 """
 
 import ast
@@ -19,6 +24,29 @@ import sys
 from titanrl.data.task import Sample, Task, safe_arithmetic
 from titanrl.data.tasks import TASKS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
+from titanrl.envs.tool_calls import ToolCall, tool_step
+
+_FORMATS = ("tag", "hermes", "llama3")
+
+
+def function_tool(name: str, description: str, argument: str, argument_description: str) -> dict:
+    """The JSON schema of a tool with one required string argument."""
+    properties = {argument: {"type": "string", "description": argument_description}}
+    parameters = {"type": "object", "properties": properties, "required": [argument]}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+def string_argument(call: ToolCall, argument: str) -> str | None:
+    """A tag call's text, or the named string argument of a JSON call (None if it has none)."""
+    value = call.text if call.name is None else call.arguments.get(argument)
+    return value if isinstance(value, str) else None
+
+
+def check_tool_format(tool_format: str) -> str:
+    if tool_format not in _FORMATS:
+        raise ValueError(f"tool_format must be one of {_FORMATS}, got {tool_format!r}")
+    return tool_format
+
 
 # ---- calculator ----
 
@@ -48,9 +76,18 @@ class CalculatorTask(Task):
         return tail if tail.lstrip("-").isdigit() else None
 
 
+CALCULATOR_TOOL = function_tool(
+    "calculator", "Evaluate an arithmetic expression of numbers, + - * / and parentheses.", "expression", "e.g. 23*47"
+)
+
+
 class CalculatorEnv(Environment):
-    def __init__(self, max_expression_len: int = 64) -> None:
+    tools = (CALCULATOR_TOOL,)
+    tool_formats = _FORMATS
+
+    def __init__(self, max_expression_len: int = 64, tool_format: str = "tag") -> None:
         self.max_expression_len = max_expression_len
+        self.tool_format = check_tool_format(tool_format)
         self.answer = ""
 
     def reset(self, sample: dict) -> str:
@@ -58,17 +95,30 @@ class CalculatorEnv(Environment):
         return sample["prompt"]
 
     def step(self, model_text: str) -> tuple[str, float, bool, dict]:
+        if self.tool_format != "tag":
+            answered = tool_step(model_text, self.tool_format, self.tools, self.calculate)
+            return answered if answered is not None else self.final(model_text)
         expression = parse_tool_call(model_text)
         if expression is None:
-            answer = CalculatorTask().extract(model_text)
-            correct = answer == self.answer
-            return "", 1.0 if correct else 0.0, True, {"correct": correct}
+            return self.final(model_text)
+        return f"{RESULT_OPEN}{self.evaluate(expression)}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
+
+    def final(self, model_text: str) -> tuple[str, float, bool, dict]:
+        correct = CalculatorTask().extract(model_text) == self.answer
+        return "", 1.0 if correct else 0.0, True, {"correct": correct}
+
+    def calculate(self, call: ToolCall) -> str:
+        expression = string_argument(call, "expression")
+        if expression is None:
+            return "error: calculator takes a string argument 'expression'"
+        return self.evaluate(expression)
+
+    def evaluate(self, expression: str) -> str:
         try:
             value, _ = safe_arithmetic(expression, self.max_expression_len)
-            text = str(int(value)) if value == int(value) else f"{value:.6g}"
+            return str(int(value)) if value == int(value) else f"{value:.6g}"
         except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, RecursionError):
-            text = "error"  # the model's malformed call: the tool says so, the episode goes on
-        return f"{RESULT_OPEN}{text}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
+            return "error"  # the model's malformed call: the tool says so, the episode goes on
 
 
 # ---- python sandbox ----
@@ -175,9 +225,18 @@ class PythonTask(Task):
         return CalculatorTask().extract(completion)
 
 
+PYTHON_TOOL = function_tool(
+    "python", "Evaluate one Python expression (a few builtins, no imports) and return its repr.", "code", "e.g. 2**10"
+)
+
+
 class PythonSandboxEnv(Environment):
-    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256) -> None:
+    tools = (PYTHON_TOOL,)
+    tool_formats = _FORMATS
+
+    def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, tool_format: str = "tag") -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.tool_format = check_tool_format(tool_format)
         self.answer = ""
 
     def reset(self, sample: dict) -> str:
@@ -185,12 +244,24 @@ class PythonSandboxEnv(Environment):
         return sample["prompt"]
 
     def step(self, model_text: str) -> tuple[str, float, bool, dict]:
+        if self.tool_format != "tag":
+            answered = tool_step(model_text, self.tool_format, self.tools, self.run)
+            return answered if answered is not None else self.final(model_text)
         code = parse_tool_call(model_text)
         if code is None:
-            correct = PythonTask().extract(model_text) == self.answer
-            return "", 1.0 if correct else 0.0, True, {"correct": correct}
+            return self.final(model_text)
         out = run_sandboxed(code, self.timeout_s, self.memory_mb)
         return f"{RESULT_OPEN}{out}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
+
+    def final(self, model_text: str) -> tuple[str, float, bool, dict]:
+        correct = PythonTask().extract(model_text) == self.answer
+        return "", 1.0 if correct else 0.0, True, {"correct": correct}
+
+    def run(self, call: ToolCall) -> str:
+        code = string_argument(call, "code")
+        if code is None:
+            return "error: python takes a string argument 'code'"
+        return run_sandboxed(code, self.timeout_s, self.memory_mb)
 
 
 # ---- guess the number ----

@@ -24,13 +24,22 @@ gets the whole end-of-turn text. Templates that render the earlier conversation 
 a turn is added (so that no delta exists) are rejected with an error. The appended tokens are
 the environment's: the generator's model mask keeps them (the template's text included) out of
 the loss.
+
+Tool calls (`titanrl/envs/tool_calls.py`): the environment's tools (`Environment.tools`) are passed
+to the template when the prompt is rendered (HF's `tools`), and the results of several calls in one
+turn (a step's `info['tool_results']`) are rendered as one 'tool' message each, which templates
+such as Qwen's group into one turn. The model's turn reaches the environment as the decoding of its
+generated tokens; the sample keeps those tokens as generated (token in, token out): no text is
+ever encoded back into the model's part of the sequence.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanrl.data.encode import PromptEncoder
-from titanrl.envs.pool import EnvPool
+from titanrl.envs.pool import EnvPool, resolve_env
+from titanrl.envs.tool_calls import resolve_tool_format
+from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
 
 OBSERVATION_ROLES = ("user", "tool")
@@ -47,6 +56,8 @@ class Episode:
     """Reward of each environment step (per-turn rewards and the final one)."""
     turns: int = 0
     tool_calls: int = 0
+    tool_errors: int = 0
+    """Turns whose tool calls were malformed (answered with an error observation)."""
     correct: bool = False
     failed: str | None = None
     done: bool = False
@@ -60,12 +71,12 @@ class ChatTurns:
     """Per-episode conversation state that renders environment turns through a chat template
     (see the module docstring)."""
 
-    def __init__(self, encoder: PromptEncoder, role: str) -> None:
+    def __init__(self, encoder: PromptEncoder, role: str, tools: list[dict] | None = None) -> None:
         if encoder.template is None:
             raise ValueError("ChatTurns needs a PromptEncoder with a chat template")
         if role not in OBSERVATION_ROLES:
             raise ValueError(f"observation role must be one of {OBSERVATION_ROLES}, got {role!r}")
-        self.encoder, self.template, self.role = encoder, encoder.template, role
+        self.encoder, self.template, self.role, self.tools = encoder, encoder.template, role, tools
         self.messages: dict[Key, list[dict]] = {}
         self.rendered: dict[Key, str] = {}
         """The conversation of each episode so far, as text, ending with the generation prompt."""
@@ -73,27 +84,30 @@ class ChatTurns:
     def start(self, keys: list[Key], prompt: str) -> list[int]:
         """The prompt's token ids (as `PromptEncoder` gives them); `keys` (a group) share it."""
         messages = self.encoder.messages(prompt)
-        text = self.template.render(messages, add_generation_prompt=True)
+        text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
         for key in keys:
             self.messages[key], self.rendered[key] = messages, text
         return self.encoder.tokenizer.encode(text)
 
-    def observation(self, key: Key, observation: str, last_token: int | None) -> list[int]:
+    def observation(
+        self, key: Key, observation: str, last_token: int | None, tool_results: list[str] | None = None
+    ) -> list[int]:
         """Token ids that end the assistant's turn (less the special token `last_token` it ended
-        on, if the template writes it there), carry `observation` as a `role` message and open
-        the next assistant turn."""
-        messages = self.messages[key] + [
-            {"role": "assistant", "content": _ASSISTANT_PLACEHOLDER},
-            {"role": self.role, "content": observation},
-        ]
+        on, if the template writes it there), carry `observation` as a `role` message (or, as
+        'tool' messages, each of `tool_results`) and open the next assistant turn."""
+        if self.role == "tool" and tool_results:
+            said = [{"role": "tool", "content": result} for result in tool_results]
+        else:
+            said = [{"role": self.role, "content": observation}]
+        messages = self.messages[key] + [{"role": "assistant", "content": _ASSISTANT_PLACEHOLDER}, *said]
         before = self.rendered[key] + _ASSISTANT_PLACEHOLDER
-        after = self.template.render(messages, add_generation_prompt=True)
+        after = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
         if not after.startswith(before):
             raise ValueError(
                 f"multi-turn environment: the chat template of {self.template.source} does not render the "
                 f"conversation consistently when a turn is added (message {len(messages) - 2}): the conversation "
                 "with the generation prompt, then the assistant's turn, is not a prefix of the conversation with "
-                f"the assistant's turn and a '{self.role}' observation (does the template rewrite earlier turns, or "
+                f"the assistant's turn and '{self.role}' observations (does the template rewrite earlier turns, or "
                 "write more than the generation prompt before an assistant message?)"
             )
         self.messages[key], self.rendered[key] = messages, after
@@ -116,17 +130,18 @@ class MultiTurnRollout:
         *,
         prompt_encoder: PromptEncoder | None = None,
         observation_role: str = "user",
+        tools: list[dict] | None = None,
     ) -> None:
         """`prompt_encoder`: encodes the first observation (default for `start`); when it has a
         chat template, every turn is rendered through it, observations as `observation_role`
-        messages."""
+        messages, the prompt with `tools` (JSON schemas, `ToolSetup.tools`)."""
         self.pool, self.tokenizer = pool, tokenizer
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.failure_reward = failure_reward
         self.prompt_encoder = prompt_encoder
         self.chat: ChatTurns | None = None
         if prompt_encoder is not None and prompt_encoder.template is not None:
-            self.chat = ChatTurns(prompt_encoder, observation_role)
+            self.chat = ChatTurns(prompt_encoder, observation_role, tools)
         self.episodes: dict[Key, Episode] = {}
         self._ids: dict[Key, int] = {}
         self._keys: dict[int, Key] = {}
@@ -176,11 +191,11 @@ class MultiTurnRollout:
         episode.failed, episode.done = reason, True
         episode.rewards = [self.failure_reward]
 
-    def _observation_tokens(self, key: Key, observation: str) -> list[int]:
+    def _observation_tokens(self, key: Key, observation: str, tool_results: list[str] | None) -> list[int]:
         """The tokens appended for an observation: raw, or rendered through the chat template."""
         if self.chat is None:
             return self.tokenizer.encode(observation)
-        return self.chat.observation(key, observation, self._last_token[key])
+        return self.chat.observation(key, observation, self._last_token[key], tool_results)
 
     # ---- TurnHandler ----
 
@@ -206,10 +221,17 @@ class MultiTurnRollout:
                 out.append((key, None))
                 continue
             step = r.value
+            results = step.info.get("tool_results")
+            if results is not None and not (isinstance(results, list) and all(isinstance(x, str) for x in results)):
+                self._fail(key, "invalid: info['tool_results'] must be a list of str")
+                self.pool.close_episode(r.episode)
+                out.append((key, None))
+                continue
             episode.rewards.append(step.reward)
             episode.correct = episode.correct or bool(step.info.get("correct", False))
             episode.tool_calls += int(bool(step.info.get("tool_call", False)))
-            obs = self._observation_tokens(key, step.observation) if step.observation else []
+            episode.tool_errors += int(bool(step.info.get("tool_error", False)))
+            obs = self._observation_tokens(key, step.observation, results) if step.observation else []
             over = episode.turns >= self.max_turns or self._lengths[key] + len(obs) > self.max_total_tokens
             if step.done or over or not obs:
                 episode.done = True
@@ -219,3 +241,34 @@ class MultiTurnRollout:
             self._lengths[key] += len(obs)
             out.append((key, obs))
         return out
+
+
+@dataclass
+class ToolSetup:
+    """How an environment's episodes read and show tool calls (from env.tool_format)."""
+
+    tool_format: str
+    """'tag', 'hermes' or 'llama3' ('auto' resolved from the chat template)."""
+    env_kwargs: dict
+    """Constructor arguments of the environment: {'tool_format': ...} unless it is 'tag'."""
+    tools: list[dict] | None
+    """JSON schemas passed to the chat template (None with the 'tag' format)."""
+    stop_strings: list[str]
+    """The env's stop strings with the 'tag' format; none otherwise (the turn ends at its end of turn)."""
+
+
+def tool_setup(env_name: str, tool_format: str, template: ChatTemplate | None) -> ToolSetup:
+    """The `ToolSetup` of env `env_name` (a built-in name or 'module:Class') for `tool_format`;
+    a format the environment does not read is a ValueError naming env.tool_format."""
+    cls = resolve_env(env_name)
+    fmt = resolve_tool_format(tool_format, list(template.templates.values()) if template is not None else None)
+    if fmt == "tag":
+        return ToolSetup(fmt, {}, None, list(getattr(cls, "stop_strings", ())))
+    formats = tuple(getattr(cls, "tool_formats", ("tag",)))
+    if fmt not in formats:
+        raise ValueError(
+            f"[env] tool_format {fmt!r}: the environment {env_name!r} reads only {formats} (its class attribute "
+            "tool_formats); set env.tool_format to one of those or extend the environment"
+        )
+    tools = [dict(t) for t in getattr(cls, "tools", ())] or None
+    return ToolSetup(fmt, {"tool_format": fmt}, tools, [])

@@ -39,6 +39,7 @@ from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.pool import EnvPool
+from titanrl.envs.rollout import tool_setup
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
@@ -115,7 +116,8 @@ class RLRecipe(Recipe):
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs = None
         if cfg.env.name:
-            self.envs = EnvPool(cfg.env.name, {}, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
+            kwargs = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template).env_kwargs
+            self.envs = EnvPool(cfg.env.name, kwargs, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)

@@ -24,8 +24,8 @@ from titanrl.components.timer import PhaseTimer
 from titanrl.data.batch import build_sequence_batch, plan_micro_batches, trim_padding
 from titanrl.data.tasks import Sample, Task
 from titanrl.distributed import balance, dp_max
-from titanrl.envs.pool import EnvPool, resolve_env
-from titanrl.envs.rollout import MultiTurnRollout
+from titanrl.envs.pool import EnvPool
+from titanrl.envs.rollout import MultiTurnRollout, tool_setup
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import read_generation_eos_ids
@@ -206,6 +206,7 @@ class RolloutCollector:
     ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
         env = self.config.env
+        tools = tool_setup(env.name, env.tool_format, self.host.encode_prompt.template)
         turns = MultiTurnRollout(
             self.envs,
             self.host.tokenizer,
@@ -214,11 +215,12 @@ class RolloutCollector:
             self.config.reward.failure_reward,
             prompt_encoder=self.host.encode_prompt,
             observation_role=env.observation_role,
+            tools=tools.tools,
         )
         prompts = turns.start(
             [{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples], params.n
         )
-        params.stop_strings = list(getattr(resolve_env(env.name), "stop_strings", ()))
+        params.stop_strings = tools.stop_strings
         completions, gen_stats = self.generator.generate(prompts, params, prompt_ids, turns=turns)
         results = []
         for c in completions:
