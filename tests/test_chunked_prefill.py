@@ -180,6 +180,32 @@ def test_groups_prefix_caching_and_preemption(model, options):
         gen.allocator.check_invariants()
 
 
+def test_a_part_prefilled_prompt_is_preempted_when_a_lone_running_sample_needs_a_block(model):
+    """11 blocks of 4: the long prompt's chunks hold 9 of them; the one running sample outgrows
+    the rest, so the part-prefilled prompt is preempted (not the sample) and recomputed later."""
+    prompts = [_prompts([3])[0], _prompts([4 * CHUNK], seed=5)[0]]
+    gen = _generator(model, num_blocks=11, max_num_batched_tokens=CHUNK)
+    completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0))
+    assert stats.preemptions > 0 and stats.prefill_tokens > sum(len(p) for p in prompts)
+    for c in completions:
+        assert c.token_ids == greedy_reference(model, prompts[c.prompt_index], 12)[0]
+    gen.allocator.check_invariants()
+
+
+def test_pausing_during_a_chunked_prefill_frees_its_blocks(model):
+    """Partial rollouts: pausing after the first pass, while the long prompt is part-prefilled,
+    returns its group's samples as paused (no tokens) and every block."""
+    prompts = [_prompts([3])[0], _prompts([4 * CHUNK], seed=5)[0]]
+    gen = _generator(model, max_num_batched_tokens=CHUNK, decode_steps_per_schedule=1)
+    completions, stats = gen.generate(
+        prompts, SamplingParams(max_new_tokens=12, temperature=0, n=2), pause_when=lambda f, s: True
+    )
+    assert stats.paused == 4 and [c.finish_reason for c in completions] == ["paused"] * 4
+    assert [len(c.token_ids) for c in completions] == [2, 2, 0, 0]  # a first token, one decode step
+    assert all(rc == 0 for rc in gen.allocator.ref_count)
+    gen.allocator.check_invariants()
+
+
 class _LongObservation:
     """A multi-turn environment: the first turn's answer gets a 2.5x-chunk observation, the
     second ends the episode."""
