@@ -98,9 +98,10 @@ def main() -> None:
             print(mode, runs[mode][-1], flush=True)
     summary = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
     c, u = summary["chunked"], summary["unchunked"]
+    # Unchunked, nothing decodes while the long prompt is prefilled: no ratio (None) then.
+    during = "decode_tokens_per_s_during_long_prefill"
     ratios = {
-        "decode_tokens_per_s_during_long_prefill": c["decode_tokens_per_s_during_long_prefill"]
-        / max(u["decode_tokens_per_s_during_long_prefill"], 1e-9),
+        during: c[during] / u[during] if u[during] > 0 else None,
         "max_decode_gap": c["max_decode_gap_s"] / u["max_decode_gap_s"],
         "long_prompt_prefilled": c["long_prompt_prefilled_s"] / u["long_prompt_prefilled_s"],
         "decode_tokens_per_s": c["decode_tokens_per_s"] / u["decode_tokens_per_s"],
