@@ -1,6 +1,6 @@
 """Paged generation on 2 and 4 gloo ranks: generator tp=1 under an FSDP2 trainer, tp=2 under TP
-and FSDP2+TP trainers; greedy output equals a full-recompute reference before and after a
-trainer update synced with `load_weights`."""
+(also with chunked prefill) and FSDP2+TP trainers; greedy output equals a full-recompute
+reference before and after a trainer update synced with `load_weights`."""
 
 import json
 import os
@@ -12,7 +12,7 @@ WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "generator_worker.py")
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc,layouts", [(2, "fsdp2,tp2"), (4, "fsdp2_tp2")])
+@pytest.mark.parametrize("nproc,layouts", [(2, "fsdp2,tp2,tp2_chunked"), (4, "fsdp2_tp2")])
 def test_generation_matches_reference_across_ranks(tmp_path, nproc, layouts):
     out = tmp_path / "gen.json"
     run_torchrun(WORKER, nproc, ["--layouts", layouts, "--out", str(out)])
@@ -26,5 +26,7 @@ def test_generation_matches_reference_across_ranks(tmp_path, nproc, layouts):
                 assert r[phase]["max_lp_diff"] < 1e-5
                 # Group samples share the prompt: it is prefilled once (and again after the sync).
                 assert r[phase]["prefill_tokens"] == r[phase]["prompt_tokens"]
+                # tp2_chunked: prompts longer than the chunk are prefilled chunk by chunk.
+                assert (r[phase]["prefill_chunks"] > 0) == layout.endswith("_chunked")
         # dp ranks received different prompts, TP peers the same ones.
         assert {r["dp_rank"] for r in per_rank} == set(range(nproc // (2 if "tp2" in layout else 1)))

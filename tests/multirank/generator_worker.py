@@ -33,7 +33,9 @@ ARGS = TransformerModelArgs(
     tie_word_embeddings=True,
     max_seq_len=64,
 )
-LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "fsdp2_tp2": (1, 2, 2)}
+LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "fsdp2_tp2": (1, 2, 2), "tp2_chunked": (1, 1, 2)}
+# Layouts whose prompts (3, 9 and 14 tokens) are prefilled in chunks of this many tokens.
+PREFILL_CHUNK = {"tp2_chunked": 4}
 
 
 def full_reference_model(trainer: torch.nn.Module) -> Transformer:
@@ -60,6 +62,7 @@ def check(gen: Generator, trainer, prompts) -> dict:
         "max_lp_diff": max_lp_diff,
         "prefill_tokens": stats.prefill_tokens,
         "prompt_tokens": stats.prompt_tokens,
+        "prefill_chunks": stats.prefill_chunks,
     }
 
 
@@ -67,7 +70,8 @@ def run_layout(layout: str, world_size: int) -> dict:
     dims = ParallelDims(*LAYOUTS[layout], world_size=world_size)
     trainer = build_model(ARGS, dims, JobConfig(), torch.device("cpu"), full_state_dict=init_full_state_dict(ARGS, 0))
     tp_mesh = dims.world_mesh["tp"] if dims.tp_enabled else None
-    gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=64), torch.device("cpu"), tp_mesh=tp_mesh)
+    config = GeneratorConfig(block_size=4, num_blocks=64, max_num_batched_tokens=PREFILL_CHUNK.get(layout, 4096))
+    gen = Generator(ARGS, config, torch.device("cpu"), tp_mesh=tp_mesh)
     # dp ranks generate different prompts; the ranks of a TP group generate the same ones.
     g = torch.Generator().manual_seed(100 + dims.dp_rank)
     prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 9, 14)]

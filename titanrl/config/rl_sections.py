@@ -44,7 +44,8 @@ class Generator:
     """Batch-invariant kernels in generator and trainer: bitwise-equal logprobs, much slower."""
 
     max_num_batched_tokens: int = 4096
-    """Most prompt tokens prefilled in one scheduler step (a longer prompt is prefilled alone)."""
+    """Most prompt tokens prefilled in one scheduler step: a longer prompt is prefilled in chunks of
+    at most this many tokens over several steps (`enable_chunked_prefill`), or alone if that is off."""
 
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
     """`torch.compile` backend when `compile` is on. FlexAttention needs 'inductor'; the others
@@ -65,6 +66,12 @@ class Generator:
     decode_steps_per_schedule: int = 32
     """Decode steps run on device between two scheduler passes (KV blocks reserved ahead, one
     small host read per step, tokens read once per pass); 1 schedules every step."""
+
+    enable_chunked_prefill: bool = True
+    """Prefill a prompt longer than max_num_batched_tokens in chunks, one per scheduler step, each
+    attending to the K/V earlier chunks left in its blocks, with a decode pass of the running
+    samples after each chunk: prefill activations stay bounded by the chunk and decoding never
+    stalls behind a long prompt. Off: a longer prompt is prefilled alone in one forward."""
 
     def validate(self) -> None:
         if self.attention_impl not in ("auto", "exact"):

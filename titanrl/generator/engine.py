@@ -306,7 +306,8 @@ class Generator:
         on_finish: Callable[[list[Completion]], None] | None,
     ) -> None:
         """Scheduler passes until every sample finished or paused: admit and prefill while there is
-        room, else decode; report finished samples to `on_finish` after each pass."""
+        room, else decode (both while a long context is prefilled chunk by chunk); report finished
+        samples to `on_finish` after each pass."""
         reported = 0
         while sched.has_work:
             sched.stats.steps += 1
@@ -317,7 +318,9 @@ class Generator:
             if prefill:
                 with torch.profiler.record_function("generator/prefill"):
                     self._prefill(sched, prefill)
-            else:
+            if not prefill or sched.prefilling:
+                # A chunked prefill continues next pass: the running samples decode in between.
+                sched.stats.steps += bool(prefill)
                 self._decode(sched, turns)
             if turns is not None:
                 sched.pause()
@@ -334,31 +337,32 @@ class Generator:
                 reported = len(sched.finished)
 
     def _prefill(self, sched: Scheduler, seqs: list[Seq]) -> None:
-        """One packed forward over the new context tokens of the admitted sequences; each group
-        prompt's last row then gives its samples their first token."""
-        slices, tokens, last_index, starts = [], [], [], []
+        """One packed forward over this step's context tokens of the admitted sequences (up to
+        `prefill_end`: a chunk of a long context attends to the K/V its earlier chunks left in the
+        blocks); each group prompt's last row then gives its samples their first token."""
+        slices, tokens, last_index, starts, row = [], [], [], [], {}
         for seq in seqs:
-            end = seq.context_end
+            end = seq.prefill_end
             new = seq.token_ids[seq.num_computed : end]
             starts.append(seq.num_computed)
-            if seq.is_group_prompt:
-                sched.stats.prefix_cache_hit_tokens += seq.num_computed
             slices.append(SeqSlice(seq.block_table, end, len(new)))
             tokens.extend(new)
-            last_index.append(len(tokens) - 1)
+            if end == seq.context_end:  # the last chunk: its last row is sampled
+                row[id(seq)] = len(last_index)
+                last_index.append(len(tokens) - 1)
             sched.stats.prefill_tokens += len(new)
             seq.num_computed = end
-        # Logits only at each sequence's last new token: the rows that are sampled (a full
+        # Logits only at each finished context's last token: the rows that are sampled (a full
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
         logits_SV = self._forward(slices, tokens, logits_at=last_index)
         if self.record_routes:
             counts = [s.num_new for s in slices]
             record_packed_routes(seqs, starts, counts, self.model.moe_routes())
         samples, rows = [], []
-        for i, seq in enumerate(seqs):
+        for seq in seqs:
             forked = sched.after_prefill(seq)
             samples.extend(forked)
-            rows.extend([i] * len(forked))
+            rows.extend(row[id(seq)] for _ in forked)
         if samples:
             self._sample(sched, samples, logits_SV[rows])
 

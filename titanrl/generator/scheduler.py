@@ -2,10 +2,13 @@
 
 One `Scheduler` lives for one `Generator.generate` call. Each step either prefills the waiting
 sequences that fit (a group's prompt once, then its `n` samples fork its blocks, copy-on-write
-for the partly filled last block) or decodes one token of every running sample. When blocks run
-out while decoding, the youngest sample is preempted: its blocks are freed and it is recomputed
-once it is admitted again. Decisions depend only on token ids and block counts, which agree
-across the ranks of a TP group, so every rank builds the same schedule.
+for the partly filled last block) or decodes one token of every running sample. A context longer
+than the step's token budget is prefilled in chunks (`enable_chunked_prefill`): its blocks are
+reserved at admission, each step computes the next chunk, and the running samples decode between
+chunks; its samples fork after the last one. When blocks run out while decoding, the youngest
+sample is preempted: its blocks are freed and it is recomputed once it is admitted again.
+Decisions depend only on token ids and block counts, which agree across the ranks of a TP group,
+so every rank builds the same schedule.
 """
 
 import math
@@ -18,8 +21,9 @@ from titanrl.generator.sequence import GenerationStats, ResumedSample, Seq, Turn
 
 class Scheduler:
     """Queues of one `generate` call: `waiting` (group prompts, preempted samples and resumed
-    multi-turn samples, front first), `running` (decode next step, oldest first), `paused`
-    (multi-turn samples in an environment step, holding their blocks) and `finished`."""
+    multi-turn samples, front first), `prefilling` (admitted, holding blocks for their whole
+    context, part of it computed: chunked prefill), `running` (decode next step, oldest first),
+    `paused` (multi-turn samples in an environment step, holding their blocks) and `finished`."""
 
     def __init__(
         self,
@@ -40,6 +44,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
         self.params = params
         self.prompt_ids = prompt_ids
         self.seed = params.seed if params.seed is not None else 0
@@ -65,13 +70,14 @@ class Scheduler:
             for i, p in enumerate(prompts)
             if i not in resumed
         ]
+        self.prefilling: list[Seq] = []
         self.running: list[Seq] = []
         self.finished: list[Seq] = []
         self.paused: dict[tuple[int, int], Seq] = {}
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.paused)
+        return bool(self.waiting or self.prefilling or self.running or self.paused)
 
     def results(self) -> list[Seq]:
         """The finished samples ordered by (prompt, sample), once every block is back."""
@@ -81,29 +87,53 @@ class Scheduler:
     # ---- prefill ----
 
     def admit(self) -> list[Seq]:
-        """Move waiting sequences whose context fits into blocks, up to the per-step token budget."""
+        """This step's prefill, up to the per-step token budget: the next chunk of the sequences
+        being prefilled, then waiting sequences whose whole context fits into blocks now. Each
+        returned sequence's `prefill_end` says how far this step computes its context."""
         admitted, budget = [], self.max_num_batched_tokens
-        num_seqs = len(self.running)  # sequences decoding once this step's admissions have forked
-        while self.waiting:
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            budget -= self._take_chunk(seq, budget)
+            admitted.append(seq)
+        # Sequences decoding once this step's admissions (and those being prefilled) have forked.
+        num_seqs = len(self.running) + sum(self._num_after(s) for s in self.prefilling)
+        while self.waiting and (budget > 0 or not admitted):
             seq = self.waiting[0]
-            n_after = self.params.n if seq.is_group_prompt else 1
+            n_after = self._num_after(seq)
             if num_seqs + n_after > self.max_num_seqs:
                 break
             to_compute = seq.context_end
             new_tokens = to_compute - seq.num_computed if seq.block_table else to_compute
-            if admitted and new_tokens > budget:
+            if admitted and new_tokens > budget and not self.chunked_prefill:
                 break
-            # Blocks for the context, plus one per sample to start decoding, must be free now.
+            # Blocks for the whole context, plus one per sample to start decoding, must be free now.
             needed = math.ceil(to_compute / self.block_size) + n_after - len(seq.block_table)
             can_wait = bool(admitted or self.running)  # others will free blocks when they finish
             if needed > self.allocator.num_free and can_wait:
                 break
             if not self._reserve_context(seq, to_compute, can_wait):
                 break
-            admitted.append(self.waiting.pop(0))
-            budget -= new_tokens
+            self.prefilling.append(self.waiting.pop(0))
+            if seq.is_group_prompt:
+                self.stats.prefix_cache_hit_tokens += seq.num_computed
+            admitted.append(seq)
+            budget -= self._take_chunk(seq, budget)
             num_seqs += n_after
         return admitted
+
+    def _num_after(self, seq: Seq) -> int:
+        """Sequences `seq` decodes as once prefilled: a group prompt forks its `n` samples."""
+        return self.params.n if seq.is_group_prompt else 1
+
+    def _take_chunk(self, seq: Seq, budget: int) -> int:
+        """Set `seq.prefill_end` for this step: the rest of its context, or with chunked prefill
+        at most `budget` tokens of it. Returns the tokens this step computes."""
+        left = seq.context_end - seq.num_computed
+        assert left > 0, "a sequence in prefill has nothing left to compute"
+        n = min(left, budget) if self.chunked_prefill else left
+        seq.prefill_end = seq.num_computed + n
+        return n
 
     def _reserve_context(self, seq: Seq, num_tokens: int, can_wait: bool) -> bool:
         """Blocks for `seq`'s first `num_tokens` tokens. False if they are not free and `seq`
@@ -153,9 +183,15 @@ class Scheduler:
             self._append_block(seq)
 
     def after_prefill(self, seq: Seq) -> list[Seq]:
-        """Register `seq`'s full prompt blocks for prefix caching. A group prompt forks its `n`
-        samples (returned: they sample their first token from its last logits row) and lets go
-        of its blocks; any other sequence goes back to running."""
+        """After a prefill forward computed `seq`'s context up to `num_computed`. Short of its end
+        (chunked prefill), `seq` stays in `prefilling` for its next chunk. Else: register its full
+        prompt blocks for prefix caching; a group prompt forks its `n` samples (returned: they
+        sample their first token from its last logits row) and lets go of its blocks; any other
+        sequence goes back to running."""
+        if seq.num_computed < seq.context_end:
+            self.stats.prefill_chunks += 1
+            return []
+        self.prefilling.remove(seq)
         self._register_prompt_blocks(seq)
         if not seq.is_group_prompt:
             # Resumed (after preemption or an environment step): its next token is already sampled.
@@ -202,8 +238,9 @@ class Scheduler:
                 self._reserve_slot(seq)
                 batch.append(seq)
             except OutOfBlocks:
-                # Preempt the youngest sequence (the last one admitted) and retry this one.
-                victims = self.running if self.running else batch
+                # Preempt the youngest sequence (the last one admitted) and retry this one; one in
+                # the middle of a chunked prefill before those already in this decode batch.
+                victims = self.running or self.prefilling or batch
                 assert victims, "a lone sequence ran out of blocks; _validate should have refused it"
                 self.running.insert(0, seq)
                 self._preempt(victims.pop())
@@ -271,7 +308,7 @@ class Scheduler:
     def pause_all(self) -> None:
         """Finish every unfinished sample as 'paused' and free its blocks: a group prompt not
         yet prefilled comes back as its `n` samples without tokens."""
-        for seq in self.running + self.waiting:
+        for seq in self.running + self.prefilling + self.waiting:
             self._free_blocks(seq)
             if seq.is_group_prompt:
                 self.finished.extend(
@@ -290,7 +327,7 @@ class Scheduler:
                 seq.finish_reason = "paused"
                 self.finished.append(seq)
             self.stats.paused += 1 if not seq.is_group_prompt else seq.params.n
-        self.running, self.waiting = [], []
+        self.running, self.prefilling, self.waiting = [], [], []
 
     # ---- multi-turn ----
 
@@ -298,9 +335,9 @@ class Scheduler:
         """Start of a multi-turn step: resume the samples whose environment step is done
         (waiting for one when nothing else could run) and hand over those whose turn ended.
         False when no sample can run this step."""
-        self._resume(block=not (self.waiting or self.running))
+        self._resume(block=not (self.waiting or self.prefilling or self.running))
         self.pause()
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def pause(self) -> None:
         """Hand samples whose turn just ended to the environment; they keep their KV blocks."""

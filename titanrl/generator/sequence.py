@@ -95,6 +95,8 @@ class GenerationStats:
     seconds: float = 0.0
     compile_seconds: float = 0.0
     """Of `seconds`, spent compiling (a new batch bucket or prefill shape; cache hits trace only)."""
+    prefill_chunks: int = 0
+    """Chunked prefill: prefill forwards that left part of a sequence's context for a later step."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,6 +116,8 @@ class Seq:
     """Key of the sample's random stream (`sampling.counter_uniform`)."""
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    prefill_end: int = 0
+    """Where the current prefill step's chunk of the context ends (`Scheduler.admit`)."""
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
