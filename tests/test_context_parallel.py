@@ -3,18 +3,19 @@ plain causal SDPA (float64, gathers done in one process), and cp = 2 / cp = 2 x 
 torchrun equal to one rank for GRPO updates (packed, token-mean and sequence-mean) and SFT steps.
 """
 
+import json
 import os
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd
 
 from titanrl.config.job_config import JobConfig
 from titanrl.data.forward import DocumentSDPA
 from titanrl.data.packing import pack_layout
-from titanrl.distributed import ParallelDims
+from titanrl.distributed import ParallelDims, context_parallel
 from titanrl.distributed.context_parallel import CPAttention, shard_plan, validate_cp
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
@@ -63,8 +64,10 @@ def _pad(x, S_pad):
     return torch.cat([x, x.new_zeros(x.shape[0], S_pad - x.shape[1], *x.shape[2:])], dim=1)
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cp_attention_matches_causal_sdpa_float64(cp):
+@pytest.mark.parametrize("cp,query_block", [(2, 512), (4, 512), (2, 4), (4, 2)])
+def test_cp_attention_matches_causal_sdpa_float64(cp, query_block, monkeypatch):
+    """Whole shards and shards in query blocks (each block's mask inside a checkpoint)."""
+    monkeypatch.setattr(context_parallel, "QUERY_BLOCK", query_block)
     g = torch.Generator().manual_seed(0)
     R, S, H, Hkv, D = 2, 24, 4, 2, 8
     q = torch.randn(R, S, H, D, generator=g, dtype=torch.float64)
@@ -154,3 +157,45 @@ def test_sft_step_under_cp_equals_one_rank(launched, reference, layout, dtype):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=atol, rel=0)
     assert want["sft"][1]["loss"] < want["sft"][0]["loss"]
     _assert_params(got["params"], want["params"], atol)
+
+
+SFT_CONFIG = os.path.join(REPO_ROOT, "train_configs", "sft_reverse_debug.toml")
+SFT_ARGS = [
+    f"--job.config_file={SFT_CONFIG}",
+    "--training.steps=3",
+    "--training.batch_size=8",
+    "--data.num_eval_samples=8",
+    "--metrics.eval_freq=0",
+    "--metrics.log_freq=1",
+    "--lr_scheduler.warmup_steps=1",
+    "--checkpoint.interval=1",
+    "--checkpoint.keep_latest_k=0",
+    "--checkpoint.export_hf=false",
+]
+
+
+def _sft_steps(folder) -> dict[int, dict]:
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+
+
+@pytest.mark.multirank
+def test_cp2_checkpoint_resumes_with_cp1(tmp_path):
+    """A job on 2 ranks with cp = 2 (the real Trainer and SFT recipe) saves every step; the step-1
+    checkpoint resumed on 1 rank (cp = 1) continues with the losses and gradient norms of the
+    uninterrupted cp = 2 run (float32: 1e-5 relative, as tests/test_checkpoint_resharding.py)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+    cp2, resumed = tmp_path / "cp2", tmp_path / "cp1"
+    proc = run_cmd(train_cmd([*SFT_ARGS, f"--job.dump_folder={cp2}", "--parallelism.cp=2"], nproc=2), env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "cp=2" in proc.stdout
+    step1 = cp2 / "checkpoint" / "step-1"
+    proc = run_cmd(train_cmd([*SFT_ARGS, f"--job.dump_folder={resumed}", f"--checkpoint.load_path={step1}"]), env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert f"resumed from {step1}" in proc.stdout
+    got, want = _sft_steps(resumed), _sft_steps(cp2)
+    assert sorted(got) == [2, 3] and sorted(want) == [1, 2, 3]
+    for step in (2, 3):
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+    assert want[3]["loss"] < want[1]["loss"]

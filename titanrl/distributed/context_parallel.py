@@ -11,6 +11,7 @@ mask computed from global slot indices. Chosen over ring attention and torch's
 `context_parallel` because it is one collective per layer that gloo implements (the tests run
 on CPU), it takes any mask (packed documents), and its backward is a plain sum of the key/value
 gradients; the price is O(T) keys and values per rank while every other activation is O(T / cp).
+The mask is built per block of queries and never kept whole (`CPAttention`).
 torch's `context_parallel` is built on CUDA SDPA kernels (flash / efficient / cuDNN) with a
 causal mask only, so it runs neither on CPU nor on packed rows.
 
@@ -29,8 +30,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from titanrl.config.job_config import JobConfig
+
+# Queries per attention call: the mask of one call is QUERY_BLOCK x T booleans.
+QUERY_BLOCK = 512
 
 # Document id of the slots that pad a row to a multiple of 2 x cp: a document of their own, so no
 # real token sees them and each of them sees at least itself.
@@ -113,24 +118,40 @@ class GatherSeq(torch.autograd.Function):
 class CPAttention:
     """An `AttentionBackend` over this rank's slots: keys and values all-gathered over cp, the
     mask causal within each document by global slot index (`doc_RS`: the whole rows' document
-    ids, one per slot)."""
+    ids, one per slot).
+
+    Queries go in blocks of `QUERY_BLOCK`, each block's [block, T] mask built inside a
+    checkpoint, so no [T / cp, T] mask is ever kept: a block's mask lives while its attention
+    runs (forward, and again in backward), and what backward keeps is O(T) per layer."""
 
     def __init__(self, plan: CPShard, doc_RS: torch.Tensor) -> None:
         self.plan = plan
-        q_L, k_P = plan.index_L.to(doc_RS.device), plan.order_P.to(doc_RS.device)
-        doc_RP = _padded(doc_RS, plan)[:, k_P]
-        doc_RL = plan.shard(doc_RS, PAD_DOC)
-        causal_LP = k_P[None, :] <= q_L[:, None]
-        self.mask_R1LP = ((doc_RL[:, :, None] == doc_RP[:, None, :]) & causal_LP)[:, None]
+        self.q_L, self.k_P = plan.index_L.to(doc_RS.device), plan.order_P.to(doc_RS.device)
+        self.doc_RP = _padded(doc_RS, plan)[:, self.k_P]
+        self.doc_RL = plan.shard(doc_RS, PAD_DOC)
 
     def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
         k_BPHD, v_BPHD = self.plan.gather_kv(k_BTHD), self.plan.gather_kv(v_BTHD)
+        L = q_BTHD.shape[1]
+        if L <= QUERY_BLOCK:
+            return self._block(q_BTHD, k_BPHD, v_BPHD, 0)
+        outs = [
+            checkpoint(self._block, q_BTHD[:, a : a + QUERY_BLOCK], k_BPHD, v_BPHD, a, use_reentrant=False)
+            for a in range(0, L, QUERY_BLOCK)
+        ]
+        return torch.cat(outs, dim=1)
+
+    def _block(self, q_BNHD: torch.Tensor, k_BPHD: torch.Tensor, v_BPHD: torch.Tensor, start: int) -> torch.Tensor:
+        n = q_BNHD.shape[1]
+        q_N = self.q_L[start : start + n]
+        same_doc_RNP = self.doc_RL[:, start : start + n, None] == self.doc_RP[:, None, :]
+        mask_R1NP = (same_doc_RNP & (self.k_P[None, :] <= q_N[:, None]))[:, None]
         return F.scaled_dot_product_attention(
-            q_BTHD.transpose(1, 2),
+            q_BNHD.transpose(1, 2),
             k_BPHD.transpose(1, 2),
             v_BPHD.transpose(1, 2),
-            attn_mask=self.mask_R1LP,
-            enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2],
+            attn_mask=mask_R1NP,
+            enable_gqa=q_BNHD.shape[2] != k_BPHD.shape[2],
         ).transpose(1, 2)
 
 

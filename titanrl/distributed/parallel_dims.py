@@ -96,15 +96,13 @@ class ParallelDims:
         (dp_shard_mod_ep, ep) and flattened back to `dp_shard`, so every view works either way.
         Without it no dim is flattened: slicing a flattened dim from the root mesh warns on every
         rank (torch 2.13), and a user error must stay one line. With context parallelism
-        ("dp_shard", "cp") is flattened to "dp_shard_cp", FSDP2's mesh."""
+        ("dp_shard", "cp") is flattened to "dp_shard_cp", FSDP2's mesh (`dp_shard_cp_mesh`)."""
         if not self.ep_enabled:
             mesh = init_device_mesh(
                 device_type(),
                 (self.dp_replicate, self.dp_shard, self.cp, self.tp),
                 mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
             )
-            if self.cp_enabled:
-                mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
             return mesh
         mesh = init_device_mesh(
             device_type(),
@@ -126,13 +124,20 @@ class ParallelDims:
         """dp_replicate x dp_shard flattened: the ranks that see different data."""
         return self.world_mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
 
+    @cached_property
+    def dp_shard_cp_mesh(self) -> DeviceMesh:
+        """dp_shard x cp flattened (kept, not sliced again from the root: that warns)."""
+        return self.world_mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+
     @property
     def fsdp_mesh(self) -> DeviceMesh:
         """FSDP2 mesh: 1-D over dp_shard (x cp), or 2-D (replicate, shard) for HSDP."""
-        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        if self.cp_enabled:
+            shard_mesh = self.dp_shard_cp_mesh
+            return self.world_mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else shard_mesh
         if self.dp_replicate > 1:
-            return self.world_mesh["dp_replicate", shard]
-        return self.world_mesh[shard]
+            return self.world_mesh["dp_replicate", "dp_shard"]
+        return self.world_mesh["dp_shard"]
 
     @property
     def dp_rank(self) -> int:
