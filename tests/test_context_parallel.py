@@ -199,3 +199,15 @@ def test_cp2_checkpoint_resumes_with_cp1(tmp_path):
         for key in ("loss", "grad_norm"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
     assert want[3]["loss"] < want[1]["loss"]
+
+
+@pytest.mark.multirank
+def test_bench_gpu_long_context_entry_dry_run():
+    """scripts/bench_gpu.sh --long-context-only --dry-run: the 32k entry's code path on 2 gloo
+    ranks (cp = 2, the debug model, 512 tokens) prints its JSON line."""
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
+    cmd = ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--long-context-only", "--dry-run"]
+    proc = run_cmd(cmd, env, timeout_s=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])["long_context"]
+    assert line["cp"] == 2 and line["seq"] == 512 and line["tokens_per_s"] > 0

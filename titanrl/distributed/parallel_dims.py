@@ -40,18 +40,19 @@ class ParallelDims:
             dp_replicate=self.dp_replicate, dp_shard=self.dp_shard, tp=self.tp, ep=self.ep, cp=self.cp
         ).validate()
         others = self.dp_replicate * self.cp * self.tp
+        cp = f" x cp ({self.cp})" if self.cp > 1 else ""
         if self.dp_shard == -1:
             rest, remainder = divmod(self.world_size, others)
             if remainder or rest < 1:
                 raise ValueError(
-                    f"dp_replicate ({self.dp_replicate}) x cp ({self.cp}) x tp ({self.tp}) = {others} "
+                    f"dp_replicate ({self.dp_replicate}){cp} x tp ({self.tp}) = {others} "
                     f"does not divide the world size {self.world_size}; change the degrees or the number of ranks"
                 )
             self.dp_shard = rest
         product = self.dp_shard * others
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}) x cp ({self.cp}) x tp ({self.tp}) "
+                f"dp_replicate ({self.dp_replicate}) x dp_shard ({self.dp_shard}){cp} x tp ({self.tp}) "
                 f"= {product}, but the job runs on {self.world_size} ranks; set dp_shard = -1 or launch {product} ranks"
             )
         if self.cp > 1 and self.ep > 1:
