@@ -1,6 +1,7 @@
 """Context parallelism: the load-balanced sequence split, the all-gather attention backend against
-plain causal SDPA (float64, gathers done in one process), and cp = 2 / cp = 2 x dp_shard = 2 under
-torchrun equal to one rank for GRPO updates (packed, token-mean and sequence-mean) and SFT steps.
+plain causal SDPA (float64, gathers done in one process), and cp = 2, cp = 2 x dp_shard = 2 and
+cp = 2 x tp = 2 under torchrun equal to one rank for GRPO updates (packed, token-mean and
+sequence-mean) and SFT steps; a cp = 2 checkpoint resumed with cp = 1; the GPU script's dry run.
 """
 
 import json
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
 import cp_worker  # noqa: E402
 
 WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "cp_worker.py")
-LAUNCHES = {2: ["cp2", "cp2_ac"], 4: ["dp2_cp2"]}
+LAUNCHES = {2: ["cp2", "cp2_ac"], 4: ["dp2_cp2", "cp2_tp2"]}
 ATOL = {"float32": 1e-5, "float64": 1e-10}
 
 
@@ -157,6 +158,12 @@ def test_sft_step_under_cp_equals_one_rank(launched, reference, layout, dtype):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], abs=atol, rel=0)
     assert want["sft"][1]["loss"] < want["sft"][0]["loss"]
     _assert_params(got["params"], want["params"], atol)
+
+
+@pytest.mark.multirank
+def test_cp_ranks_holding_different_rows_stop_with_an_error(launched):
+    """2 and 4 ranks: one rank's rows differ, and every rank raises (none trains on a mix)."""
+    assert launched["diverged_raises"]
 
 
 SFT_CONFIG = os.path.join(REPO_ROOT, "train_configs", "sft_reverse_debug.toml")

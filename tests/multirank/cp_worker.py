@@ -24,6 +24,7 @@ from titanrl.data.encode import PromptEncoder
 from titanrl.data.forward import forward_logprobs
 from titanrl.data.tasks import Reverse
 from titanrl.distributed import ParallelDims, init_distributed
+from titanrl.distributed.context_parallel import check_same_rows, shard_plan
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.tokenizer import build_tokenizer
 from titanrl.recipes.rl import RLRecipe
@@ -45,11 +46,12 @@ ARGS = TransformerModelArgs(
     tie_word_embeddings=True,
     max_seq_len=128,
 )
-# name -> (dp_shard, cp, extra settings)
+# name -> (dp_shard, cp, tp, extra settings)
 LAYOUTS = {
-    "cp2": (1, 2, {}),
-    "cp2_ac": (1, 2, {"activation_checkpoint": {"mode": "full"}}),
-    "dp2_cp2": (2, 2, {}),
+    "cp2": (1, 2, 1, {}),
+    "cp2_ac": (1, 2, 1, {"activation_checkpoint": {"mode": "full"}}),
+    "dp2_cp2": (2, 2, 1, {}),
+    "cp2_tp2": (1, 2, 2, {}),
 }
 CASES = [(agg, dtype) for agg in ("token-mean", "seq-mean-token-mean") for dtype in ("float32", "float64")]
 
@@ -97,7 +99,7 @@ def job_config(layout: str | None, loss_agg: str) -> JobConfig:
     config.training.packing = "on"
     config.training.micro_batch_tokens = 96  # several packed micro-batches
     config.training.max_norm = 0.5
-    for section, values in (LAYOUTS[layout][2] if layout else {}).items():
+    for section, values in (LAYOUTS[layout][3] if layout else {}).items():
         for key, value in values.items():
             setattr(getattr(config, section), key, value)
     return config
@@ -158,9 +160,9 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def run_case(layout: str | None, loss_agg: str, dtype: str, world_size: int, what: str) -> dict:
-    dp_shard, cp, _ = LAYOUTS[layout] if layout else (1, 1, {})
+    dp_shard, cp, tp, _ = LAYOUTS[layout] if layout else (1, 1, 1, {})
     config = job_config(layout, loss_agg)
-    dims = ParallelDims(1, dp_shard, 1, world_size, cp=cp)
+    dims = ParallelDims(1, dp_shard, tp, world_size, cp=cp)
     torch_dtype = getattr(torch, dtype)
     sd = {k: v.to(torch_dtype) for k, v in init_full_state_dict(ARGS, seed=0).items()}
     torch.set_default_dtype(torch_dtype)  # the model's parameters and buffers
@@ -177,6 +179,17 @@ def run_case(layout: str | None, loss_agg: str, dtype: str, world_size: int, wha
     return out
 
 
+def diverged_rows_raise(rank: int, world_size: int) -> bool:
+    """Equal rows pass the cp ranks' check; rows that differ on one rank raise on every rank."""
+    plan = shard_plan(8, world_size, rank, None)
+    check_same_rows(torch.ones(2, 8), plan)
+    try:
+        check_same_rows(torch.ones(2, 8) * (1 + (rank == 0)), plan)
+    except RuntimeError:
+        return True
+    return False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", required=True)
@@ -189,6 +202,7 @@ def main() -> None:
             results[f"{layout}/rl/{loss_agg}/{dtype}"] = run_case(layout, loss_agg, dtype, world_size, "rl")
         for dtype in ("float32", "float64"):
             results[f"{layout}/sft/{dtype}"] = run_case(layout, "token-mean", dtype, world_size, "sft")
+    results["diverged_raises"] = diverged_rows_raise(rank, world_size)
     if rank == 0:
         torch.save(results, cli.out)
     dist.barrier()

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from titanrl.data.packing import PackLayout, layout_of
-from titanrl.distributed.context_parallel import CPAttention, CPShard, shard_plan
+from titanrl.distributed.context_parallel import CPAttention, CPShard, check_same_rows, shard_plan
 from titanrl.models.batch_invariant import ExactCausalAttention, attend_exact_spans, batch_invariant_mode
 from titanrl.models.model import AttentionBackend, Transformer
 
@@ -201,6 +201,7 @@ def _cp_rows(
         positions_RS, doc_RS = layout.positions_RS.to(inputs_BT.device), layout.doc_RS.to(inputs_BT.device)
     mesh = model.cp_mesh
     plan = shard_plan(inputs_RS.shape[1], mesh.size(), mesh.get_local_rank(), mesh.get_group())
+    check_same_rows(inputs_RS, plan)
     return plan, CPAttention(plan, doc_RS), inputs_RS, positions_RS
 
 

@@ -155,6 +155,24 @@ class CPAttention:
         ).transpose(1, 2)
 
 
+def check_same_rows(inputs_RS: torch.Tensor, plan: CPShard) -> None:
+    """The cp ranks of a group must hold the same rows (same batch, each its shard): a checksum
+    compared over cp (one small all-reduce), so that ranks that diverged (say, rollouts sampled
+    differently) stop with an error instead of training on a mix of two batches."""
+    if plan.cp == 1:
+        return
+    x = inputs_RS.to(torch.float64)
+    weights = torch.arange(1, x.numel() + 1, dtype=torch.float64, device=x.device).view_as(x)
+    sums = torch.stack([x.sum(), (x * weights).sum(), torch.tensor(float(x.numel()), device=x.device)])
+    both = torch.cat([sums, -sums])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=plan.group)
+    if not torch.equal(both[:3], -both[3:]):
+        raise RuntimeError(
+            "context parallelism: the cp ranks of a group hold different batches; they must see the same "
+            "rows (same data shard, same rollouts): check that data loading and sampling do not depend on the cp rank"
+        )
+
+
 def _padded(x_RS: torch.Tensor, plan: CPShard) -> torch.Tensor:
     if plan.S_pad == plan.S:
         return x_RS
