@@ -218,3 +218,22 @@ def test_bench_gpu_long_context_entry_dry_run():
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])["long_context"]
     assert line["cp"] == 2 and line["seq"] == 512 and line["tokens_per_s"] > 0
+
+
+def test_kv_retrieval_task_asks_for_the_only_digit():
+    import random
+
+    from titanrl.data.tasks import build_task
+
+    task = build_task("kv_retrieval")
+    rng = random.Random(0)
+    for _ in range(50):
+        s = task.make(rng)
+        document, asked = s.prompt[3:-1].split("|")
+        pairs = dict(pair.split("=") for pair in document.split(";"))
+        assert len(pairs) == 24 and pairs[asked] == s.answer and s.answer.isdigit()
+        assert [v for v in pairs.values() if v.isdigit()] == [s.answer]
+        assert task.score(f" {s.answer}", s.answer, {}).correct
+        assert not task.score("12", s.answer, {}).well_formed
+    with pytest.raises(ValueError, match="num_keys"):
+        type(task)(num_keys=0)
