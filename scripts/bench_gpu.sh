@@ -15,8 +15,14 @@
 # and with `--float8.enable=true`, printing tokens/s of each and the speedup as one JSON line.
 # `--float8-only` runs just that section (about 2 minutes with start-up).
 #
+# `--long-context` adds, and `--long-context-only` runs alone, the long-sequence section (under
+# 240 s): training tokens/s and peak memory of one 32k-token sequence of the Qwen2.5-0.5B shape
+# (bf16, full activation checkpointing) with context parallelism over every visible GPU (cp = 1
+# on one GPU), one JSON line. With --dry-run: 2 gloo ranks on the CPU, cp = 2, the debug model, 512 tokens.
+#
 #   bash scripts/bench_gpu.sh [--dry-run] [--out benchmarks/bench_gpu.json] [--eager] [--vllm-eager]
 #   bash scripts/bench_gpu.sh --float8-only
+#   bash scripts/bench_gpu.sh --long-context-only [--dry-run]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --dry-run "* ]] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -77,15 +83,30 @@ if [[ " $* " == *" --float8-only "* ]]; then
   float8_section
   exit $?
 fi
+# Long sequences: benchmarks/bench_context_parallel.py --train-step under torchrun, one rank per GPU.
+long_context_section() {
+  local nproc flavor=qwen2.5-0.5b seq=32768
+  nproc=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
+  if [[ " $* " == *" --dry-run "* ]]; then nproc=2 flavor=debug seq=512; fi
+  OMP_NUM_THREADS=1 timeout 240 python -m torch.distributed.run --standalone --nproc_per_node="$nproc" \
+    -m benchmarks.bench_context_parallel --train-step --flavor "$flavor" --seq "$seq"
+}
+if [[ " $* " == *" --long-context-only "* ]]; then
+  long_context_section "$@"
+  exit $?
+fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
 rc=0
 args=()
-for arg in "$@"; do [[ "$arg" == "--float8" ]] || args+=("$arg"); done
+for arg in "$@"; do [[ "$arg" == "--float8" || "$arg" == "--long-context" ]] || args+=("$arg"); done
 cache_dir="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d -t bench_gpu_compile_cache.XXXXXX)}"
 echo "bench_gpu.sh: compile cache $cache_dir (TORCHINDUCTOR_CACHE_DIR=$cache_dir for a warm rerun)" >&2
 BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" TORCHINDUCTOR_CACHE_DIR="$cache_dir" \
   timeout 570 python -m benchmarks.bench_gpu --budget-s 540 ${args[@]+"${args[@]}"} || rc=$?
 if [[ " $* " == *" --float8 "* && " $* " != *" --dry-run "* ]]; then
   float8_section || echo "bench_gpu.sh: float8 section failed (exit $?)" >&2
+fi
+if [[ " $* " == *" --long-context "* && " $* " != *" --dry-run "* ]]; then
+  long_context_section "$@" || echo "bench_gpu.sh: long-context section failed (exit $?)" >&2
 fi
 exit $rc

@@ -98,7 +98,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     validate_algorithm(config)
     p = config.parallelism
     if ranks is not None:
-        ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks, p.ep)
+        ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks, p.ep, p.cp)
     data = get_recipe(config.job.recipe).load_data(config)
     args = launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
     if config.distillation.teacher_hf_checkpoint:

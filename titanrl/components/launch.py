@@ -147,7 +147,7 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     if rank == 0 and config.job.print_config:
         print(to_toml(config))
     p = config.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep, p.cp)
     return rank, dims, local_device()
 
 

@@ -80,8 +80,15 @@ class Parallelism:
     1/ep of the experts and exchanges tokens with all-to-all; FSDP2 shards the experts further over
     dp_shard / ep (TorchTitan's layout, no extra ranks). Must divide dp_shard and the expert count."""
 
+    cp: int = 1
+    """Context-parallel degree of the trainer: each sequence (packed row) is split into 2 x cp
+    chunks, every cp rank holding a head and a tail chunk (causal load balance), attention
+    all-gathers keys and values over cp. The cp ranks of a group see the same batch and join the
+    FSDP2 group (it shards over dp_shard x cp, TorchTitan's layout). The generator is not
+    context-parallel (docs/context_parallel.md)."""
+
     def validate(self) -> None:
-        for name in ("dp_replicate", "tp", "ep"):
+        for name in ("dp_replicate", "tp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[parallelism] {name} must be >= 1, got {getattr(self, name)}")
         if self.dp_shard < 1 and self.dp_shard != -1:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 from titanrl.data.packing import PackLayout, layout_of
+from titanrl.distributed.context_parallel import CPAttention, CPShard, check_same_rows, shard_plan
 from titanrl.models.batch_invariant import ExactCausalAttention, attend_exact_spans, batch_invariant_mode
 from titanrl.models.model import AttentionBackend, Transformer
 
@@ -136,6 +137,8 @@ def forward_logprobs(
     `replay_routes`: MoE layers use the experts in batch["routes"] (routing replay)."""
     tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
     layout = layout_of(batch, packing)
+    if getattr(model, "cp_mesh", None) is not None:
+        return _cp_logprobs(model, tokens_BT, mask_BT, layout, chunk_tokens, with_entropy)
     routes_LTK = replay_routes_LTK(batch["routes"], layout) if replay_routes else None
     if layout is None:
         backend = ExactCausalAttention() if invariant else None
@@ -171,8 +174,60 @@ def forward_values(critic: Transformer, batch: TensorDict, packing: str = "off")
     row's length when packed), padded or packed as `forward_logprobs`."""
     tokens_BT = batch["tokens"]
     layout = layout_of(batch, packing)
+    if getattr(critic, "cp_mesh", None) is not None:
+        plan, backend, inputs_RS, positions_RS = _cp_rows(critic, tokens_BT[:, :-1], layout)
+        out_RL1 = critic(plan.shard(inputs_RS), plan.shard(positions_RS), backend)
+        values_RS = plan.unshard(out_RL1[..., 0].float())
+        return values_RS if layout is None else layout.unpack(values_RS)
     if layout is None:
         return critic(tokens_BT[:, :-1])[..., 0].float()
     backend = packed_backend(layout, tokens_BT.device, invariant=False)
     out_RS1 = critic(layout.pack(tokens_BT[:, :-1]), layout.positions_RS.to(tokens_BT.device), backend)
     return layout.unpack(out_RS1[..., 0].float())
+
+
+def _cp_rows(
+    model: Transformer, inputs_BT: torch.Tensor, layout: PackLayout | None
+) -> tuple[CPShard, CPAttention, torch.Tensor, torch.Tensor]:
+    """Context parallelism (`titanrl.distributed.context_parallel`): this rank's shard plan of the
+    rows (packed, or the padded rows as one document each), its attention backend, the inputs
+    and positions of the whole rows [R, S]."""
+    if layout is None:
+        inputs_RS = inputs_BT
+        positions_RS = torch.arange(inputs_BT.shape[1], device=inputs_BT.device).expand_as(inputs_BT)
+        doc_RS = torch.zeros_like(inputs_BT)
+    else:
+        inputs_RS = layout.pack(inputs_BT)
+        positions_RS, doc_RS = layout.positions_RS.to(inputs_BT.device), layout.doc_RS.to(inputs_BT.device)
+    mesh = model.cp_mesh
+    plan = shard_plan(inputs_RS.shape[1], mesh.size(), mesh.get_local_rank(), mesh.get_group())
+    check_same_rows(inputs_RS, plan)
+    return plan, CPAttention(plan, doc_RS), inputs_RS, positions_RS
+
+
+def _cp_logprobs(
+    model: Transformer,
+    tokens_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    layout: PackLayout | None,
+    chunk_tokens: int,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forward_logprobs` over this rank's sequence shard: hidden states and the chunked vocabulary
+    projection stay sharded; only the per-token logprobs (and entropy) are gathered back."""
+    plan, backend, inputs_RS, positions_RS = _cp_rows(model, tokens_BT[:, :-1], layout)
+    targets_RS = tokens_BT[:, 1:] if layout is None else layout.pack(tokens_BT[:, 1:])
+    mask_RS = mask_BT if layout is None else layout.pack(mask_BT)
+    logprobs_RL, entropy_RL = model.logprobs(
+        plan.shard(inputs_RS),
+        plan.shard(targets_RS),
+        chunk_tokens,
+        with_entropy,
+        backend=backend,
+        mask_BT=plan.shard(mask_RS),
+        positions_BT=plan.shard(positions_RS),
+    )
+    out = [plan.unshard(x) if x is not None else None for x in (logprobs_RL, entropy_RL)]
+    if layout is not None:
+        out = [layout.unpack(x) if x is not None else None for x in out]
+    return out[0], out[1]

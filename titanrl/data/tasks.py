@@ -14,6 +14,7 @@ import random
 import re
 from collections.abc import Callable
 
+from titanrl.data.key_value import KeyValueRetrieval
 from titanrl.data.short_answer import ShortAnswer
 from titanrl.data.task import Sample, Score, Task, safe_arithmetic
 
@@ -140,6 +141,8 @@ TASKS: dict[str, Callable[[], Task]] = {
     "sort": Sort,
     "countdown": Countdown,
     "short_answer": ShortAnswer,
+    "kv_retrieval": KeyValueRetrieval,
+    "kv_retrieval_long": lambda: KeyValueRetrieval(num_keys=48),
 }
 
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanrl.config.job_config import JobConfig
+from titanrl.distributed.context_parallel import validate_cp
 from titanrl.distributed.expert_parallel import ExpertParallel
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.models.lora import LoRALinear, freeze_base, has_lora
@@ -38,6 +39,10 @@ _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 
 def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
+    """Also records the cp group on the model (`model.cp_mesh`, None without context parallelism):
+    `titanrl.data.forward` shards the rows of every training forward over it."""
+    validate_cp(job_config, parallel_dims.cp, model.args.moe_num_experts > 0)
+    model.cp_mesh = parallel_dims.cp_mesh if parallel_dims.cp_enabled else None
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])
     if parallel_dims.ep_enabled:

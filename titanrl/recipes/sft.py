@@ -21,6 +21,7 @@ from titanrl.config import JobConfig
 from titanrl.config.sections import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
 from titanrl.data.encode import fit_demonstrations
+from titanrl.data.forward import forward_logprobs
 from titanrl.data.loader import load_data
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
@@ -67,14 +68,9 @@ def sft_losses(
     num_tokens = global_token_count(sum((mb["loss_mask"].sum() for mb in micros), torch.tensor(0.0)), trainer.dp_group)
     total = 0.0
     for mb in micros:
-        tokens_BT = mb["tokens"]
         with torch.set_grad_enabled(train):
-            logprobs_BT, _ = model.logprobs(
-                tokens_BT[:, :-1],
-                tokens_BT[:, 1:],
-                trainer.config.training.logprob_chunk_tokens,
-                mask_BT=mb["loss_mask"],
-            )
+            # Padded rows; under context parallelism each cp rank runs its sequence shard.
+            logprobs_BT, _ = forward_logprobs(model, mb, False, trainer.config.training.logprob_chunk_tokens)
             loss = sft_loss(logprobs_BT, mb["loss_mask"], num_tokens)
         if train:
             trainer.backward(loss, step)
