@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.components.compile_cache import compile_seconds
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
-from titanrl.distributed.parallelize import apply_tp
+from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.distributed.utils import return_freed_host_memory
 from titanrl.generator.decode import (
     DecodeRows,
@@ -31,6 +31,7 @@ from titanrl.generator.decode import (
     static_kv_for_cuda_graphs,
     uses_cuda_graphs,
 )
+from titanrl.generator.ep_lockstep import EPLockstep, with_tick
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
 from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes
@@ -77,6 +78,7 @@ class Generator:
         tokenizer: Tokenizer | None = None,
         dtype: torch.dtype = torch.float32,
         lora: LoRAConfig | None = None,
+        ep_mesh: DeviceMesh | None = None,
     ) -> None:
         config.validate()
         self.args = model_args
@@ -96,7 +98,10 @@ class Generator:
                 "the trainer's): set generator.quantize = 'none'"
             )
         self.quantizer = build_quantizer(config.quantize, device, dtype, self.tp)  # before the model
-        self.model = self._build_model(tp_mesh)
+        ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
+        self.model = self._build_model(tp_mesh, ep_mesh)
+        # Experts sharded over ep ranks: every forward in lockstep with the peers (`ep_lockstep.py`).
+        self.lockstep = EPLockstep(self.model, ep_mesh, device) if ep_mesh is not None else None
         self.shares_weights = False
         self._decode_model = self.model
         # Unset: compiled on CUDA (never with batch_invariant, whose kernels run eagerly).
@@ -120,13 +125,15 @@ class Generator:
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
 
-    def _build_model(self, tp_mesh: DeviceMesh | None) -> Transformer:
+    def _build_model(self, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> Transformer:
         with torch.device("meta"):
             model = Transformer(self.args)
             if self.lora is not None:
                 add_lora(model, self.lora)  # same names and shards as the trainer's adapters
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
+        if ep_mesh is not None:
+            apply_ep(model, ep_mesh)  # each rank holds its experts, as the trainer's same rank
         model.to_empty(device=self.device)
         model.init_weights(buffer_device=self.device)
         model = model.to(self.dtype).eval().requires_grad_(False)
@@ -308,7 +315,10 @@ class Generator:
         """Scheduler passes until every sample finished or paused: admit and prefill while there is
         room, else decode; report finished samples to `on_finish` after each pass."""
         reported = 0
-        while sched.has_work:
+        # Under expert parallelism: while any ep rank has work; a rank without serves the peers' all-to-alls.
+        while sched.has_work if self.lockstep is None else self.lockstep.more_passes(sched.has_work):
+            if not sched.has_work:
+                continue
             sched.stats.steps += 1
             sched.stats.scheduler_passes += 1
             if turns is not None and not sched.exchange_turns():
@@ -385,7 +395,7 @@ class Generator:
         bucket = batch_bucket(len(batch)) if compiled else len(batch)
         with torch.profiler.record_function("generator/decode"):
             out = run_decode_pass(
-                self._decode_step,
+                self._decode_step if self.lockstep is None else with_tick(self._decode_step, self.lockstep),
                 self.model,
                 self.pool.k,
                 self.pool.v,
@@ -435,6 +445,8 @@ class Generator:
         positions `logits_at` ([len(logits_at), vocab])."""
         model = self.model
         n = len(tokens)
+        if self.lockstep is not None:
+            self.lockstep.before_forward()
         if decode and self.compile:
             # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
             bucket = batch_bucket(n)

@@ -194,7 +194,7 @@ class MoE(nn.Module):
         order_S = torch.argsort(routes_TK.flatten(), stable=True)
         y_SD = self.experts(x_TD[order_S // K], counts_E)
         y_SD = y_SD * weights_TK.flatten()[order_S].unsqueeze(-1)
-        y_TKD = y_SD[torch.argsort(order_S)].view(T, K, -1)
+        y_TKD = y_SD[torch.argsort(order_S)].view(T, K, y_SD.shape[-1])  # T may be 0
         return y_TKD.sum(dim=1)
 
     @torch.no_grad()
