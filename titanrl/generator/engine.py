@@ -34,7 +34,7 @@ from titanrl.generator.decode import (
 from titanrl.generator.ep_lockstep import EPLockstep, with_tick
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
-from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes
+from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes, record_prefill_routes
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
@@ -178,8 +178,8 @@ class Generator:
                 self.dtype,
                 self.device,
             )
-            prefix_caching = self.config.enable_prefix_caching and not self.record_routes
-            self.allocator = BlockAllocator(self.num_blocks, prefix_caching)
+            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self._cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
@@ -362,8 +362,8 @@ class Generator:
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
         logits_SV = self._forward(slices, tokens, logits_at=last_index)
         if self.record_routes:
-            counts = [s.num_new for s in slices]
-            record_packed_routes(seqs, starts, counts, self.model.moe_routes())
+            counts, B = [s.num_new for s in slices], self.config.block_size
+            record_prefill_routes(seqs, starts, counts, self.model.moe_routes(), self.block_routes, B)
         samples, rows = [], []
         for i, seq in enumerate(seqs):
             forked = sched.after_prefill(seq)
