@@ -68,3 +68,20 @@ def test_routes_with_prefix_caching_equal_routes_without(model):
         assert a.token_ids == b.token_ids
         assert a.routes is not None and (a.routes >= 0).all()  # every fed token has its routes
         assert torch.equal(a.routes, b.routes)
+
+
+def test_routes_recorded_under_compile_equal_eager(model):
+    """The compiled decode step (`generator.compile`, aot_eager: dynamo's graphs run eagerly)
+    records the same routes as eager decoding, and greedy decoding picks the same tokens. The
+    MoE block's CPU float32 expert loop (`GroupedExperts.forward_loop`: a split by the counts
+    read on the host) breaks the graph once per MoE layer and step shape; each block's frame
+    then compiles on its own, which is why MoE models keep their module guards (`compile_decode`)."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, n=2)
+    out = {}
+    for compiled in (False, True):
+        cfg = GeneratorConfig(block_size=4, num_blocks=128, compile=compiled, compile_backend="aot_eager")
+        gen = Generator(ARGS, cfg, CPU)
+        gen.load_weights(model)
+        out[compiled], _ = gen.generate(_prompts(), params)
+    for a, b in zip(out[False], out[True], strict=True):
+        assert a.token_ids == b.token_ids and torch.equal(a.routes, b.routes)
