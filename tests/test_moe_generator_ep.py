@@ -36,3 +36,12 @@ def test_ep_sharded_generator_equals_unsharded_generator(per_rank):
 def test_rank_that_finishes_first_serves_its_peers_forwards(per_rank):
     """Rank 0 has fewer, shorter prompts and 4 new tokens against 10: it runs idle forwards."""
     assert per_rank[0]["idle_forwards"] > 0
+
+
+@pytest.mark.multirank
+def test_rank_without_prompts_serves_its_peer(per_rank):
+    """Rank 0 generates nothing while rank 1 generates one prompt: no deadlock, same result."""
+    assert per_rank[0]["one_sided"] == []
+    got, want = per_rank[1]["one_sided"], per_rank[1]["whole"][:2]
+    assert [c["tokens"] for c in got] == [c["tokens"] for c in want]
+    assert all(torch.equal(a["routes"], b["routes"]) for a, b in zip(got, want, strict=True))

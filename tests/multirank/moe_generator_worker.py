@@ -58,6 +58,8 @@ def main() -> None:
     out = {
         "sharded": generate(sharded, prompts, new_tokens),
         "whole": generate(whole, prompts, new_tokens),
+        # Rank 0 without prompts (as a rank with no held-out samples): it serves rank 1's forwards.
+        "one_sided": generate(sharded, prompts[:1] if rank else [], new_tokens),
         "idle_forwards": sharded.lockstep.idle_forwards,
         "local_experts": local_experts,
     }
