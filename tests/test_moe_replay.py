@@ -104,6 +104,36 @@ def test_replay_makes_the_on_policy_ratio_exactly_one(rollout, packing):
     assert (ratios[False] != 1.0).any()
 
 
+def _statistics(model, batch, packing, replay) -> tuple[float, torch.Tensor]:
+    """(aux loss, expert loads [MoE layers, E]) of one batch-invariant forward."""
+    for moe in model.moe_layers():
+        moe.tokens_per_expert.zero_()
+    with torch.no_grad():
+        forward_logprobs(model, batch, True, 64, packing=packing, replay_routes=replay)
+    return model.moe_aux_loss().item(), torch.stack([m.tokens_per_expert.clone() for m in model.moe_layers()])
+
+
+@pytest.mark.parametrize("packing", ["off", "on"])
+def test_padding_is_left_out_of_aux_loss_and_loads_with_and_without_replay(rollout, packing):
+    """A padded batch of samples of unequal lengths (packed rows end in padding too), whose
+    recorded routes are the trainer's own (batch-invariant): the auxiliary loss and the expert
+    loads are the same with replay and without, count exactly the real tokens (k slots each),
+    and do not move when the padding tokens change."""
+    model, prompts, completions = rollout
+    batch = _batch(prompts, completions)
+    real = int((batch["routes"][..., 0, 0] >= 0).sum())
+    assert real < batch["routes"].shape[0] * batch["routes"].shape[1]  # there is padding
+    on, off = (_statistics(model, batch, packing, replay) for replay in (True, False))
+    assert on[0] == off[0] and torch.equal(on[1], off[1])
+    assert (on[1].sum(-1) == real * ARGS.moe_top_k).all()
+    padding = batch["routes"][..., 0, 0] < 0
+    repadded = batch.clone()
+    repadded["tokens"][:, :-1][padding] = 7  # other padding ids: other router choices there
+    for replay in (True, False):
+        aux, loads = _statistics(model, repadded, packing, replay)
+        assert aux == pytest.approx(on[0], rel=1e-6) and torch.equal(loads, on[1])
+
+
 def test_moe_run_with_replay_logs_the_metrics(tmp_path):
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
     small = ["--training.steps=2", "--sft_warmup.steps=2", "--sft_warmup.batch_size=8", "--training.batch_size=4"]

@@ -158,7 +158,8 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     if checkpoint:
         CheckpointManager(os.path.dirname(checkpoint.rstrip("/")), 0).load(checkpoint, {"model": model}, {})
     tp_mesh = dims.world_mesh["tp"] if dims.tp_enabled else None
-    generator = build_generator(config, args, device, tokenizer, tp_mesh)
+    ep_mesh = dims.world_mesh["ep"] if dims.ep_enabled else None
+    generator = build_generator(config, args, device, tokenizer, tp_mesh, ep_mesh)
     generator.share_weights(model)
     runner = EvalSuites(host, args.max_seq_len, suites, progress_s=PROGRESS_S)
     try:

@@ -20,6 +20,7 @@ from titanrl.data.packing import PackLayout, layout_of
 from titanrl.distributed.context_parallel import CPAttention, CPShard, check_same_rows, shard_plan
 from titanrl.models.batch_invariant import ExactCausalAttention, attend_exact_spans, batch_invariant_mode
 from titanrl.models.model import AttentionBackend, Transformer
+from titanrl.models.moe import PAD_ROUTE, ROUTER_ROUTE
 
 
 class DocumentSDPA:
@@ -114,12 +115,14 @@ def routes_in_rows(routes_BTLK: torch.Tensor, layout: PackLayout | None) -> torc
     return out_NX.view(-1, L, K)
 
 
-def replay_routes_LTK(routes_BTLK: torch.Tensor, layout: PackLayout | None) -> torch.Tensor:
-    """`routes_LTK` for routing replay: the recorded experts; where none was recorded (padding,
-    a sample's last token: positions no loss reads) experts 0 .. K-1."""
+def replay_routes_LTK(routes_BTLK: torch.Tensor, layout: PackLayout | None, replay: bool) -> torch.Tensor:
+    """`routes_LTK` of a batch with recorded routes: with `replay` the recorded experts, else the
+    router's (`ROUTER_ROUTE`); where none was recorded (padding) `PAD_ROUTE`: the router's
+    experts, left out of the aux loss and the expert loads (`models.moe`)."""
     routes_NLK = routes_in_rows(routes_BTLK, layout)
-    filler_NLK = torch.arange(routes_NLK.shape[-1], device=routes_NLK.device).expand_as(routes_NLK)
-    return torch.where(routes_NLK < 0, filler_NLK, routes_NLK).transpose(0, 1)
+    if not replay:
+        routes_NLK = torch.where(routes_NLK < 0, PAD_ROUTE, ROUTER_ROUTE)
+    return routes_NLK.transpose(0, 1)  # recorded: an expert, or -1 (== PAD_ROUTE)
 
 
 def forward_logprobs(
@@ -139,7 +142,8 @@ def forward_logprobs(
     layout = layout_of(batch, packing)
     if getattr(model, "cp_mesh", None) is not None:
         return _cp_logprobs(model, tokens_BT, mask_BT, layout, chunk_tokens, with_entropy)
-    routes_LTK = replay_routes_LTK(batch["routes"], layout) if replay_routes else None
+    # Routes, replayed or not, tell the MoE layers which tokens are padding.
+    routes_LTK = replay_routes_LTK(batch["routes"], layout, replay_routes) if "routes" in batch.keys() else None
     if layout is None:
         backend = ExactCausalAttention() if invariant else None
         with batch_invariant_mode() if invariant else contextlib.nullcontext():

@@ -22,6 +22,7 @@ from torch import nn
 from titanrl.generator.paged_attention import AttentionKind, PagedBatch, logical_page_index, paged_attention
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import batch_invariant_mode
+from titanrl.models.moe import MoE
 
 
 def decode_step(
@@ -90,7 +91,11 @@ def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tupl
     (weights are updated in place), and guarding on them costs Python time at every decode step."""
     options: dict = {"triton.cudagraphs": True} if uses_cuda_graphs(True, backend, device) else {}
     model_fn = torch.compile(model, backend=backend, options=dict(options) or None, dynamic=False)
-    options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        # Not with MoE layers: their data-dependent expert split breaks the graph, so each block's
+        # frame is compiled on its own, and without module guards an MoE block and a dense block
+        # would run each other's code.
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     if backend == "inductor":
         # No stride checks of the step's matmul / view outputs on every call (Python per step).
         options["size_asserts"] = False

@@ -9,7 +9,6 @@ later recomputed. Every rank of a TP group runs the same schedule on its shard o
 
 import contextlib
 import math
-import os
 import time
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.components.compile_cache import compile_seconds
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
-from titanrl.distributed.parallelize import apply_tp
+from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.distributed.utils import return_freed_host_memory
 from titanrl.generator.decode import (
     DecodeRows,
@@ -31,9 +30,10 @@ from titanrl.generator.decode import (
     static_kv_for_cuda_graphs,
     uses_cuda_graphs,
 )
-from titanrl.generator.kv_cache import BlockAllocator, KVCachePool
+from titanrl.generator.ep_lockstep import EPLockstep, with_tick
+from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, blocks_from_memory
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
-from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes
+from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes, record_prefill_routes
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
@@ -77,6 +77,7 @@ class Generator:
         tokenizer: Tokenizer | None = None,
         dtype: torch.dtype = torch.float32,
         lora: LoRAConfig | None = None,
+        ep_mesh: DeviceMesh | None = None,
     ) -> None:
         config.validate()
         self.args = model_args
@@ -96,7 +97,10 @@ class Generator:
                 "the trainer's): set generator.quantize = 'none'"
             )
         self.quantizer = build_quantizer(config.quantize, device, dtype, self.tp)  # before the model
-        self.model = self._build_model(tp_mesh)
+        ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
+        self.model = self._build_model(tp_mesh, ep_mesh)
+        # Experts sharded over ep ranks: every forward in lockstep with the peers (`ep_lockstep.py`).
+        self.lockstep = EPLockstep(self.model, ep_mesh, device) if ep_mesh is not None else None
         self.shares_weights = False
         self._decode_model = self.model
         # Unset: compiled on CUDA (never with batch_invariant, whose kernels run eagerly).
@@ -113,20 +117,24 @@ class Generator:
             self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
         else:
             self._decode_step = decode_step
-        self.num_blocks = config.num_blocks or self._blocks_from_memory()
+        self.num_blocks = config.num_blocks or blocks_from_memory(
+            self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
+        )
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
 
-    def _build_model(self, tp_mesh: DeviceMesh | None) -> Transformer:
+    def _build_model(self, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> Transformer:
         with torch.device("meta"):
             model = Transformer(self.args)
             if self.lora is not None:
                 add_lora(model, self.lora)  # same names and shards as the trainer's adapters
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
+        if ep_mesh is not None:
+            apply_ep(model, ep_mesh)  # each rank holds its experts, as the trainer's same rank
         model.to_empty(device=self.device)
         model.init_weights(buffer_device=self.device)
         model = model.to(self.dtype).eval().requires_grad_(False)
@@ -140,17 +148,6 @@ class Generator:
         return KVCachePool.bytes_per_block(
             self.args.n_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
         )
-
-    def _blocks_from_memory(self) -> int:
-        if self.device.type == "cuda":
-            free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        n = max(1, int(free_bytes * self.config.kv_cache_memory_fraction) // self._bytes_per_block())
-        # Rounded down to 4 significant bits (at most 12.5% less): the pool's size is a static
-        # shape of the compiled steps, so a restarted job whose free memory moved a little finds
-        # its compiled code in the cache instead of compiling again.
-        return n & ~((1 << max(0, n.bit_length() - 4)) - 1)
 
     def wake(self) -> None:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
@@ -171,8 +168,8 @@ class Generator:
                 self.dtype,
                 self.device,
             )
-            prefix_caching = self.config.enable_prefix_caching and not self.record_routes
-            self.allocator = BlockAllocator(self.num_blocks, prefix_caching)
+            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self._cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
@@ -309,7 +306,10 @@ class Generator:
         room, else decode (both while a long context is prefilled chunk by chunk); report finished
         samples to `on_finish` after each pass."""
         reported = 0
-        while sched.has_work:
+        # Under expert parallelism: while any ep rank has work; a rank without serves the peers' all-to-alls.
+        while sched.has_work if self.lockstep is None else self.lockstep.more_passes(sched.has_work):
+            if not sched.has_work:
+                continue
             sched.stats.steps += 1
             sched.stats.scheduler_passes += 1
             if turns is not None and not sched.exchange_turns():
@@ -356,8 +356,8 @@ class Generator:
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
         logits_SV = self._forward(slices, tokens, logits_at=last_index)
         if self.record_routes:
-            counts = [s.num_new for s in slices]
-            record_packed_routes(seqs, starts, counts, self.model.moe_routes())
+            counts, B = [s.num_new for s in slices], self.config.block_size
+            record_prefill_routes(seqs, starts, counts, self.model.moe_routes(), self.block_routes, B)
         samples, rows = [], []
         for seq in seqs:
             forked = sched.after_prefill(seq)
@@ -389,7 +389,7 @@ class Generator:
         bucket = batch_bucket(len(batch)) if compiled else len(batch)
         with torch.profiler.record_function("generator/decode"):
             out = run_decode_pass(
-                self._decode_step,
+                self._decode_step if self.lockstep is None else with_tick(self._decode_step, self.lockstep),
                 self.model,
                 self.pool.k,
                 self.pool.v,
@@ -439,6 +439,8 @@ class Generator:
         positions `logits_at` ([len(logits_at), vocab])."""
         model = self.model
         n = len(tokens)
+        if self.lockstep is not None:
+            self.lockstep.before_forward()
         if decode and self.compile:
             # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
             bucket = batch_bucket(n)

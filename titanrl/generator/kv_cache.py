@@ -7,6 +7,7 @@ tokens and of all tokens before it (prefix caching); when its last user lets go 
 evictable in LRU order, until its block is needed for something else.
 """
 
+import os
 from collections import OrderedDict
 
 import torch
@@ -195,3 +196,16 @@ def gather_kv(
     return rows_of(k_pages.view(-1, *k_pages.shape[2:]), slots_SL), rows_of(
         v_pages.view(-1, *v_pages.shape[2:]), slots_SL
     )
+
+
+def blocks_from_memory(device: torch.device, fraction: float, bytes_per_block: int) -> int:
+    """How many KV blocks `fraction` of the device's free memory holds. Rounded down to 4
+    significant bits (at most 12.5% less): the pool's size is a static shape of the compiled
+    steps, so a restarted job whose free memory moved a little finds its compiled code in the
+    cache instead of compiling again."""
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    else:
+        free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = max(1, int(free_bytes * fraction) // bytes_per_block)
+    return n & ~((1 << max(0, n.bit_length() - 4)) - 1)

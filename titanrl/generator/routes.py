@@ -2,9 +2,11 @@
 to the model (prompt prefill, recomputation after preemption, decode steps), kept per sample as
 chunks by position and handed back on the `Completion` (`Seq.assemble_routes`).
 
-The generator records whenever the model has MoE layers, and then runs without prefix caching:
-a prompt whose blocks were found in the cache would have no routes for those tokens (the group's
-samples still share their prompt's blocks and its routes)."""
+The generator records whenever the model has MoE layers, with prefix caching on as off: a prompt
+block carries its tokens' routes (`block_routes`, block id -> [block_size, MoE layers, top_k],
+kept for every full prompt block that a prefill computed, the blocks prefix caching registers),
+and a prompt whose first blocks were found in the cache takes their routes from there: the
+routes that produced the cached K/V. A group's samples share their prompt's blocks and routes."""
 
 import torch
 
@@ -31,3 +33,39 @@ def record_packed_routes(seqs: list[Seq], starts: list[int], counts: list[int], 
     for seq, start, n in zip(seqs, starts, counts):
         add_route_chunk(seq, start, routes_NLK[offset : offset + n])
         offset += n
+
+
+def record_prefill_routes(
+    seqs: list[Seq],
+    starts: list[int],
+    counts: list[int],
+    routes_LNK: torch.Tensor,
+    block_routes: dict[int, torch.Tensor],
+    block_size: int,
+) -> None:
+    """After a packed prefill (as `record_packed_routes`): a group prompt that started at
+    `start` > 0 on its first chunk found its first `start` tokens' blocks in the prefix cache and takes their routes
+    from `block_routes`; then every sequence's full prompt blocks leave their routes there."""
+    for seq, start in zip(seqs, starts):
+        if seq.is_group_prompt and start > 0 and not seq.route_chunks:  # its first chunk (chunked prefill)
+            hits = seq.block_table[: start // block_size]
+            assert all(b in block_routes for b in hits), "a cached prompt block without recorded routes"
+            add_route_chunk(seq, 0, torch.cat([block_routes[b] for b in hits]))
+    record_packed_routes(seqs, starts, counts, routes_LNK)
+    for seq in seqs:
+        full = min(seq.num_computed, seq.prompt_len) // block_size
+        routes_PLK = routes_of_positions(seq, full * block_size)
+        for i, block in enumerate(seq.block_table[:full]):
+            block_routes[block] = routes_PLK[i * block_size : (i + 1) * block_size]
+
+
+def routes_of_positions(seq: Seq, n: int) -> torch.Tensor:
+    """The routes recorded for positions 0 .. n - 1 of `seq` (later chunks win), [n, L, K]."""
+    chunks = seq.route_chunks or []
+    L, K = chunks[0][1].shape[1:] if chunks else (0, 0)
+    routes_PLK = torch.full((n, L, K), -1, dtype=torch.int16)
+    for start, chunk_NLK in chunks:
+        m = max(0, min(len(chunk_NLK), n - start))
+        routes_PLK[start : start + m] = chunk_NLK[:m]
+    assert n == 0 or bool((routes_PLK >= 0).all()), "prompt positions without recorded routes"
+    return routes_PLK

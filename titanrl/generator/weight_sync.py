@@ -148,9 +148,14 @@ def _copy_parameters(
         if src_local.shape != dst_local.shape:
             raise ValueError(
                 f"'{name}': trainer shard {tuple(src_local.shape)} != generator shard "
-                f"{tuple(dst_local.shape)}; trainer and generator must use the same tp degree"
+                f"{tuple(dst_local.shape)}; trainer and generator must use the same tp and ep degrees"
             )
         dst_local.copy_(src_local)
+
+
+# FSDP2's dims; "dp_shard_mod_ep" shards experts beside "ep", whose shard stays: the generator's
+# experts are sharded over the same ep ranks (`Generator(ep_mesh=...)`), so each rank copies its own.
+DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard", "dp", "dp_shard_mod_ep")
 
 
 def _gather_data_parallel(t: torch.Tensor) -> torch.Tensor:
@@ -159,8 +164,7 @@ def _gather_data_parallel(t: torch.Tensor) -> torch.Tensor:
         return t
     names = t.device_mesh.mesh_dim_names or ()
     placements = [
-        Replicate() if i < len(names) and names[i] in ("dp_replicate", "dp_shard", "dp") else p
-        for i, p in enumerate(t.placements)
+        Replicate() if i < len(names) and names[i] in DATA_PARALLEL_DIMS else p for i, p in enumerate(t.placements)
     ]
     return t.redistribute(t.device_mesh, placements).to_local()
 

@@ -13,7 +13,10 @@ in token order and summed over the k slots.
 What later work reads after a forward, per MoE layer (`MoE` attributes):
 - `routes_TK`: the experts chosen for each of the T = B * S tokens (routing replay passes such a
   table back in as `routes_TK`: the same experts, weights recomputed from the router's current
-  probabilities so that the router still gets gradients);
+  probabilities so that the router still gets gradients). A row of a table passed in may be
+  `ROUTER_ROUTE` (the router chooses) or `PAD_ROUTE` (a padding token: the router chooses, and
+  the token is left out of the aux loss and the loads below), so that a padded batch's
+  statistics are those of its real tokens, with replay or without;
 - `aux_loss`: the Switch / Qwen load-balancing loss of this forward (differentiable);
 - `tokens_per_expert`: a float32 buffer that accumulates the routed (token, slot) pairs per
   expert over forwards until `update_expert_bias` (or the caller) resets it. Activation
@@ -28,6 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import in_batch_invariant_mode
+
+PAD_ROUTE = -1
+"""A `routes_TK` row of a padding token: the router's experts, left out of the statistics."""
+ROUTER_ROUTE = -2
+"""A `routes_TK` row of a real token the router routes (a batch without replay, with padding)."""
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -57,12 +65,13 @@ class TopKRouter(nn.Module):
         """(weights [T, k] in x's dtype, experts [T, k], probabilities [T, E] in float32 or wider).
 
         `expert_bias_E` shifts the scores for the choice of experts only; `routes_TK` replaces the
-        choice. Either way the weights are the router's probabilities of the chosen experts."""
+        choice, except on its negative rows (`PAD_ROUTE`, `ROUTER_ROUTE`). Either way the weights
+        are the router's probabilities of the chosen experts."""
         # float32 as HF for 16/32-bit models; float64 models stay float64.
         probs_TE = torch.softmax(self.gate(x_TD), dim=-1, dtype=torch.promote_types(x_TD.dtype, torch.float32))
-        if routes_TK is None:
-            scores_TE = probs_TE if expert_bias_E is None else probs_TE + expert_bias_E
-            routes_TK = torch.topk(scores_TE, self.top_k, dim=-1).indices
+        scores_TE = probs_TE if expert_bias_E is None else probs_TE + expert_bias_E
+        chosen_TK = torch.topk(scores_TE, self.top_k, dim=-1).indices  # k of E: cheap, and no host sync
+        routes_TK = chosen_TK if routes_TK is None else torch.where(routes_TK < 0, chosen_TK, routes_TK)
         weights_TK = probs_TE.gather(1, routes_TK)
         if self.norm_topk_prob:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
@@ -121,12 +130,30 @@ class GroupedExperts(nn.Module):
             nn.init.trunc_normal_(w, mean=0.0, std=init_std)
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+def expert_counts(routes_TK: torch.Tensor, num_experts: int, real_T: torch.Tensor | None = None) -> torch.Tensor:
+    """(token, slot) pairs routed to each expert, [E], of the `real_T` tokens only if given.
+    scatter_add, not bincount: a static output shape keeps the block compilable."""
+    flat_S = routes_TK.flatten()
+    if real_T is None:
+        ones_S = torch.ones_like(flat_S)
+    else:
+        ones_S = real_T.to(flat_S.dtype).repeat_interleave(routes_TK.shape[1])
+    return routes_TK.new_zeros(num_experts).scatter_add_(0, flat_S, ones_S)
+
+
+def load_balancing_loss(
+    probs_TE: torch.Tensor, counts_E: torch.Tensor, real_T: torch.Tensor | None = None
+) -> torch.Tensor:
     """Switch Transformer's auxiliary loss as Qwen3-MoE computes it for one layer:
     E * sum_e f_e * P_e, f_e = (routed (token, slot) pairs of e) / T (sums to k),
-    P_e = mean over tokens of the router probability of e. Balanced routing gives k."""
+    P_e = mean over tokens of the router probability of e. Balanced routing gives k.
+    With `real_T`, T and the mean run over those tokens (padding left out; `counts_E` theirs)."""
     T, E = probs_TE.shape
-    return E * torch.sum(counts_E.to(probs_TE.dtype) / max(T, 1) * probs_TE.mean(dim=0))
+    if real_T is None:
+        return E * torch.sum(counts_E.to(probs_TE.dtype) / max(T, 1) * probs_TE.mean(dim=0))
+    real_T1 = real_T.to(probs_TE.dtype).unsqueeze(-1)
+    n = real_T1.sum().clamp_min(1)
+    return E * torch.sum(counts_E.to(probs_TE.dtype) / n * (probs_TE * real_T1).sum(dim=0) / n)
 
 
 class AuxLossGrad(torch.autograd.Function):
@@ -166,19 +193,21 @@ class MoE(nn.Module):
         self.aux_loss_coeff = 0.0
 
     def forward(self, x_BTD: torch.Tensor, routes_TK: torch.Tensor | None = None) -> torch.Tensor:
-        """`routes_TK`: experts to use for the B * T tokens (routing replay); None: the router's."""
+        """`routes_TK`: experts to use for the B * T tokens (routing replay; negative rows: see the
+        module doc); None: the router's."""
         x_TD = x_BTD.reshape(-1, x_BTD.shape[-1])
         if routes_TK is not None and routes_TK.shape != (x_TD.shape[0], self.top_k):
             raise ValueError(f"routes_TK has shape {tuple(routes_TK.shape)}, expected ({x_TD.shape[0]}, {self.top_k})")
+        real_T = None if routes_TK is None else routes_TK[:, 0] != PAD_ROUTE
         bias_E = self.expert_bias if self.use_expert_bias else None
         weights_TK, routes_TK, probs_TE = self.router(x_TD, bias_E, routes_TK)
-        # scatter_add, not bincount: a static output shape keeps the block compilable.
-        ones_S = torch.ones_like(routes_TK.flatten())
-        counts_E = routes_TK.new_zeros(self.num_experts).scatter_add_(0, routes_TK.flatten(), ones_S)
+        counts_E = expert_counts(routes_TK, self.num_experts)
         self.routes_TK = routes_TK
-        self.aux_loss = load_balancing_loss(probs_TE, counts_E)
+        # The statistics count real tokens only (masked, not indexed: no host sync).
+        real_counts_E = counts_E if real_T is None else expert_counts(routes_TK, self.num_experts, real_T)
+        self.aux_loss = load_balancing_loss(probs_TE, real_counts_E, real_T)
         with torch.no_grad():
-            self.tokens_per_expert.add_(counts_E.to(self.tokens_per_expert.dtype))
+            self.tokens_per_expert.add_(real_counts_E.to(self.tokens_per_expert.dtype))
         out_TD = self.routed(x_TD, weights_TK, routes_TK, counts_E)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
@@ -194,7 +223,7 @@ class MoE(nn.Module):
         order_S = torch.argsort(routes_TK.flatten(), stable=True)
         y_SD = self.experts(x_TD[order_S // K], counts_E)
         y_SD = y_SD * weights_TK.flatten()[order_S].unsqueeze(-1)
-        y_TKD = y_SD[torch.argsort(order_S)].view(T, K, -1)
+        y_TKD = y_SD[torch.argsort(order_S)].view(T, K, y_SD.shape[-1])  # T may be 0
         return y_TKD.sum(dim=1)
 
     @torch.no_grad()

@@ -101,7 +101,8 @@ class RLRecipe(Recipe):
         self.distiller = build_distiller(cfg, self.algorithm, trainer)  # a frozen teacher, in no checkpoint
         # The generator next: a KV pool sized from free memory is sized as the policy (and a teacher) leave it.
         tp_mesh = trainer.dims.world_mesh["tp"] if trainer.dims.tp_enabled else None
-        self.generator = build_generator(cfg, trainer.model_args, trainer.device, trainer.tokenizer, tp_mesh)
+        ep_mesh = trainer.dims.world_mesh["ep"] if trainer.dims.ep_enabled else None
+        self.generator = build_generator(cfg, trainer.model_args, trainer.device, trainer.tokenizer, tp_mesh, ep_mesh)
         self.generator.share_weights(self.policy)  # one rank, full-precision: one set of weights
         # The reference and the critic start as copies of the policy; `prepare` copies it again
         # after the SFT warm-up, and a resumed run loads them from its checkpoint.

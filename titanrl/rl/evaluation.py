@@ -144,9 +144,10 @@ class EvalSuites:
         dims, k = self.host.dims, s.suite.k
         mine = list(range(dims.dp_rank, len(s.samples), dims.dp_size))
         progress = progress_report(s.suite.name, len(mine) * k, self.progress_s) if self.host.rank == 0 else None
-        completions = (
-            generator.generate([s.prompts[i] for i in mine], s.params, mine, on_finish=progress)[0] if mine else []
-        )
+        # An ep-sharded generator generates on every ep rank, with or without prompts (its all-to-alls).
+        run = mine or generator.lockstep is not None
+        prompts = [s.prompts[i] for i in mine]
+        completions = generator.generate(prompts, s.params, mine, on_finish=progress)[0] if run else []
         items = [
             RewardItem(sample.prompt, c.text or "", sample.answer, sample.metadata)
             for c in completions

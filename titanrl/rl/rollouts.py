@@ -48,13 +48,16 @@ def build_generator(
     device: torch.device,
     tokenizer: Tokenizer,
     tp_mesh: DeviceMesh | None = None,
+    ep_mesh: DeviceMesh | None = None,
 ) -> Generator:
-    """The job's generator (its [generator] section, the training precision, the checkpoint's eos ids)."""
+    """The job's generator (its [generator] section, the training precision, the checkpoint's eos ids);
+    `ep_mesh`: experts sharded over it as the trainer's are (`generator/ep_lockstep.py`)."""
     return Generator(
         model_args,
         config.generator,
         device,
         tp_mesh=tp_mesh,
+        ep_mesh=ep_mesh,
         tokenizer=tokenizer,
         dtype=getattr(torch, config.training.mixed_precision_param),
         extra_eos_ids=read_generation_eos_ids(config.model.hf_checkpoint),
