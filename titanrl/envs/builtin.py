@@ -126,9 +126,12 @@ def check_sandbox_expression(expression: str) -> None:
             raise ValueError(f"name '{node.id}' is not allowed")
 
 
-def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256, max_out: int = 200) -> str:
+def run_sandboxed(
+    expression: str, timeout_s: float = 2.0, memory_mb: int = 256, max_out: int = 200, preexec_fn=None
+) -> str:
     """Evaluate a Python expression in a fresh, isolated interpreter (-I -S) with CPU-time and
-    address-space limits and only a few safe builtins; the result's repr or 'error: ...'."""
+    address-space limits and only a few safe builtins; the result's repr or 'error: ...'.
+    `preexec_fn` jails the child further (`titanrl/envs/serve.py`: no network, user nobody)."""
     try:
         check_sandbox_expression(expression)
     except ValueError as e:
@@ -143,6 +146,7 @@ def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256,
             capture_output=True,
             text=True,
             timeout=timeout_s + 1.0,
+            preexec_fn=preexec_fn,
         )
     except subprocess.TimeoutExpired:
         return "error: timeout"
@@ -176,6 +180,9 @@ class PythonTask(Task):
 
 
 class PythonSandboxEnv(Environment):
+    preexec_fn = None
+    """Run in each sandbox child before the code (a served sandbox's jail)."""
+
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256) -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
         self.answer = ""
@@ -189,7 +196,7 @@ class PythonSandboxEnv(Environment):
         if code is None:
             correct = PythonTask().extract(model_text) == self.answer
             return "", 1.0 if correct else 0.0, True, {"correct": correct}
-        out = run_sandboxed(code, self.timeout_s, self.memory_mb)
+        out = run_sandboxed(code, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
         return f"{RESULT_OPEN}{out}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
 
 

@@ -38,7 +38,7 @@ from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
 from titanrl.envs.builtin import ALL_TASKS
-from titanrl.envs.pool import EnvPool
+from titanrl.envs.servers import build_env_pool
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
@@ -115,7 +115,7 @@ class RLRecipe(Recipe):
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs = None
         if cfg.env.name:
-            self.envs = EnvPool(cfg.env.name, {}, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
+            self.envs = build_env_pool(cfg.env, r.memory_limit_mb)
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
