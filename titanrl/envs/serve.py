@@ -27,6 +27,7 @@ import json
 import os
 import pwd
 import socket
+import subprocess
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -77,6 +78,13 @@ def probe_jail() -> dict[str, bool]:
         os._exit(0 if _unshare_net() else 1)
     _, status = os.waitpid(pid, 0)
     nobody = os.geteuid() == 0 and _nobody() is not None
+    if nobody:  # nobody must be able to run this interpreter (not so under a private /root/.pyenv)
+        run = [sys.executable, "-I", "-S", "-c", "pass"]
+        jail = {"no_network": False, "nobody": True}
+        try:
+            nobody = subprocess.run(run, preexec_fn=make_jail(jail), capture_output=True, timeout=30).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            nobody = False
     return {"no_network": os.waitstatus_to_exitcode(status) == 0, "nobody": nobody}
 
 

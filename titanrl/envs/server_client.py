@@ -182,9 +182,10 @@ class ServerEnvPool:
         return ws, text
 
     async def _reset(self, episode: int, sample: dict) -> None:
-        reason = ""
+        reason, tried = "", set()
         for _ in range(1 + self.reset_retries):
-            url = min(self.urls, key=lambda u: self.load[u])
+            url = min([u for u in self.urls if u not in tried] or self.urls, key=lambda u: self.load[u])
+            tried.add(url)
             self.load[url] += 1
             try:
                 ws, text = await self._open(url, sample)
