@@ -2,21 +2,25 @@
 environment and misbehaving servers, driven by `ServerEnvPool` (titanrl/envs/server_client.py)."""
 
 import importlib.util
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 
-import httpx
 import pytest
-from helpers.launch import REPO_ROOT
+from helpers.launch import REPO_ROOT, run_cmd
 
 from titanrl.envs.serve import make_jail, probe_jail
 from titanrl.envs.server_client import ServerEnvPool
 
-pytest.importorskip("websockets")
+httpx = pytest.importorskip("httpx")
+
+for _module in ("websockets", "fastapi", "uvicorn", "openenv"):  # the `envs` extra
+    pytest.importorskip(_module)
 ENV = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
 CALC_SAMPLE = {"prompt": "4 boxes of 37 pens. pens? ", "answer": "148", "metadata": {}}
 
@@ -231,3 +235,71 @@ def test_http_500_at_reset_is_retried_then_named(servers):
         assert _run(pool, 0, "reset", CALC_SAMPLE).value == CALC_SAMPLE["prompt"]
     finally:
         pool.close()
+
+
+# ---- through the trainer: `titanrl run` starts the local servers and leaves none behind ----
+
+SMALL = [
+    "--training.steps=2",
+    "--sft_warmup.steps=4",
+    "--sft_warmup.batch_size=8",
+    "--training.batch_size=4",
+    "--algorithm.group_size=4",
+    "--data.num_eval_samples=8",
+    "--reward.num_workers=1",
+    "--metrics.eval_freq=0",
+    "--generator.num_blocks=256",
+]
+
+
+def _server_pids(mark: str) -> list[int]:
+    """Live processes of local env servers started by the run marked `mark` (keepers and servers)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if b"titanrl.envs.serve:contained_main" in cmdline and f"TITANRL_TEST_MARK={mark}".encode() in environ:
+            pids.append(int(pid))
+    return pids
+
+
+def _run_cmd(folder, extra=()) -> list[str]:
+    config = os.path.join(REPO_ROOT, "train_configs", "grpo_calculator_server.toml")
+    return [sys.executable, "-m", "titanrl.cli", "run", config, f"--job.dump_folder={folder}", *SMALL, *extra]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores; test_sigkill_of_the_run_leaves_no_server covers the launch in CI
+def test_titanrl_run_trains_through_a_local_server_and_stops_it(tmp_path):
+    mark = f"run-{os.getpid()}"
+    proc = run_cmd(_run_cmd(tmp_path), {**ENV, "TITANRL_TEST_MARK": mark}, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        steps = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "reward_mean" in r]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["env_failures"] == 0 and m["env_turns"] >= 1.0 for m in steps), steps
+    assert _server_pids(mark) == []
+
+
+def test_sigkill_of_the_run_leaves_no_server(tmp_path):
+    mark = f"kill-{os.getpid()}"
+    cmd = _run_cmd(tmp_path, ["--training.steps=50"])
+    with open(tmp_path / "out.txt", "w") as out:
+        proc = subprocess.Popen(
+            cmd, env={**ENV, "TITANRL_TEST_MARK": mark}, stdout=out, stderr=out, start_new_session=True
+        )
+    deadline = time.monotonic() + 300
+    while len(_server_pids(mark)) < 2 and time.monotonic() < deadline:  # its keeper and its server
+        time.sleep(0.5)
+    assert _server_pids(mark), (tmp_path / "out.txt").read_text()[-3000:]
+    time.sleep(2.0)  # the run is connected to it
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while _server_pids(mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _server_pids(mark) == []

@@ -206,7 +206,6 @@ def build_app(name: str, kwargs: dict | None = None, token: str | None = None, j
     @app.websocket("/ws")
     async def ws(websocket: WebSocket) -> None:
         await websocket.accept()
-        session = None
         try:
             session = await asyncio.to_thread(Session, cls, kwargs, jail)
             while True:
@@ -214,9 +213,9 @@ def build_app(name: str, kwargs: dict | None = None, token: str | None = None, j
                 if reply is None:
                     break
                 await websocket.send_text(json.dumps(reply))
-        except WebSocketDisconnect:
+            await websocket.close()
+        except (WebSocketDisconnect, RuntimeError):  # the client went away (it aborts a closed session)
             return
-        await websocket.close()
 
     return token_middleware(app, token)
 
