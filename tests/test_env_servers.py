@@ -71,6 +71,17 @@ def _echo_env(folder) -> tuple[subprocess.Popen, str]:
     return _start(cmd, {**ENV, "PYTHONPATH": str(folder)}, cwd=str(folder))
 
 
+def _wait_healthy(url: str, deadline_s: float = 300.0) -> None:
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            assert time.monotonic() < end, f"{url} never answered /health"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """{name: url} of servers started once for the module (in parallel: their imports are slow)."""
@@ -81,7 +92,10 @@ def servers(tmp_path_factory):
     }
     for mode in ("hang", "malformed", "http500", "die"):
         procs[mode] = _start([sys.executable, os.path.join(REPO_ROOT, "tests/helpers/fault_env_server.py"), mode])
-    yield {name: url for name, (_, url) in procs.items()}
+    urls = {name: url for name, (_, url) in procs.items()}
+    for url in urls.values():  # the echo server prints its port before uvicorn (slow to import) listens
+        _wait_healthy(url)
+    yield urls
     for proc, _ in procs.values():
         _stop(proc)
 
@@ -304,3 +318,24 @@ def test_sigkill_of_the_run_leaves_no_server(tmp_path):
     while _server_pids(mark) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _server_pids(mark) == []
+
+
+@pytest.mark.slow  # ~40-90 s on 2 cores
+def test_titanrl_run_trains_against_openenv_echo_server(tmp_path, servers):
+    """openenv-core's echo environment (never done; reward 0.1 per character) behind [env] urls:
+    episodes end at max_turns, every step's reward is the echo's, none fails."""
+    extra = [
+        "--env.servers=0",
+        f'--env.urls=["{servers["echo"]}"]',
+        "--env.action_field=message",
+        "--env.observation_field=echoed_message",
+        "--env.max_turns=2",
+    ]
+    proc = run_cmd(_run_cmd(tmp_path, extra), ENV, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        steps = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "reward_mean" in r]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        # Most episodes take both turns (one whose echo would pass max_total_tokens ends after the first).
+        assert m["env_failures"] == 0 and 1.5 <= m["env_turns"] <= 2.0 and m["reward_mean"] > 0.5, m
