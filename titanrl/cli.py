@@ -14,6 +14,7 @@ that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes re
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
+`titanrl serve-env NAME` serves an environment over OpenEnv's protocol (`titanrl/envs/serve.py`).
 """
 
 import dataclasses
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 USAGE = (
     "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]\n"
     "       titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] "
-    "[--section.key=value ...]"
+    "[--section.key=value ...]\n"
+    "       titanrl serve-env NAME [--host H] [--port P] [--token-file F]"
 )
 RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv", "--master", "--node-rank", "--node_rank")
 # Slurm preemption (`--signal=USR1@90`) must reach the ranks: torchrun forwards only what it handles.
@@ -230,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] == "eval":
         return eval_main(argv[1:])
+    if argv[0] == "serve-env":  # an environment as an OpenEnv-compatible server (docs/env_servers.md)
+        from titanrl.envs.serve import serve_main
+
+        return serve_main(argv[1:])
     if argv[0] != "run":
         print(f"titanrl: error: unknown command '{argv[0]}'; {USAGE}", file=sys.stderr)
         return 2

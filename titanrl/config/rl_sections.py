@@ -323,7 +323,40 @@ class Env:
     3.2 JSON calls), or 'auto' (read from data.chat_template's template). Not 'tag': the env's tools go to
     the template as `tools` and results render through its tool role (see docs/tool_calls.md)."""
 
+    servers: int = 0
+    """Local OpenEnv-compatible servers of env.name that `titanrl run` starts on 127.0.0.1 for
+    each rank (`titanrl serve-env`, stopped with the run); episodes then run against them instead
+    of in worker processes (docs/env_servers.md)."""
+
+    urls: list[str] = field(default_factory=list)
+    """External OpenEnv servers ('http://host:port'), shared least-loaded with the local ones;
+    env.name still names the environment whose stop_strings end a model turn."""
+
+    action_field: str = "text"
+    """With servers: the action's field that carries the model's turn (OpenEnv's echo env: 'message')."""
+
+    observation_field: str = "text"
+    """With servers: the observation's str field appended to the conversation; its other fields
+    are the step's info (e.g. 'correct', 'tool_call')."""
+
+    reset_retries: int = 2
+    """With servers: retries of a failed reset on the next server (a step is never retried)."""
+
+    token_file: str = ""
+    """With servers: a file whose first line is the shared token sent to them (else the
+    TITANRL_ENV_TOKEN environment variable; never the token itself in the config)."""
+
+    startup_timeout_s: float = 60.0
+    """With servers: seconds to wait for each to answer /health at start before the run fails."""
+
     def validate(self) -> None:
+        if self.servers < 0 or self.reset_retries < 0:
+            raise ValueError(f"[env] servers and reset_retries must be >= 0, got {self.servers}, {self.reset_retries}")
+        for url in self.urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"[env] urls: {url!r} must start with http:// or https://")
+        if (self.servers or self.urls) and not self.name:
+            raise ValueError("[env] servers / urls need env.name (the environment, for its stop_strings)")
         for name in ("max_turns", "max_total_tokens", "num_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"[env] {name} must be >= 1, got {getattr(self, name)}")

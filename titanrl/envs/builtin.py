@@ -176,9 +176,12 @@ def check_sandbox_expression(expression: str) -> None:
             raise ValueError(f"name '{node.id}' is not allowed")
 
 
-def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256, max_out: int = 200) -> str:
+def run_sandboxed(
+    expression: str, timeout_s: float = 2.0, memory_mb: int = 256, max_out: int = 200, preexec_fn=None
+) -> str:
     """Evaluate a Python expression in a fresh, isolated interpreter (-I -S) with CPU-time and
-    address-space limits and only a few safe builtins; the result's repr or 'error: ...'."""
+    address-space limits and only a few safe builtins; the result's repr or 'error: ...'.
+    `preexec_fn` jails the child further (`titanrl/envs/serve.py`: no network, user nobody)."""
     try:
         check_sandbox_expression(expression)
     except ValueError as e:
@@ -193,6 +196,7 @@ def run_sandboxed(expression: str, timeout_s: float = 2.0, memory_mb: int = 256,
             capture_output=True,
             text=True,
             timeout=timeout_s + 1.0,
+            preexec_fn=preexec_fn,
         )
     except subprocess.TimeoutExpired:
         return "error: timeout"
@@ -233,6 +237,8 @@ PYTHON_TOOL = function_tool(
 class PythonSandboxEnv(Environment):
     tools = (PYTHON_TOOL,)
     tool_formats = _FORMATS
+    preexec_fn = None
+    """Run in each sandbox child before the code (a served sandbox's jail)."""
 
     def __init__(self, timeout_s: float = 2.0, memory_mb: int = 256, tool_format: str = "tag") -> None:
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
@@ -250,7 +256,7 @@ class PythonSandboxEnv(Environment):
         code = parse_tool_call(model_text)
         if code is None:
             return self.final(model_text)
-        out = run_sandboxed(code, self.timeout_s, self.memory_mb)
+        out = run_sandboxed(code, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
         return f"{RESULT_OPEN}{out}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
 
     def final(self, model_text: str) -> tuple[str, float, bool, dict]:
@@ -261,7 +267,7 @@ class PythonSandboxEnv(Environment):
         code = string_argument(call, "code")
         if code is None:
             return "error: python takes a string argument 'code'"
-        return run_sandboxed(code, self.timeout_s, self.memory_mb)
+        return run_sandboxed(code, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
 
 
 # ---- guess the number ----

@@ -38,8 +38,8 @@ from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
 from titanrl.envs.builtin import ALL_TASKS
-from titanrl.envs.pool import EnvPool
 from titanrl.envs.rollout import tool_setup
+from titanrl.envs.servers import build_env_pool
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
@@ -118,7 +118,7 @@ class RLRecipe(Recipe):
         self.envs = None
         if cfg.env.name:
             kwargs = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template).env_kwargs
-            self.envs = EnvPool(cfg.env.name, kwargs, cfg.env.num_workers, cfg.env.timeout_s, r.memory_limit_mb)
+            self.envs = build_env_pool(cfg.env, r.memory_limit_mb, kwargs)
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)

@@ -1,0 +1,234 @@
+"""Environment episodes against OpenEnv servers, with `EnvPool`'s interface (reset / step /
+close_episode / poll -> EnvResult), so `MultiTurnRollout` drives them unchanged.
+
+Each episode is one session on OpenEnv's WebSocket endpoint (`/ws`): OpenEnv's HTTP `/reset`
+and `/step` build a fresh environment per request, so a multi-turn episode needs the session
+(`websockets`' asyncio client; `httpx` only checks `/health` at start). All I/O runs in one
+background event-loop thread: calls are submitted without waiting and their results collected
+by `poll`, so hundreds of episodes are in flight per rank while the generator decodes. A new
+episode goes to the least-loaded server (fewest open sessions). Every call has a deadline
+(`timeout_s`); a reset (a new session) is retried on the next server up to `reset_retries`
+times; a step never is (it is not idempotent). A failure ends its episode with a reason that the
+reward-failure metrics count by its first word: 'crash: ...' (server died or unreachable),
+'timeout', 'invalid: ...' (malformed JSON, a wrong shape), 'error: ...' (an HTTP status at the
+handshake or the server's error message). A server unreachable at start is a one-line error.
+"""
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from typing import Any
+
+from titanrl.envs.pool import EnvResult, validate_step
+
+
+def _ws_url(url: str) -> str:
+    base = url.rstrip("/")
+    for http, ws in (("https://", "wss://"), ("http://", "ws://")):
+        if base.startswith(http):
+            return ws + base[len(http) :] + "/ws"
+    raise ValueError(f"[env] urls: {url!r} must start with http:// or https://")
+
+
+def check_health(urls: list[str], headers: dict, deadline_s: float) -> None:
+    """Wait until every server answers `GET /health` (servers that are starting get `deadline_s`);
+    a server that never does is a one-line ValueError."""
+    import httpx
+
+    for url in urls:
+        _ws_url(url)
+        end, why = time.monotonic() + deadline_s, ""
+        while True:
+            try:
+                reply = httpx.get(url.rstrip("/") + "/health", headers=headers, timeout=5.0)
+                if reply.status_code == 200:
+                    break
+                why = f"HTTP {reply.status_code}" + (": wrong or missing token" if reply.status_code == 401 else "")
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__}: {e}"
+            if time.monotonic() > end or why.startswith("HTTP 401"):
+                raise ValueError(
+                    f"[env] environment server {url} is unreachable at start ({why}); start it or fix [env] urls"
+                )
+            time.sleep(0.2)
+
+
+def failure_reason(e: BaseException, url: str) -> str:
+    """A named, counted reason for a failed call (the first word is the metric's)."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    if isinstance(e, InvalidStatus):
+        return f"error: HTTP {e.response.status_code} from {url}"
+    if isinstance(e, ConnectionClosed):
+        return f"crash: {url} closed the session ({e.rcvd.code if e.rcvd else 'no close frame'})"
+    if isinstance(e, json.JSONDecodeError):
+        return f"invalid: malformed JSON from {url}"
+    if isinstance(e, ValueError):
+        return f"invalid: {e}"
+    if isinstance(e, OSError):
+        return f"crash: {url} unreachable ({e.strerror or e})"
+    return f"error: {type(e).__name__}: {e}"[:500]
+
+
+class ServerEnvPool:
+    def __init__(
+        self,
+        urls: list[str],
+        timeout_s: float = 10.0,
+        reset_retries: int = 2,
+        token: str | None = None,
+        action_field: str = "text",
+        observation_field: str = "text",
+        startup_timeout_s: float = 30.0,
+        on_close: Any = None,
+    ) -> None:
+        """`on_close`: called by `close` after the sessions end (stops servers this run started)."""
+        assert urls, "ServerEnvPool needs at least one server URL"
+        self.urls, self.timeout_s, self.reset_retries = list(urls), timeout_s, reset_retries
+        self.action_field, self.observation_field = action_field, observation_field
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.on_close = on_close
+        check_health(self.urls, self.headers, startup_timeout_s)
+        self.load = {url: 0 for url in self.urls}
+        """Open sessions per server (touched only on the loop thread)."""
+        self._sessions: dict[int, tuple[str, Any]] = {}
+        self._results: queue.SimpleQueue[EnvResult] = queue.SimpleQueue()
+        self._in_flight = 0  # calls submitted and not yet polled (the trainer's thread only)
+        self.restarts = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="env-servers", daemon=True)
+        self._thread.start()
+
+    # ---- the trainer's side ----
+
+    def _submit(self, coro: Any) -> None:
+        self._in_flight += 1
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def reset(self, episode: int, sample: dict) -> None:
+        self._submit(self._reset(episode, sample))
+
+    def step(self, episode: int, text: str) -> None:
+        self._submit(self._step(episode, text))
+
+    def close_episode(self, episode: int) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(episode), self._loop)
+
+    def poll(self, block: bool) -> list[EnvResult]:
+        """Results of finished calls; with `block`, wait until at least one (every call ends by its deadline)."""
+        out: list[EnvResult] = []
+        if block and self._in_flight:
+            # A backstop only: each call's own deadline (retries included) answers well before it.
+            out.append(self._results.get(timeout=self.timeout_s * (self.reset_retries + 2) + 30.0))
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        self._in_flight -= len(out)
+        return out
+
+    def close(self) -> None:
+        """End every session, stop the loop thread, then `on_close`."""
+        if self._thread.is_alive():
+            done = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
+            try:
+                done.result(timeout=10.0)
+            except Exception:  # noqa: BLE001 - closing what may already be gone
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
+
+    # ---- the loop thread ----
+
+    async def _call(self, ws: Any, message: dict) -> dict:
+        """Send one message and read its reply, within the deadline; the reply's `data`."""
+        await asyncio.wait_for(ws.send(json.dumps(message, default=str)), self.timeout_s)
+        reply = json.loads(await asyncio.wait_for(ws.recv(), self.timeout_s))
+        if not isinstance(reply, dict) or not isinstance(reply.get("data"), dict):
+            raise ValueError("the server's reply is not {'type': ..., 'data': {...}}")
+        if reply.get("type") == "error":
+            raise RuntimeError(str(reply["data"].get("message", "server error"))[:500])
+        return reply["data"]
+
+    def _text(self, data: dict) -> tuple[str, dict]:
+        """(observation text, the observation's other fields) of an OpenEnv observation message."""
+        obs = data.get("observation")
+        if not isinstance(obs, dict) or not isinstance(obs.get(self.observation_field), str):
+            raise ValueError(f"the observation has no str field {self.observation_field!r} ([env] observation_field)")
+        return obs[self.observation_field], {k: v for k, v in obs.items() if k != self.observation_field}
+
+    async def _open(self, url: str, sample: dict) -> tuple[Any, str]:
+        from websockets.asyncio.client import connect
+
+        ws = await asyncio.wait_for(
+            connect(_ws_url(url), additional_headers=self.headers, ping_interval=None, max_size=2**22),
+            self.timeout_s,
+        )
+        try:
+            text, _ = self._text(await self._call(ws, {"type": "reset", "data": sample}))
+            if not text:
+                raise ValueError("reset() must return a non-empty observation")
+        except BaseException:
+            await ws.close()
+            raise
+        return ws, text
+
+    async def _reset(self, episode: int, sample: dict) -> None:
+        reason, tried = "", set()
+        for _ in range(1 + self.reset_retries):
+            url = min([u for u in self.urls if u not in tried] or self.urls, key=lambda u: self.load[u])
+            tried.add(url)
+            self.load[url] += 1
+            try:
+                ws, text = await self._open(url, sample)
+            except Exception as e:  # noqa: BLE001 - a failed reset is retried, then fails its episode
+                self.load[url] -= 1
+                reason = failure_reason(e, url)
+                continue
+            self._sessions[episode] = (url, ws)
+            self._results.put(EnvResult(episode, "reset", text))
+            return
+        self._results.put(EnvResult(episode, "reset", None, reason))
+
+    async def _step(self, episode: int, text: str) -> None:
+        if episode not in self._sessions:
+            self._results.put(EnvResult(episode, "step", None, "crash: the episode's session is gone"))
+            return
+        url, ws = self._sessions[episode]
+        try:
+            data = await self._call(ws, {"type": "step", "data": {self.action_field: text}})
+            obs, info = self._text(data)
+            reward = 0.0 if data.get("reward") is None else data["reward"]
+            result = validate_step((obs, reward, bool(data.get("done", False)), info))
+        except Exception as e:  # noqa: BLE001 - a failed step ends its episode, never the run
+            await self._close(episode)
+            self._results.put(EnvResult(episode, "step", None, failure_reason(e, url)))
+            return
+        self._results.put(EnvResult(episode, "step", result))
+
+    async def _close(self, episode: int) -> None:
+        if episode not in self._sessions:
+            return
+        url, ws = self._sessions.pop(episode)
+        self.load[url] -= 1
+        try:
+            await asyncio.wait_for(ws.send('{"type": "close"}'), 1.0)
+        except Exception:  # noqa: BLE001 - the session may be dead already
+            pass
+        if ws.transport is not None:  # no close handshake to wait for: the server ends the session
+            ws.transport.abort()
+
+    async def _close_all(self) -> None:
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if others:  # calls in flight (a close_episode's) end first
+            await asyncio.wait(others, timeout=self.timeout_s)
+        for episode in list(self._sessions):
+            await self._close(episode)
