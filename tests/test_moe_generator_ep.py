@@ -45,3 +45,13 @@ def test_rank_without_prompts_serves_its_peer(per_rank):
     got, want = per_rank[1]["one_sided"], per_rank[1]["whole"][:2]
     assert [c["tokens"] for c in got] == [c["tokens"] for c in want]
     assert all(torch.equal(a["routes"], b["routes"]) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.multirank
+def test_call_refused_on_one_rank_stops_every_rank(per_rank):
+    """Rank 1 passes an empty prompt: it raises its own error, rank 0 raises that a peer refused
+    (instead of waiting for rank 1's forwards), and the next call generates as before."""
+    assert "prompt 0 is empty" in per_rank[1]["refused"]
+    assert "refused on another ep rank" in per_rank[0]["refused"]
+    for out in per_rank:
+        assert [c["tokens"] for c in out["after_refusal"]] == [c["tokens"] for c in out["sharded"]]

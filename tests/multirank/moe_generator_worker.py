@@ -36,6 +36,14 @@ def generate(gen: Generator, prompts: list[list[int]], new_tokens: int) -> list[
     return [{"tokens": c.token_ids, "routes": c.routes} for c in completions]
 
 
+def refused(gen: Generator, prompts: list[list[int]], new_tokens: int) -> str:
+    try:
+        generate(gen, prompts, new_tokens)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -60,6 +68,9 @@ def main() -> None:
         "whole": generate(whole, prompts, new_tokens),
         # Rank 0 without prompts (as a rank with no held-out samples): it serves rank 1's forwards.
         "one_sided": generate(sharded, prompts[:1] if rank else [], new_tokens),
+        # Rank 1's call is refused (an empty prompt): both ranks raise, neither waits forever.
+        "refused": refused(sharded, [[]] if rank else prompts, new_tokens),
+        "after_refusal": generate(sharded, prompts, new_tokens),
         "idle_forwards": sharded.lockstep.idle_forwards,
         "local_experts": local_experts,
     }

@@ -34,7 +34,7 @@ from titanrl.generator.ep_lockstep import EPLockstep, with_tick
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, blocks_from_memory
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
 from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes, record_prefill_routes
-from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
+from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs, validate_prompts
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
 from titanrl.generator.weight_sync import (
@@ -223,16 +223,8 @@ class Generator:
         params.validate()
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the Generator")
+        validate_prompts(prompts, self.args.max_seq_len, self.args.vocab_size)
         for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if len(prompt) >= self.args.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens but the model context is {self.args.max_seq_len}; "
-                    "shorten the prompt or raise model.max_seq_len"
-                )
-            if any(not 0 <= t < self.args.vocab_size for t in prompt):
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.args.vocab_size})")
             self._check_pool_fits(i, len(prompt), params.max_new_tokens)
 
     def _check_pool_fits(self, i: int, prompt_len: int, max_new_tokens: int) -> None:
@@ -268,11 +260,18 @@ class Generator:
         of `prompts` (those prompts are not forked into new groups; only the resumed samples of
         them are returned).
         """
-        self._validate(prompts, params)
-        if (resume or pause_when is not None or on_finish is not None) and turns is not None:
-            raise ValueError("pause / resume and on_finish do not support multi-turn environments")
-        for r in resume:
-            r.validate(len(prompts[r.prompt_index]), self.args.max_seq_len)
+        try:
+            self._validate(prompts, params)
+            if (resume or pause_when is not None or on_finish is not None) and turns is not None:
+                raise ValueError("pause / resume and on_finish do not support multi-turn environments")
+            for r in resume:
+                r.validate(len(prompts[r.prompt_index]), self.args.max_seq_len)
+        except ValueError:
+            if self.lockstep is not None:  # the peers must not wait for this rank's forwards
+                self.lockstep.agree(ok=False)
+            raise
+        if self.lockstep is not None:
+            self.lockstep.agree(ok=True)
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")

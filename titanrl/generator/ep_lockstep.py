@@ -18,6 +18,9 @@ The protocol, one `all_reduce(MAX)` of a flag on the ep group ("tick") per forwa
   boundary; a maximum of `DONE` ends `generate` on every rank, else all go on (a rank without
   work only ticks).
 
+A `generate` call starts with one more all-reduce (`agree`): a rank whose call is refused (bad
+prompts) tells its peers, and all raise instead of the peers waiting for it forever.
+
 Ticks are matched because every rank ticks in the same sequence: one tick per forward of the
 rank that runs most, then one boundary tick. Without expert parallelism the generator makes no
 tick and no extra collective. Weight sync copies each rank's own expert shard (the trainer's
@@ -48,6 +51,15 @@ class EPLockstep:
         flag_1 = torch.tensor([flag], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag_1, op=dist.ReduceOp.MAX, group=self.group)
         return int(flag_1.item())
+
+    def agree(self, ok: bool) -> None:
+        """Before a `generate` call's first tick: if any rank refused its call (a ValueError on
+        its prompts), every rank stops instead of waiting for that rank's forwards."""
+        if self._tick(int(not ok)) and ok:
+            raise ValueError(
+                "generate() was refused on another ep rank (its error names the cause); the ep ranks "
+                "generate in lockstep, so this rank stops too"
+            )
 
     def before_forward(self) -> None:
         """Called right before each real forward of this rank."""

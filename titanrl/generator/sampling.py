@@ -141,3 +141,17 @@ def sample_tokens(
 def sampled_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor) -> torch.Tensor:
     """Logprobs of the chosen tokens under the unmodified policy, exactly as the trainer computes."""
     return token_logprobs(logits_NV.unsqueeze(0), tokens_N.unsqueeze(0)).squeeze(0)
+
+
+def validate_prompts(prompts: list[list[int]], max_seq_len: int, vocab_size: int) -> None:
+    """Every prompt non-empty, shorter than the model's context, with ids in the vocabulary."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if len(prompt) >= max_seq_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens but the model context is {max_seq_len}; "
+                "shorten the prompt or raise model.max_seq_len"
+            )
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
