@@ -6,7 +6,8 @@ The harness is an agent program in the harness's own process: it asks the model 
 OpenAI-compatible endpoint verifiers hands it, runs `<tool>EXPR</tool>` calls (answered as a user
 message `<result>VALUE</result>`) and stops at the first turn without a call. The task's reward
 (`correct`, verifiers' scoring) is 1 when the last reply's text after its last result is the
-answer. Prompts containing 'RAISE' or 'HANG' make the harness raise or hang (fault tests).
+answer. Prompts containing 'RAISE', 'HANG' or 'REWRITE' make the harness raise, hang or edit
+the model's turns (fault tests).
 """
 
 import asyncio
@@ -59,7 +60,8 @@ class CalcHarness(vf.Harness[CalcHarnessConfig]):
                 if reply.status_code != 200:
                     return ProgramResult(1, "", reply.text)
                 text = reply.json()["choices"][0]["message"]["content"] or ""
-                messages.append({"role": "assistant", "content": text})
+                # 'REWRITE': the harness edits the model's turn (a fault: not what the model said).
+                messages.append({"role": "assistant", "content": text + ("!" if "REWRITE" in data.prompt_text else "")})
                 call = re.search(r"<tool>(.*?)</tool>", text, re.S)
                 if call is None:
                     break
@@ -77,6 +79,11 @@ def env_config() -> vf.SingleAgentEnvConfig:
     return vf.SingleAgentEnvConfig(
         taskset=vf.TasksetConfig(id="vf_calculator"), agent=vf.AgentConfig(runtime=vf.SubprocessConfig())
     )
+
+
+def not_a_config() -> dict:
+    """A wrong factory (tests: `[env] verifiers` names what it returns)."""
+    return {}
 
 
 __all__ = ["CalcHarness", "CalcTaskset"]
