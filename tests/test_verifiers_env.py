@@ -115,3 +115,23 @@ def test_grpo_steps_through_the_trainer_against_a_verifiers_environment(tmp_path
         steps = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "reward_mean" in r]
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["env_failures"] == 0 and m["env_turns"] >= 1.0 for m in steps), steps
+
+
+def test_tool_calls_in_the_model_format_reach_the_harness_as_openai_tool_calls():
+    """With [env] tool_format 'hermes' and tools in the harness's request, the model's calls
+    become OpenAI `tool_calls` that verifiers' chat dialect accepts; text and malformed calls
+    stay text."""
+    from verifiers.v1.dialects import DIALECTS
+
+    from titanrl.envs.verifiers_pool import completion
+
+    dialect = next(d for d in DIALECTS if d.upstream_path == "/chat/completions")
+    text = 'Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "4*37"}}\n</tool_call>'
+    raw = completion(text, "m", "hermes", has_tools=True)
+    response = dialect.parse_response(dialect.validate_response(raw))
+    (call,) = response.message.tool_calls
+    assert call.name == "calculator" and json.loads(call.arguments) == {"expression": "4*37"}
+    assert response.finish_reason == "tool_calls"
+    for args in [(text, "m", "tag", True), (text, "m", "hermes", False), ("<tool_call>{bad", "m", "hermes", True)]:
+        response = dialect.parse_response(dialect.validate_response(completion(*args)))
+        assert response.message.tool_calls is None and response.message.content == args[0]

@@ -134,7 +134,15 @@ def _policy_client(pool: "VerifiersEnvPool") -> Any:
     from verifiers.v1.errors import model_error
 
     class PolicyClient(Client):
-        async def get_response(self, dialect, body, sampling, session_id=None, turn=None, headers=None):  # noqa: ANN001, ANN202
+        async def get_response(  # verifiers' signature: (dialect, body, sampling, session_id, turn, headers)
+            self,
+            dialect: Any,
+            body: dict,
+            sampling: Any,
+            session_id: str | None = None,
+            turn: Any = None,
+            headers: Any = None,
+        ) -> Any:
             episode = pool.by_trace.get(session_id or "")
             if episode is None:
                 raise model_error("no titanrl episode holds this rollout", status_code=409)
