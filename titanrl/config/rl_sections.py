@@ -349,7 +349,20 @@ class Env:
     startup_timeout_s: float = 60.0
     """With servers: seconds to wait for each to answer /health at start before the run fails."""
 
+    verifiers: str = ""
+    """A `verifiers` environment whose harness plays the episodes, the policy answering its model
+    requests: a taskset id (an installed package exporting a `verifiers.v1.Taskset`, and its
+    `Harness`) or 'module:factory' returning a `verifiers.v1.SingleAgentEnvConfig`; its rewards
+    are verifiers' own scoring. env.name still names the environment whose stop_strings end a
+    model turn (docs/env_servers.md)."""
+
     def validate(self) -> None:
+        if self.verifiers and (self.servers or self.urls):
+            raise ValueError(
+                f"[env] verifiers = {self.verifiers!r} runs its own harnesses: unset servers / urls, or verifiers"
+            )
+        if self.verifiers and not self.name:
+            raise ValueError("[env] verifiers needs env.name (the environment, for its stop_strings)")
         if self.servers < 0 or self.reset_retries < 0:
             raise ValueError(f"[env] servers and reset_retries must be >= 0, got {self.servers}, {self.reset_retries}")
         for url in self.urls:

@@ -1,6 +1,7 @@
-"""The run's environment pool: in-process workers (`EnvPool`), or servers (`ServerEnvPool`) that
+"""The run's environment pool: in-process workers (`EnvPool`), servers (`ServerEnvPool`) that
 the run starts (`[env] servers`: `titanrl serve-env` processes, each in a containment keeper that
-kills it with the run) or that run elsewhere (`[env] urls`)."""
+kills it with the run) or that run elsewhere (`[env] urls`), or a verifiers environment's
+rollouts (`VerifiersEnvPool`, `[env] verifiers`)."""
 
 import os
 import socket
@@ -12,6 +13,7 @@ from titanrl.config.rl_sections import Env
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.serve import read_token, require_extra
 from titanrl.envs.server_client import ServerEnvPool
+from titanrl.envs.verifiers_pool import VerifiersEnvPool
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,10 +54,15 @@ class LocalServers:
         self.procs = []
 
 
-def build_env_pool(env: Env, memory_limit_mb: int, env_kwargs: dict | None = None) -> EnvPool | ServerEnvPool:
-    """The pool `[env]` asks for: servers when `servers` or `urls` are set, else worker processes.
-    `env_kwargs`: the environment's constructor arguments (e.g. its tool format), in either."""
+def build_env_pool(
+    env: Env, memory_limit_mb: int, env_kwargs: dict | None = None
+) -> EnvPool | ServerEnvPool | VerifiersEnvPool:
+    """The pool `[env]` asks for: a verifiers environment's rollouts when `verifiers` is set,
+    servers when `servers` or `urls` are, else worker processes. `env_kwargs`: the environment's
+    constructor arguments (e.g. its tool format, which the verifiers pool reads tool calls in)."""
     kwargs = dict(env_kwargs or {})
+    if env.verifiers:
+        return VerifiersEnvPool(env.verifiers, env.timeout_s, kwargs.get("tool_format", "tag"))
     if not env.servers and not env.urls:
         return EnvPool(env.name, kwargs, env.num_workers, env.timeout_s, memory_limit_mb)
     require_extra()
