@@ -44,7 +44,8 @@ def require_verifiers() -> None:
         import verifiers.v1  # noqa: F401
     except ImportError as e:
         raise ValueError(
-            f"[env] verifiers needs the `verifiers` package (>= 0.4, `verifiers.v1`): pip install verifiers ({e})"
+            f"[env] verifiers needs the `verifiers` package (>= 0.4, `verifiers.v1`): "
+            f"pip install 'titanrl[verifiers]' ({e})"
         ) from None
 
 
