@@ -32,6 +32,9 @@ FILES = [
     "tests/test_data_validation.py",
     "tests/test_checkpoint_resharding.py",
     "tests/test_checkpoint_integrity.py",
+    "tests/test_env_servers.py",
+    "tests/test_verifiers_env.py",
+    "tests/test_moe_generator_ep.py",
 ]
 START, END = "<!-- reliability:start -->", "<!-- reliability:end -->"
 

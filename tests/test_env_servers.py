@@ -179,6 +179,7 @@ def test_sandbox_server_runs_code_in_a_jail(servers):
 
 
 def test_token_is_required_off_loopback(tmp_path):
+    """A server bound off loopback without a shared token, or a request without / with a wrong token -> the server refuses to start (exit 2, one line); requests get 401 (HTTP and WebSocket)."""
     bad = subprocess.run(
         [sys.executable, "-m", "titanrl.cli", "serve-env", "calculator", "--host", "0.0.0.0"],
         env={k: v for k, v in ENV.items() if k != "TITANRL_ENV_TOKEN"},
@@ -211,6 +212,7 @@ def test_token_is_required_off_loopback(tmp_path):
 
 
 def test_unreachable_at_start_is_one_line():
+    """An environment server unreachable at start -> one-line error naming the URL before any episode."""
     with pytest.raises(ValueError) as e:
         ServerEnvPool([f"http://127.0.0.1:{_free_port()}"], timeout_s=1, startup_timeout_s=0.5)
     assert "unreachable at start" in str(e.value) and "\n" not in str(e.value)
@@ -221,6 +223,7 @@ def test_unreachable_at_start_is_one_line():
     [("hang", "timeout"), ("malformed", "invalid: malformed JSON"), ("die", "crash: ")],
 )
 def test_a_failing_step_ends_its_episode_with_a_named_reason(servers, mode, reason):
+    """An environment server that hangs, returns malformed JSON or is killed mid-step -> that episode fails with a named, counted reason; episodes on a healthy server go on."""
     pool = ServerEnvPool([servers[mode], servers["calculator"]], timeout_s=3, reset_retries=0)
     try:
         pool.reset(0, CALC_SAMPLE)  # least-loaded: the faulty server first, then the calculator
@@ -239,6 +242,7 @@ def test_a_failing_step_ends_its_episode_with_a_named_reason(servers, mode, reas
 
 
 def test_http_500_at_reset_is_retried_then_named(servers):
+    """An environment server answering HTTP 500 at reset -> bounded retries on the next server, then a named failure (a step is never retried)."""
     pool = ServerEnvPool([servers["http500"]], timeout_s=3, reset_retries=2)
     try:
         failed = _run(pool, 0, "reset", CALC_SAMPLE)
@@ -301,6 +305,7 @@ def test_titanrl_run_trains_through_a_local_server_and_stops_it(tmp_path):
 
 
 def test_sigkill_of_the_run_leaves_no_server(tmp_path):
+    """SIGKILL of `titanrl run`'s process group while local environment servers run -> no server process left alive."""
     mark = f"kill-{os.getpid()}"
     cmd = _run_cmd(tmp_path, ["--training.steps=50"])
     with open(tmp_path / "out.txt", "w") as out:

@@ -49,8 +49,8 @@ def test_rank_without_prompts_serves_its_peer(per_rank):
 
 @pytest.mark.multirank
 def test_call_refused_on_one_rank_stops_every_rank(per_rank):
-    """Rank 1 passes an empty prompt: it raises its own error, rank 0 raises that a peer refused
-    (instead of waiting for rank 1's forwards), and the next call generates as before."""
+    """An ep-sharded generator call refused on one rank (an empty prompt) -> that rank raises its
+    error, its peer raises that a peer refused instead of waiting forever; the next call works."""
     assert "prompt 0 is empty" in per_rank[1]["refused"]
     assert "refused on another ep rank" in per_rank[0]["refused"]
     for out in per_rank:

@@ -75,8 +75,8 @@ def test_verifiers_episode_end_to_end_gets_verifiers_reward(pool):
     ],
 )
 def test_a_failing_harness_fails_its_episode_with_a_named_reason(pool, prompt, reason):
-    """A harness that raises, hangs past [env] timeout_s or edits the model's turns: its episode
-    gets the failure reward and a named reason (counted by its first word); the pool goes on."""
+    """A verifiers harness that raises, hangs past [env] timeout_s or edits the model's turns -> its
+    episode gets the failure reward and a named reason (counted by its first word); the pool goes on."""
     pool.timeout_s = 2.0
     try:
         _, episode = _play(pool, {**SAMPLE, "prompt": prompt}, ["<tool>4*37</tool>", "148"])
