@@ -16,11 +16,10 @@ handshake or the server's error message). A server unreachable at start is a one
 
 import asyncio
 import json
-import queue
-import threading
 import time
 from typing import Any
 
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.pool import EnvResult, validate_step
 
 
@@ -74,7 +73,7 @@ def failure_reason(e: BaseException, url: str) -> str:
     return f"error: {type(e).__name__}: {e}"[:500]
 
 
-class ServerEnvPool:
+class ServerEnvPool(AsyncEnvPool):
     def __init__(
         self,
         urls: list[str],
@@ -96,52 +95,13 @@ class ServerEnvPool:
         self.load = {url: 0 for url in self.urls}
         """Open sessions per server (touched only on the loop thread)."""
         self._sessions: dict[int, tuple[str, Any]] = {}
-        self._results: queue.SimpleQueue[EnvResult] = queue.SimpleQueue()
-        self._in_flight = 0  # calls submitted and not yet polled (the trainer's thread only)
-        self.restarts = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="env-servers", daemon=True)
-        self._thread.start()
-
-    # ---- the trainer's side ----
-
-    def _submit(self, coro: Any) -> None:
-        self._in_flight += 1
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def reset(self, episode: int, sample: dict) -> None:
-        self._submit(self._reset(episode, sample))
-
-    def step(self, episode: int, text: str) -> None:
-        self._submit(self._step(episode, text))
-
-    def close_episode(self, episode: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._close(episode), self._loop)
-
-    def poll(self, block: bool) -> list[EnvResult]:
-        """Results of finished calls; with `block`, wait until at least one (every call ends by its deadline)."""
-        out: list[EnvResult] = []
-        if block and self._in_flight:
-            # A backstop only: each call's own deadline (retries included) answers well before it.
-            out.append(self._results.get(timeout=self.timeout_s * (self.reset_retries + 2) + 30.0))
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                break
-        self._in_flight -= len(out)
-        return out
+        super().__init__("env-servers")
+        # A backstop only: each call's own deadline (retries included) answers well before it.
+        self.poll_backstop_s = self.timeout_s * (self.reset_retries + 2) + 30.0
 
     def close(self) -> None:
         """End every session, stop the loop thread, then `on_close`."""
-        if self._thread.is_alive():
-            done = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
-            try:
-                done.result(timeout=10.0)
-            except Exception:  # noqa: BLE001 - closing what may already be gone
-                pass
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10.0)
+        self._stop_loop(close_timeout_s=10.0)
         if self.on_close is not None:
             self.on_close()
             self.on_close = None

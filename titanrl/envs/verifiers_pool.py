@@ -26,14 +26,13 @@ never retried: a retry would restart a conversation whose turns are already in t
 
 import asyncio
 import json
-import queue
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from titanrl.components.plugins import load_object
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.pool import EnvResult, validate_step
 from titanrl.envs.tool_calls import ToolCallError, parse_tool_calls
 
@@ -174,7 +173,7 @@ def _error_reason(trace: Any) -> str:
     return f"error: verifiers rollout: {error.type}: {error.message}"[:500]
 
 
-class VerifiersEnvPool:
+class VerifiersEnvPool(AsyncEnvPool):
     def __init__(self, spec: str, timeout_s: float = 10.0, tool_format: str = "tag") -> None:
         """`spec`: `[env] verifiers` (see `load_setup`); `timeout_s`: the longest the harness may
         take to ask the model again or to end (scoring included)."""
@@ -186,8 +185,7 @@ class VerifiersEnvPool:
         self.by_trace: dict[str, _Episode] = {}
         """Rollouts (verifiers trace id) -> their episode (touched only on the loop thread)."""
         self._episodes: dict[int, _Episode] = {}
-        self._results: queue.SimpleQueue[EnvResult] = queue.SimpleQueue()
-        self._in_flight = 0
+        self.poll_backstop_s = timeout_s + 60.0
         client = _policy_client(self)
 
         class Server(InterceptionServer):
@@ -195,50 +193,12 @@ class VerifiersEnvPool:
                 return client
 
         self.server = Server()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-env", daemon=True)
-        self._thread.start()
+        super().__init__("verifiers-env")
         asyncio.run_coroutine_threadsafe(self.server.__aenter__(), self._loop).result(timeout=60.0)
-
-    # ---- the trainer's side ----
-
-    def _submit(self, coro: Any) -> None:
-        self._in_flight += 1
-        asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def reset(self, episode: int, sample: dict) -> None:
-        self._submit(self._reset(episode, sample))
-
-    def step(self, episode: int, text: str) -> None:
-        self._submit(self._step(episode, text))
-
-    def close_episode(self, episode: int) -> None:
-        asyncio.run_coroutine_threadsafe(self._close(episode), self._loop)
-
-    def poll(self, block: bool) -> list[EnvResult]:
-        """Results of finished calls; with `block`, wait until at least one (each has a deadline)."""
-        out: list[EnvResult] = []
-        if block and self._in_flight:
-            out.append(self._results.get(timeout=self.timeout_s + 60.0))
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                break
-        self._in_flight -= len(out)
-        return out
 
     def close(self) -> None:
         """Cancel every rollout, stop the interception server and the loop thread."""
-        if not self._thread.is_alive():
-            return
-        done = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
-        try:
-            done.result(timeout=30.0)
-        except Exception:  # noqa: BLE001 - closing what may already be gone
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10.0)
+        self._stop_loop(close_timeout_s=30.0)
 
     # ---- the loop thread ----
 

@@ -1,0 +1,65 @@
+"""The trainer's side of an environment pool whose episodes run as coroutines on one background
+event-loop thread (`ServerEnvPool`, `VerifiersEnvPool`), with `EnvPool`'s interface: calls are
+submitted without waiting, and `poll` collects the `EnvResult`s the loop puts on a queue, so
+many episodes are in flight while the generator decodes."""
+
+import asyncio
+import queue
+import threading
+from typing import Any
+
+from titanrl.envs.pool import EnvResult
+
+
+class AsyncEnvPool:
+    """Subclasses define the coroutines `_reset(episode, sample)`, `_step(episode, text)`,
+    `_close(episode)` and `_close_all()`, each putting its result on `self._results`, and
+    `poll_backstop_s`: the longest `poll(block=True)` may wait (every call has its own deadline,
+    which answers well before)."""
+
+    poll_backstop_s: float = 60.0
+
+    def __init__(self, thread_name: str) -> None:
+        self._results: queue.SimpleQueue[EnvResult] = queue.SimpleQueue()
+        self._in_flight = 0  # calls submitted and not yet polled (the trainer's thread only)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def _submit(self, coro: Any) -> None:
+        self._in_flight += 1
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def reset(self, episode: int, sample: dict) -> None:
+        self._submit(self._reset(episode, sample))
+
+    def step(self, episode: int, text: str) -> None:
+        self._submit(self._step(episode, text))
+
+    def close_episode(self, episode: int) -> None:
+        asyncio.run_coroutine_threadsafe(self._close(episode), self._loop)
+
+    def poll(self, block: bool) -> list[EnvResult]:
+        """Results of finished calls; with `block`, wait until at least one."""
+        out: list[EnvResult] = []
+        if block and self._in_flight:
+            out.append(self._results.get(timeout=self.poll_backstop_s))
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                break
+        self._in_flight -= len(out)
+        return out
+
+    def _stop_loop(self, close_timeout_s: float) -> None:
+        """End every episode (`_close_all`), then stop the loop thread."""
+        if not self._thread.is_alive():
+            return
+        done = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
+        try:
+            done.result(timeout=close_timeout_s)
+        except Exception:  # noqa: BLE001 - closing what may already be gone
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10.0)
