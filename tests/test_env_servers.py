@@ -268,6 +268,9 @@ SMALL = [
     "--reward.num_workers=1",
     "--metrics.eval_freq=0",
     "--generator.num_blocks=256",
+    # A generous deadline: these runs test the protocol end to end, not deadlines (the hang test
+    # does); on a loaded machine a first session of openenv's echo app can take seconds.
+    "--env.timeout_s=120",
 ]
 
 
