@@ -255,11 +255,12 @@ def rollout_runs(tmp_path_factory):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["uneven", "dapo_one_prompt"])
+@pytest.mark.parametrize("case", ["uneven", "dapo_one_prompt", "remax_baseline"])
 def test_cp2_split_rollouts_equal_one_rank(rollout_runs, case):
     """A real job's two RL steps with cp = 2, each rank generating half of the prompt groups:
-    the same completions (token ids, prompt and sample indices), rewards, logged statistics
-    (float32: 1e-5 relative) and parameters after the steps (1e-5) as one rank generating all."""
+    the same completions (token ids, prompt and sample indices), rewards (and ReMax's baseline
+    rewards), generated tokens, logged statistics (float32: 1e-5 relative) and parameters after
+    the steps (1e-5) as one rank generating all."""
     want, got = rollout_runs[1][0][case], rollout_runs[2][0][case]
     assert got["generated"] == want["generated"]
     for got_m, want_m in zip(got["metrics"], want["metrics"], strict=True):

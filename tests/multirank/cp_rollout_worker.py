@@ -6,15 +6,17 @@ generator decoded (`<out>.<rank>`).
 Launched by tests/test_context_parallel.py with torchrun: 1 rank (cp = 1, the reference) and
 2 ranks (cp = 2, each rank generating half of the prompt groups). Cases: 3 prompts (an uneven
 split) with streaming rewards; 1 prompt with DAPO's dynamic sampling (rank 1 has no prompt in
-any round, and the rounds run in step).
+any round, and the rounds run in step); ReMax's greedy baseline rollouts, split alike.
 """
 
 import argparse
 import os
 
 import torch
+import torch.distributed as dist
 from cp_worker import full_params
 
+from titanrl.components import launch
 from titanrl.components.launch import parse_args
 from titanrl.train import build_trainer
 
@@ -41,6 +43,7 @@ CASES = {
         "--rollout.dynamic_sampling=true",
         "--rollout.max_sampling_rounds=3",
     ],
+    "remax_baseline": ["--algorithm.name=remax", "--training.batch_size=3"],
 }
 
 
@@ -67,6 +70,7 @@ def run_case(case: str, cp: int, folder: str) -> dict:
                 "prompts": generated.prompts,
                 "completions": [(c.prompt_index, c.sample_index, c.token_ids) for c in generated.completions],
                 "rewards": generated.rewards,
+                "baseline_rewards": generated.baseline_rewards,
                 "train_prompts": train.prompts,
                 "gen_tokens": stats.gen_tokens,  # logged as tokens_per_s, which is a time
             }
@@ -98,8 +102,11 @@ def main() -> None:
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     here = os.path.dirname(os.path.abspath(__file__))  # reward workers import parity_reward from here
     os.environ["PYTHONPATH"] = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    # Each case's Trainer.close ends the process group: every rank writes its own file.
+    # Trainer.close would end the process group: the cases share one (a new group per case would
+    # rendezvous again under the same store keys).
+    shutdown, launch.shutdown = launch.shutdown, dist.barrier
     results = {case: run_case(case, world_size, os.path.join(cli.folder, case)) for case in CASES}
+    shutdown()
     if rank != 0:
         results = {case: {"decoded": r["decoded"]} for case, r in results.items()}
     torch.save(results, f"{cli.out}.{rank}")
