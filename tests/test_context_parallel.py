@@ -1,7 +1,8 @@
 """Context parallelism: the load-balanced sequence split, the all-gather attention backend against
 plain causal SDPA (float64, gathers done in one process), and cp = 2, cp = 2 x dp_shard = 2 and
 cp = 2 x tp = 2 under torchrun equal to one rank for GRPO updates (packed, token-mean and
-sequence-mean) and SFT steps; a cp = 2 checkpoint resumed with cp = 1; the GPU script's dry run.
+sequence-mean) and SFT steps; a real job's rollouts split over cp = 2 ranks equal to one rank's;
+a cp = 2 checkpoint resumed with cp = 1; the GPU script's dry run.
 """
 
 import json
@@ -237,3 +238,49 @@ def test_kv_retrieval_task_asks_for_the_only_digit():
         assert not task.score("12", s.answer, {}).well_formed
     with pytest.raises(ValueError, match="num_keys"):
         type(task)(num_keys=0)
+
+
+ROLLOUT_WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "cp_rollout_worker.py")
+
+
+@pytest.fixture(scope="module")
+def rollout_runs(tmp_path_factory):
+    """cp_rollout_worker.py on 1 rank (cp = 1) and on 2 ranks (cp = 2): {world size: [rank files]}."""
+    runs = {}
+    for nproc in (1, 2):
+        folder = tmp_path_factory.mktemp(f"rollout_cp{nproc}")
+        run_torchrun(ROLLOUT_WORKER, nproc, ["--out", str(folder / "out.pt"), "--folder", str(folder)])
+        runs[nproc] = [torch.load(folder / f"out.pt.{r}", weights_only=False) for r in range(nproc)]
+    return runs
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["uneven", "dapo_one_prompt", "remax_baseline"])
+def test_cp2_split_rollouts_equal_one_rank(rollout_runs, case):
+    """A real job's two RL steps with cp = 2, each rank generating half of the prompt groups:
+    the same completions (token ids, prompt and sample indices), rewards (and ReMax's baseline
+    rewards), generated tokens, logged statistics (float32: 1e-5 relative) and parameters after
+    the steps (1e-5) as one rank generating all."""
+    want, got = rollout_runs[1][0][case], rollout_runs[2][0][case]
+    assert got["generated"] == want["generated"]
+    for got_m, want_m in zip(got["metrics"], want["metrics"], strict=True):
+        assert got_m.keys() == want_m.keys()
+        for key in want_m:
+            assert got_m[key] == pytest.approx(want_m[key], rel=1e-5, abs=1e-6), key
+    assert want["metrics"][0]["grad_norm"] > 0 and 0 < want["metrics"][0]["reward_mean"] < 1
+    if case == "dapo_one_prompt":  # three rounds of one prompt: rank 1 has none in any of them
+        assert [m["sampling_rounds"] for m in want["metrics"]] == [1, 3]
+    _assert_params(got["params"], want["params"], 1e-5)
+
+
+@pytest.mark.multirank
+def test_cp2_ranks_generate_only_their_share(rollout_runs):
+    """Decode tokens and prompts of each rank's generator: cp = 2 ranks split the reference's
+    (3 prompts: 2 and 1; 1 prompt: all on rank 0, rank 1 never calls its generator)."""
+    want = rollout_runs[1][0]
+    ranks = [r["uneven"]["decoded"] for r in rollout_runs[2]]
+    assert [prompts for _, prompts in ranks] == [4, 2]  # two steps of 2 and 1 prompts
+    assert sum(tokens for tokens, _ in ranks) == want["uneven"]["decoded"][0]
+    assert ranks[1][0] < ranks[0][0] < want["uneven"]["decoded"][0]
+    dapo = [r["dapo_one_prompt"]["decoded"] for r in rollout_runs[2]]
+    assert dapo[0] == want["dapo_one_prompt"]["decoded"] and dapo[1] == [0, 0]

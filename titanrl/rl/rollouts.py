@@ -32,6 +32,7 @@ from titanrl.models.hf import read_generation_eos_ids
 from titanrl.models.model import Transformer
 from titanrl.models.scalar_head import sequence_scores
 from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
+from titanrl.rl.cp_split import RolloutShare, cp_split
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -240,11 +241,27 @@ class RolloutCollector:
     ) -> tuple[list[RewardResult], torch.Tensor, float]:
         """(verifier results, total rewards [N], reward-model score sum); `results`: the
         episodes' (multi-turn), or the verifier's being streamed, or None to score now."""
-        cfg = self.config
+        results = self.verify(samples, completions, results)
+        return (results, *self.total_rewards(prompts, completions, results))
+
+    def verify(
+        self,
+        samples: list[Sample],
+        completions: list[Completion],
+        results: list[RewardResult] | _StreamedResults | None,
+    ) -> list[RewardResult]:
+        """The verifier's (or the episodes') result of each completion, as `score` takes them."""
         if results is None:
-            results = self.rewards([self._reward_item(samples[c.prompt_index], c) for c in completions])
-        elif isinstance(results, _StreamedResults):
-            results = results.wait(completions)
+            return self.rewards([self._reward_item(samples[c.prompt_index], c) for c in completions])
+        if isinstance(results, _StreamedResults):
+            return results.wait(completions)
+        return results
+
+    def total_rewards(
+        self, prompts: list[list[int]], completions: list[Completion], results: list[RewardResult]
+    ) -> tuple[torch.Tensor, float]:
+        """(total rewards [N]: weighted verifier + reward model + overlong penalty, reward-model score sum)."""
+        cfg = self.config
         rewards_N = cfg.reward.verifier_weight * torch.tensor([r.reward for r in results])
         rm_sum = 0.0
         if self.reward_model is not None:
@@ -261,7 +278,7 @@ class RolloutCollector:
                 cfg.reward.overlong_buffer_len,
                 cfg.reward.overlong_penalty_factor,
             )
-        return results, rewards_N, rm_sum
+        return rewards_N, rm_sum
 
     def reward_model_scores(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """The reward model's score of each sequence [N], in micro-batches, in row order."""
@@ -276,33 +293,63 @@ class RolloutCollector:
 
     def rollout(self, samples: list[Sample], step: int, round_idx: int, timer: PhaseTimer, stats: RLStats) -> Rollouts:
         """Generate G samples per prompt with the current weights (and a baseline rollout when
-        the algorithm needs one), then score them."""
-        cfg, dims = self.config, self.host.dims
+        the algorithm needs one), then score them. Under context parallelism each cp rank generates
+        and verifies its share of the prompt groups and all get the whole rollout (`rl/cp_split.py`);
+        the reward model and the overlong shaping then score the whole rollout on every cp rank."""
+        dims = self.host.dims
         params = self.sampling_params(step, round_idx)
         # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
         prompt_ids = [i * dims.dp_size + dims.dp_rank for i in range(len(samples))]
+        cp = cp_split(dims)
+        if cp is not None:
+            samples, prompt_ids = cp.take(samples), cp.take(prompt_ids)
         with timer("generate"):
             if fault_active("hang_generate", step):
                 time.sleep(3600)
             if fault_active("slow_generate", step):  # a straggler: the others wait for this rank
                 time.sleep(2.0)
-            stream = cfg.reward.streaming and self.envs is None
-            prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids, stream)
-            stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
-            self.decode_steps += gen_stats.decode_steps
-            self.compile_s += gen_stats.compile_seconds
-            stats.env_turns += gen_stats.resumed_turns + len(completions)
-            if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
-                greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
-                *greedy_out, greedy_stats = self.generate(samples, greedy, prompt_ids)
-                stats.gen_tokens += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
+            stream = self.config.reward.streaming and self.envs is None
+            share, pending = self.generate_share(samples, params, prompt_ids, stream)
         with timer("reward"):
-            results, rewards_N, rm_sum = self.score(samples, prompts, completions, results)
+            share.results = self.verify(samples, share.completions, pending)
+            if share.greedy is not None:
+                share.greedy = (share.greedy[0], share.greedy[1], self.verify(samples, *share.greedy[1:]))
+            if cp is not None:
+                share = cp.gather(share)
+            rewards_N, rm_sum = self.total_rewards(share.prompts, share.completions, share.results)
             stats.rm_score_sum += rm_sum
-            baseline = self.score(samples, *greedy_out)[1].tolist() if self.baseline_rollout else []
+            baseline = self.total_rewards(*share.greedy)[0].tolist() if share.greedy is not None else []
+        stats.gen_tokens += share.gen_tokens
+        stats.env_turns += share.env_turns
+        self.decode_steps += share.decode_steps
+        self.compile_s += share.compile_s
         if self.envs is not None:
-            stats.env_failures += sum(r.failed is not None for r in results)
-        return Rollouts(prompts, completions, results, rewards_N.tolist(), baseline)
+            stats.env_failures += sum(r.failed is not None for r in share.results)
+        return Rollouts(share.prompts, share.completions, share.results, rewards_N.tolist(), baseline)
+
+    def generate_share(
+        self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool
+    ) -> tuple[RolloutShare, list[RewardResult] | _StreamedResults | None]:
+        """`samples`' completions (and greedy ones for a baseline), their results not yet waited
+        for; a cp rank with no prompt this round generates nothing."""
+        if not samples:
+            return RolloutShare.empty(self.baseline_rollout), []
+        prompts, completions, results, gen_stats = self.generate(samples, params, prompt_ids, stream)
+        share = RolloutShare(
+            prompts,
+            completions,
+            [],
+            gen_tokens=gen_stats.decode_tokens + gen_stats.prefill_tokens,
+            env_turns=gen_stats.resumed_turns + len(completions),
+            decode_steps=gen_stats.decode_steps,
+            compile_s=gen_stats.compile_seconds,
+        )
+        if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
+            greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
+            *greedy_out, greedy_stats = self.generate(samples, greedy, prompt_ids)
+            share.greedy = tuple(greedy_out)
+            share.gen_tokens += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
+        return share, results
 
     def collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
         """(rollouts to train on, every rollout generated this step, for metrics)."""
