@@ -60,12 +60,8 @@ def record_prefill_routes(
 
 
 def routes_of_positions(seq: Seq, n: int) -> torch.Tensor:
-    """The routes recorded for positions 0 .. n - 1 of `seq` (later chunks win), [n, L, K]."""
-    chunks = seq.route_chunks or []
-    L, K = chunks[0][1].shape[1:] if chunks else (0, 0)
-    routes_PLK = torch.full((n, L, K), -1, dtype=torch.int16)
-    for start, chunk_NLK in chunks:
-        m = max(0, min(len(chunk_NLK), n - start))
-        routes_PLK[start : start + m] = chunk_NLK[:m]
+    """The routes recorded for positions 0 .. n - 1 of `seq` (later chunks win), [n, L, K]; a
+    prefill has recorded every one of them."""
+    routes_PLK = seq.routes_of_first(n)
     assert n == 0 or bool((routes_PLK >= 0).all()), "prompt positions without recorded routes"
     return routes_PLK

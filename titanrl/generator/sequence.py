@@ -175,11 +175,15 @@ class Seq:
 
     def assemble_routes(self) -> torch.Tensor | None:
         """The recorded routes of the fed positions 0 .. len(token_ids) - 2 (`Completion.routes`)."""
-        if self.route_chunks is None:
-            return None
-        L, K = self.route_chunks[0][1].shape[1:] if self.route_chunks else (0, 0)
-        routes_PLK = torch.full((len(self.token_ids) - 1, L, K), -1, dtype=torch.int16)
-        for start, chunk_NLK in self.route_chunks:
-            n = max(0, min(len(chunk_NLK), len(routes_PLK) - start))
-            routes_PLK[start : start + n] = chunk_NLK[:n]
+        return None if self.route_chunks is None else self.routes_of_first(len(self.token_ids) - 1)
+
+    def routes_of_first(self, n: int) -> torch.Tensor:
+        """The routes recorded for positions 0 .. n - 1, [n, MoE layers, top_k] int16: later chunks
+        win, -1 where none was recorded."""
+        chunks = self.route_chunks or []
+        L, K = chunks[0][1].shape[1:] if chunks else (0, 0)
+        routes_PLK = torch.full((n, L, K), -1, dtype=torch.int16)
+        for start, chunk_NLK in chunks:
+            m = max(0, min(len(chunk_NLK), n - start))
+            routes_PLK[start : start + m] = chunk_NLK[:m]
         return routes_PLK
