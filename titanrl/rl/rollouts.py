@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +26,7 @@ from titanrl.data.batch import build_sequence_batch, plan_micro_batches, trim_pa
 from titanrl.data.tasks import Sample, Task
 from titanrl.distributed import balance, dp_max
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.rollout import MultiTurnRollout, tool_setup
+from titanrl.envs.rollout import MultiTurnRollout, ToolSetup, tool_setup
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import read_generation_eos_ids
@@ -205,12 +206,17 @@ class RolloutCollector:
     def _reward_item(sample: Sample, c: Completion) -> RewardItem:
         return RewardItem(sample.prompt, c.text, sample.answer, sample.metadata)
 
+    @cached_property
+    def tool_calls(self) -> ToolSetup:
+        """How the episodes read and show tool calls (env.tool_format with the chat template): once."""
+        env = self.config.env
+        return tool_setup(env.name, env.tool_format, self.host.encode_prompt.template)
+
     def generate_episodes(
         self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
     ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
-        env = self.config.env
-        tools = tool_setup(env.name, env.tool_format, self.host.encode_prompt.template)
+        env, tools = self.config.env, self.tool_calls
         turns = MultiTurnRollout(
             self.envs,
             self.host.tokenizer,
