@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd
@@ -22,6 +24,8 @@ httpx = pytest.importorskip("httpx")
 for _module in ("websockets", "fastapi", "uvicorn", "openenv"):  # the `envs` extra
     pytest.importorskip(_module)
 ENV = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
+LOGS: dict[str, deque] = {}
+"""A started server's last output lines, by base URL (read as it runs: a full pipe blocks a server)."""
 CALC_SAMPLE = {"prompt": "4 boxes of 37 pens. pens? ", "answer": "148", "metadata": {}}
 
 
@@ -31,7 +35,10 @@ def _start(cmd: list[str], env: dict | None = None, cwd: str = REPO_ROOT) -> tup
     line = proc.stdout.readline()
     found = re.search(r"(\d+)\D*$", line.split("(")[0].strip())
     assert found, f"{cmd} printed {line!r}"
-    return proc, f"http://127.0.0.1:{found.group(1)}"
+    url = f"http://127.0.0.1:{found.group(1)}"
+    LOGS[url] = deque(maxlen=2000)
+    threading.Thread(target=LOGS[url].extend, args=(proc.stdout,), daemon=True).start()
+    return proc, url
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -90,7 +97,7 @@ def servers(tmp_path_factory):
         "python": _serve_env("python"),
         "echo": _echo_env(tmp_path_factory.mktemp("echo")),
     }
-    for mode in ("hang", "malformed", "http500", "die"):
+    for mode in ("hang", "malformed", "http500", "die", "full"):
         procs[mode] = _start([sys.executable, os.path.join(REPO_ROOT, "tests/helpers/fault_env_server.py"), mode])
     urls = {name: url for name, (_, url) in procs.items()}
     for url in urls.values():  # the echo server prints its port before uvicorn (slow to import) listens
@@ -154,6 +161,10 @@ def test_openenv_echo_environment_through_the_pool(servers):
         assert step.info == {"message_length": 5}
     finally:
         pool.close()
+    # Sessions end with a close handshake: nothing in the server's log (an aborted connection
+    # logs a traceback per episode there).
+    time.sleep(0.5)
+    assert "Traceback" not in "".join(LOGS[servers["echo"]])
 
 
 def test_sandbox_server_runs_code_in_a_jail(servers):
@@ -252,6 +263,27 @@ def test_http_500_at_reset_is_retried_then_named(servers):
     pool = ServerEnvPool([servers["http500"], servers["calculator"]], timeout_s=3, reset_retries=1)
     try:  # the retry goes to the least-loaded other server
         assert _run(pool, 0, "reset", CALC_SAMPLE).value == CALC_SAMPLE["prompt"]
+    finally:
+        pool.close()
+
+
+def test_a_server_at_capacity_makes_a_reset_wait_then_name_it(servers):
+    """A server with all its sessions open (OpenEnv's CAPACITY_REACHED) -> a reset waits for a free
+    session instead of failing (sessions of the last step may still be closing); one that never
+    frees up -> a named 'timeout' after timeout_s. Without the wait the reset fails at once."""
+    pool = ServerEnvPool([servers["full"]], timeout_s=3, reset_retries=0)
+    try:
+        assert _run(pool, 0, "reset", CALC_SAMPLE).value == "ready"
+        start = time.monotonic()
+        failed = _run(pool, 1, "reset", CALC_SAMPLE)
+        assert failed.value is None and failed.error.startswith("timeout: no free session"), failed.error
+        assert 2.5 < time.monotonic() - start < 10
+        pool.reset(1, CALC_SAMPLE)
+        time.sleep(0.5)
+        assert pool.poll(block=False) == []  # waiting, not failed
+        pool.close_episode(0)
+        (result,) = pool.poll(block=True)
+        assert (result.episode, result.value, result.error) == (1, "ready", None)
     finally:
         pool.close()
 

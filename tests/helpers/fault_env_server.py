@@ -2,7 +2,9 @@
 prints its port and serves /health and /ws (raw `websockets`, so that it can break the protocol).
 
 MODE: 'hang' (a step never answers), 'malformed' (a step answers text that is not JSON),
-'http500' (the WebSocket handshake answers HTTP 500), 'die' (the process exits mid-step)."""
+'http500' (the WebSocket handshake answers HTTP 500), 'die' (the process exits mid-step), 'full'
+(one session at a time: another is refused with OpenEnv's CAPACITY_REACHED error, as
+openenv-core's server does at max_concurrent_envs)."""
 
 import asyncio
 import json
@@ -13,6 +15,8 @@ from http import HTTPStatus
 from websockets.asyncio.server import serve
 
 MODE = sys.argv[1]
+FULL = {"type": "error", "data": {"message": "Server capacity reached: 1/1 sessions", "code": "CAPACITY_REACHED"}}
+OPEN = set()
 OBS = {"type": "observation", "data": {"observation": {"text": "ready"}, "reward": None, "done": False}}
 
 
@@ -25,8 +29,21 @@ def process_request(connection, request):
 
 
 async def session(ws):
+    if MODE == "full" and OPEN:
+        await ws.send(json.dumps(FULL))
+        return
+    OPEN.add(ws)
+    try:
+        await serve_session(ws)
+    finally:
+        OPEN.discard(ws)
+
+
+async def serve_session(ws):
     async for raw in ws:
         kind = json.loads(raw)["type"]
+        if kind == "close":
+            return
         if kind == "reset":
             await ws.send(json.dumps(OBS))
         elif kind == "step" and MODE == "hang":

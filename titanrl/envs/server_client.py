@@ -8,7 +8,10 @@ background event-loop thread: calls are submitted without waiting and their resu
 by `poll`, so hundreds of episodes are in flight per rank while the generator decodes. A new
 episode goes to the least-loaded server (fewest open sessions). Every call has a deadline
 (`timeout_s`); a reset (a new session) is retried on the next server up to `reset_retries`
-times; a step never is (it is not idempotent). A failure ends its episode with a reason that the
+times; a step never is (it is not idempotent). A server at capacity (OpenEnv's
+CAPACITY_REACHED: all its `max_concurrent_envs` sessions open, or still being torn down) is
+busy, not broken: the reset waits with backoff for a free session, on any server, up to
+`timeout_s`, without using a retry. A failure ends its episode with a reason that the
 reward-failure metrics count by its first word: 'crash: ...' (server died or unreachable),
 'timeout', 'invalid: ...' (malformed JSON, a wrong shape), 'error: ...' (an HTTP status at the
 handshake or the server's error message). A server unreachable at start is a one-line error.
@@ -21,6 +24,9 @@ from typing import Any
 
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.pool import EnvResult, validate_step
+
+_CLOSE_S = 2.0
+"""How long a closing session waits for its server's close handshake before dropping it."""
 
 
 def _ws_url(url: str) -> str:
@@ -52,6 +58,10 @@ def check_health(urls: list[str], headers: dict, deadline_s: float) -> None:
                     f"[env] environment server {url} is unreachable at start ({why}); start it or fix [env] urls"
                 )
             time.sleep(0.2)
+
+
+class ServerBusy(RuntimeError):
+    """The server has no free session (OpenEnv's CAPACITY_REACHED error)."""
 
 
 def failure_reason(e: BaseException, url: str) -> str:
@@ -97,7 +107,7 @@ class ServerEnvPool(AsyncEnvPool):
         self._sessions: dict[int, tuple[str, Any]] = {}
         super().__init__("env-servers")
         # A backstop only: each call's own deadline (retries included) answers well before it.
-        self.poll_backstop_s = self.timeout_s * (self.reset_retries + 2) + 30.0
+        self.poll_backstop_s = self.timeout_s * (self.reset_retries + 3) + 30.0
 
     def close(self) -> None:
         """End every session, stop the loop thread, then `on_close`."""
@@ -110,10 +120,17 @@ class ServerEnvPool(AsyncEnvPool):
 
     async def _call(self, ws: Any, message: dict) -> dict:
         """Send one message and read its reply, within the deadline; the reply's `data`."""
-        await asyncio.wait_for(ws.send(json.dumps(message, default=str)), self.timeout_s)
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            await asyncio.wait_for(ws.send(json.dumps(message, default=str)), self.timeout_s)
+        except ConnectionClosed:  # a server refusing the session (at capacity) says why, then closes
+            pass
         reply = json.loads(await asyncio.wait_for(ws.recv(), self.timeout_s))
         if not isinstance(reply, dict) or not isinstance(reply.get("data"), dict):
             raise ValueError("the server's reply is not {'type': ..., 'data': {...}}")
+        if reply.get("type") == "error" and reply["data"].get("code") == "CAPACITY_REACHED":
+            raise ServerBusy(str(reply["data"].get("message", "capacity reached"))[:500])
         if reply.get("type") == "error":
             raise RuntimeError(str(reply["data"].get("message", "server error"))[:500])
         return reply["data"]
@@ -142,16 +159,28 @@ class ServerEnvPool(AsyncEnvPool):
         return ws, text
 
     async def _reset(self, episode: int, sample: dict) -> None:
-        reason, tried = "", set()
-        for _ in range(1 + self.reset_retries):
+        reason, tried, retries = "", set(), self.reset_retries
+        busy_until, backoff_s = time.monotonic() + self.timeout_s, 0.05
+        while retries >= 0:
             url = min([u for u in self.urls if u not in tried] or self.urls, key=lambda u: self.load[u])
             tried.add(url)
             self.load[url] += 1
             try:
                 ws, text = await self._open(url, sample)
+            except ServerBusy as e:  # waits for a session to free up; not a retry
+                self.load[url] -= 1
+                if time.monotonic() + backoff_s > busy_until:
+                    reason = (
+                        f"timeout: no free session for {self.timeout_s:g} s ({e}); "
+                        "add servers ([env] servers / urls) or raise their max_concurrent_envs"
+                    )
+                    break
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(2 * backoff_s, 1.0)
+                continue
             except Exception as e:  # noqa: BLE001 - a failed reset is retried, then fails its episode
                 self.load[url] -= 1
-                reason = failure_reason(e, url)
+                reason, retries = failure_reason(e, url), retries - 1
                 continue
             self._sessions[episode] = (url, ws)
             self._results.put(EnvResult(episode, "reset", text))
@@ -179,16 +208,15 @@ class ServerEnvPool(AsyncEnvPool):
             return
         url, ws = self._sessions.pop(episode)
         self.load[url] -= 1
-        try:
-            await asyncio.wait_for(ws.send('{"type": "close"}'), 1.0)
-        except Exception:  # noqa: BLE001 - the session may be dead already
-            pass
-        if ws.transport is not None:  # no close handshake to wait for: the server ends the session
-            ws.transport.abort()
+        try:  # the server ends the session and closes: a clean close handshake, no error in its log
+            await asyncio.wait_for(ws.send('{"type": "close"}'), _CLOSE_S)
+            await asyncio.wait_for(ws.wait_closed(), _CLOSE_S)
+        except Exception:  # noqa: BLE001 - the session may be dead already, or its server deaf
+            if ws.transport is not None:
+                ws.transport.abort()
 
     async def _close_all(self) -> None:
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         if others:  # calls in flight (a close_episode's) end first
             await asyncio.wait(others, timeout=self.timeout_s)
-        for episode in list(self._sessions):
-            await self._close(episode)
+        await asyncio.gather(*(self._close(episode) for episode in list(self._sessions)))
