@@ -272,6 +272,7 @@ LLAMA31 = r"""{{- bos_token }}
 {%- endif %}
 """
 VOCAB = 640
+LLAMA_SPECIALS = ("<|python_tag|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>")
 LLAMA_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
 TOOLS = [CALCULATOR_TOOL, {"type": "function", "function": {"name": "search", "description": "Search the web."}}]
 
@@ -288,11 +289,16 @@ def folders(tmp_path_factory):
     # scripted model's logits (and the test) cheap.
     qwen, llama = tmp_path_factory.mktemp("qwen"), tmp_path_factory.mktemp("llama")
     tok = train_bpe()
-    for folder, config in ((qwen, QWEN_CONFIG), (llama, {**LLAMA_TOKENS, "chat_template": LLAMA31})):
-        (folder / "tokenizer.json").write_text(tok.to_str())
+    llama_tok = train_bpe()
+    llama_tok.add_special_tokens(["<|python_tag|>", "<|eom_id|>"])  # Llama 3.1's, for its tool calls
+    for folder, bpe, config in (
+        (qwen, tok, QWEN_CONFIG),
+        (llama, llama_tok, {**LLAMA_TOKENS, "chat_template": LLAMA31}),
+    ):
+        (folder / "tokenizer.json").write_text(bpe.to_str())
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
         (folder / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
-    assert tok.get_vocab_size() <= VOCAB
+    assert llama_tok.get_vocab_size() <= VOCAB
     return {"qwen": str(qwen), "llama": str(llama)}
 
 
@@ -331,6 +337,68 @@ def test_tools_and_tool_results_render_as_transformers_renders_them(folders, fam
         assert expected.count("<tool_response>") == 2 and expected.count("<|im_start|>user") == 2
     else:  # Llama 3.1: one ipython message per result, a string result written as JSON
         assert expected.count('<|start_header_id|>ipython<|end_header_id|>\n\n"148"<|eot_id|>') == 2
+
+
+class _RecordingPool:
+    """An environment pool that answers reset with the prompt and records the text of each step."""
+
+    def __init__(self) -> None:
+        self.steps, self.results = [], []
+
+    def reset(self, episode: int, sample: dict) -> None:
+        from titanrl.envs.pool import EnvResult
+
+        self.results.append(EnvResult(episode, "reset", sample["prompt"]))
+
+    def step(self, episode: int, text: str) -> None:
+        self.steps.append(text)
+
+    def poll(self, block: bool) -> list:
+        out, self.results = self.results, []
+        return out
+
+    def close_episode(self, episode: int) -> None:
+        pass
+
+
+def test_llama_python_tag_reaches_the_environment_and_eom_ends_the_turn(folders):
+    """Llama 3.1 marks a call after prose with the special token <|python_tag|>, which a plain
+    decode drops (the call is lost): the turn's text keeps it. A turn the model ends with
+    <|eom_id|> keeps that token and the template's <|eot_id|> is dropped from the observation
+    (one end of turn, the model's), unless <|eom_id|> is not an end-of-turn token of the run."""
+    from titanrl.data.encode import PromptEncoder
+    from titanrl.envs.rollout import ChatTurns, MultiTurnRollout
+    from titanrl.models.tokenizer import HFTokenizer
+
+    tok, template = HFTokenizer(folders["llama"]), ChatTemplate.from_folder(folders["llama"])
+    (tag,), (eot,), (eom,), (header,) = map(tok.encode, LLAMA_SPECIALS)
+    call = '{"name": "calculator", "parameters": {"expression": "4*37"}}'
+    turn = tok.encode("I will use a tool.") + [tag] + tok.encode(call) + [eom]
+    assert parse_tool_calls(tok.decode(turn), "llama3", NAMES) == []  # what a plain decode gives
+    setup = tool_setup("calculator", "llama3", template)
+    pool = _RecordingPool()
+    rollout = MultiTurnRollout(
+        pool,
+        tok,
+        4,
+        400,
+        prompt_encoder=PromptEncoder(tok, template),
+        observation_role="tool",
+        tools=setup.tools,
+        keep_tokens=setup.keep_tokens,
+        end_of_turn_ids=frozenset({eot, eom}),
+    )
+    rollout.start([{"prompt": "4 boxes of 37 pens. pens?", "answer": "148", "metadata": {}}], 1)
+    rollout.submit((0, 0), turn, "stop")
+    assert pool.steps == ["I will use a tool.<|python_tag|>" + call]
+    ((name, arguments),) = [(c.name, c.arguments) for c in parse_tool_calls(pool.steps[0], "llama3", NAMES)]
+    assert (name, arguments) == ("calculator", {"expression": "4*37"})
+    for ends, first in ((frozenset({eot, eom}), header), (frozenset({eot}), eot)):
+        chat = ChatTurns(PromptEncoder(tok, template), "tool", setup.tools, ends)
+        chat.start([(0, 0)], "4 boxes of 37 pens. pens?")
+        assert chat.observation((0, 0), "ignored", eom, ["148"])[0] == first
+    chat.start([(0, 0)], "4 boxes of 37 pens. pens?")
+    assert chat.observation((0, 0), "ignored", eot, ["148"])[0] == header  # as ever: eot ends the turn
 
 
 def test_tool_format_auto_and_setup(folders):

@@ -19,8 +19,10 @@ with the generation prompt; the assistant's turn is rendered as a placeholder, s
 are already in the sample (the delta is the same for any content the template writes verbatim,
 and the sample keeps what the model really saw when a template would rewrite it). Of the delta,
 what the model already wrote is dropped: the special token that ended its turn (e.g. the eos
-`<|im_end|>`) when the delta starts with it; a turn that ended on max tokens or a stop string
-gets the whole end-of-turn text. Templates that render the earlier conversation differently once
+`<|im_end|>`) when the delta starts with it, or with another end-of-turn token (Llama 3.1 ends a
+tool call with `<|eom_id|>` where the delta writes `<|eot_id|>`: the model's token stays, the
+template's is dropped); a turn that ended on max tokens or a stop string gets the whole
+end-of-turn text. Templates that render the earlier conversation differently once
 a turn is added (so that no delta exists) are rejected with an error. The appended tokens are
 the environment's: the generator's model mask keeps them (the template's text included) out of
 the loss.
@@ -29,8 +31,9 @@ Tool calls (`titanrl/envs/tool_calls.py`): the environment's tools (`Environment
 to the template when the prompt is rendered (HF's `tools`), and the results of several calls in one
 turn (a step's `info['tool_results']`) are rendered as one 'tool' message each, which templates
 such as Qwen's group into one turn. The model's turn reaches the environment as the decoding of its
-generated tokens; the sample keeps those tokens as generated (token in, token out): no text is
-ever encoded back into the model's part of the sequence.
+generated tokens, with the special tokens a tool format reads kept as text (Llama 3's
+`<|python_tag|>`, which marks a call after prose); the sample keeps those tokens as generated
+(token in, token out): no text is ever encoded back into the model's part of the sequence.
 """
 
 from collections.abc import Callable
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 
 from titanrl.data.encode import PromptEncoder
 from titanrl.envs.pool import EnvPool, resolve_env
-from titanrl.envs.tool_calls import resolve_tool_format
+from titanrl.envs.tool_calls import PYTHON_TAG, resolve_tool_format
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
 
@@ -67,16 +70,49 @@ class Episode:
         return sum(self.rewards)
 
 
+def special_token_ids(tokenizer: Tokenizer, texts: tuple[str, ...]) -> dict[int, str]:
+    """{id: text} of each of `texts` that is one special token of `tokenizer` (one id that decodes
+    to no text); texts that are not are left out (a tokenizer without `<|python_tag|>`)."""
+    out = {}
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if len(ids) == 1 and not tokenizer.decode(ids):
+            out[ids[0]] = text
+    return out
+
+
+def decode_turn(tokenizer: Tokenizer, ids: list[int], keep: dict[int, str]) -> str:
+    """`tokenizer.decode(ids)` with the special tokens of `keep` written as their text."""
+    if not keep or not any(i in keep for i in ids):
+        return tokenizer.decode(ids)
+    parts, start = [], 0
+    for pos, token in enumerate(ids):
+        if token in keep:
+            parts += [tokenizer.decode(ids[start:pos]), keep[token]]
+            start = pos + 1
+    return "".join(parts) + tokenizer.decode(ids[start:])
+
+
 class ChatTurns:
     """Per-episode conversation state that renders environment turns through a chat template
     (see the module docstring)."""
 
-    def __init__(self, encoder: PromptEncoder, role: str, tools: list[dict] | None = None) -> None:
+    def __init__(
+        self,
+        encoder: PromptEncoder,
+        role: str,
+        tools: list[dict] | None = None,
+        end_of_turn_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """`end_of_turn_ids`: the tokens that end a model's turn (the generator's eos ids; the
+        tokenizer's eos is always one)."""
         if encoder.template is None:
             raise ValueError("ChatTurns needs a PromptEncoder with a chat template")
         if role not in OBSERVATION_ROLES:
             raise ValueError(f"observation role must be one of {OBSERVATION_ROLES}, got {role!r}")
         self.encoder, self.template, self.role, self.tools = encoder, encoder.template, role, tools
+        eos = encoder.tokenizer.eos_id
+        self.end_of_turn_ids = frozenset(end_of_turn_ids) | ({eos} if eos is not None else set())
         self.messages: dict[Key, list[dict]] = {}
         self.rendered: dict[Key, str] = {}
         """The conversation of each episode so far, as text, ending with the generation prompt."""
@@ -113,9 +149,12 @@ class ChatTurns:
         self.messages[key], self.rendered[key] = messages, after
         tokenizer = self.encoder.tokenizer
         ids = tokenizer.encode(after[len(before) :])
-        # A special token (it has no text of its own) that ended the turn is already in the sample.
-        if ids and ids[0] == last_token and not tokenizer.decode([last_token]):
-            ids = ids[1:]
+        # A special token (it has no text of its own) that ended the turn is already in the sample,
+        # and stands for the template's end of turn when that is another end-of-turn token.
+        if ids and last_token is not None and not tokenizer.decode([last_token]):
+            ends = self.end_of_turn_ids
+            if ids[0] == last_token or (last_token in ends and ids[0] in ends):
+                ids = ids[1:]
         return ids
 
 
@@ -131,17 +170,22 @@ class MultiTurnRollout:
         prompt_encoder: PromptEncoder | None = None,
         observation_role: str = "user",
         tools: list[dict] | None = None,
+        keep_tokens: tuple[str, ...] = (),
+        end_of_turn_ids: frozenset[int] = frozenset(),
     ) -> None:
         """`prompt_encoder`: encodes the first observation (default for `start`); when it has a
         chat template, every turn is rendered through it, observations as `observation_role`
-        messages, the prompt with `tools` (JSON schemas, `ToolSetup.tools`)."""
+        messages, the prompt with `tools` (JSON schemas, `ToolSetup.tools`). `keep_tokens`: special
+        tokens the environment reads, kept as text in a turn's decoding (`ToolSetup.keep_tokens`);
+        `end_of_turn_ids`: the generator's eos ids."""
         self.pool, self.tokenizer = pool, tokenizer
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.failure_reward = failure_reward
         self.prompt_encoder = prompt_encoder
         self.chat: ChatTurns | None = None
         if prompt_encoder is not None and prompt_encoder.template is not None:
-            self.chat = ChatTurns(prompt_encoder, observation_role, tools)
+            self.chat = ChatTurns(prompt_encoder, observation_role, tools, end_of_turn_ids)
+        self.keep = special_token_ids(tokenizer, keep_tokens)
         self.episodes: dict[Key, Episode] = {}
         self._ids: dict[Key, int] = {}
         self._keys: dict[int, Key] = {}
@@ -207,7 +251,7 @@ class MultiTurnRollout:
         if episode.done:  # its environment already failed (at reset)
             self._ended.append((key, None))
             return
-        self.pool.step(self._ids[key], self.tokenizer.decode(turn_token_ids))
+        self.pool.step(self._ids[key], decode_turn(self.tokenizer, turn_token_ids, self.keep))
 
     def poll(self, block: bool) -> list[tuple[Key, list[int] | None]]:
         out, self._ended = self._ended, []
@@ -255,6 +299,8 @@ class ToolSetup:
     """JSON schemas passed to the chat template (None with the 'tag' format)."""
     stop_strings: list[str]
     """The env's stop strings with the 'tag' format; none otherwise (the turn ends at its end of turn)."""
+    keep_tokens: tuple[str, ...] = ()
+    """Special tokens the format reads, kept as text when a turn is decoded (llama3: `<|python_tag|>`)."""
 
 
 def tool_setup(env_name: str, tool_format: str, template: ChatTemplate | None) -> ToolSetup:
@@ -271,4 +317,4 @@ def tool_setup(env_name: str, tool_format: str, template: ChatTemplate | None) -
             "tool_formats); set env.tool_format to one of those or extend the environment"
         )
     tools = [dict(t) for t in getattr(cls, "tools", ())] or None
-    return ToolSetup(fmt, {"tool_format": fmt}, tools, [])
+    return ToolSetup(fmt, {"tool_format": fmt}, tools, [], (PYTHON_TAG,) if fmt == "llama3" else ())

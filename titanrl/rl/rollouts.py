@@ -226,6 +226,8 @@ class RolloutCollector:
             prompt_encoder=self.host.encode_prompt,
             observation_role=env.observation_role,
             tools=tools.tools,
+            keep_tokens=tools.keep_tokens,
+            end_of_turn_ids=self.generator.eos_ids,
         )
         prompts = turns.start(
             [{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples], params.n
