@@ -135,3 +135,26 @@ def test_tool_calls_in_the_model_format_reach_the_harness_as_openai_tool_calls()
     for args in [(text, "m", "tag", True), (text, "m", "hermes", False), ("<tool_call>{bad", "m", "hermes", True)]:
         response = dialect.parse_response(dialect.validate_response(completion(*args)))
         assert response.message.tool_calls is None and response.message.content == args[0]
+
+
+def test_the_tools_a_harness_declares_reach_the_chat_template(pool, tmp_path):
+    """A harness that sends `tools` in its requests: the prompt is rendered with those tools, as
+    the chat template renders them (Qwen2.5's template at a real BPE vocabulary); without them
+    the prompt has no tools section."""
+    from helpers.real_vocab import write_qwen_layout_folder
+
+    from titanrl.data.encode import PromptEncoder
+    from titanrl.envs.builtin import CALCULATOR_TOOL
+    from titanrl.models.chat_template import ChatTemplate
+    from titanrl.models.tokenizer import HFTokenizer
+
+    write_qwen_layout_folder(tmp_path)
+    tok, template = HFTokenizer(str(tmp_path)), ChatTemplate.from_folder(str(tmp_path))
+    for prompt, tools in (("TOOLS 4 boxes of 37 pens. pens? ", [CALCULATOR_TOOL]), (SAMPLE["prompt"], None)):
+        rollout = MultiTurnRollout(pool, tok, 4, 400, prompt_encoder=PromptEncoder(tok, template))
+        (ids,) = rollout.start([{**SAMPLE, "prompt": prompt}], 2)
+        messages = [{"role": "user", "content": prompt}]
+        assert tok._tok.decode(ids, skip_special_tokens=False) == template.render(messages, True, tools=tools)
+        assert ("<tools>" in template.render(messages, True, tools=tools)) == (tools is not None)
+        for eid in range(2):
+            pool.close_episode(eid)

@@ -7,7 +7,7 @@ OpenAI-compatible endpoint verifiers hands it, runs `<tool>EXPR</tool>` calls (a
 message `<result>VALUE</result>`) and stops at the first turn without a call. The task's reward
 (`correct`, verifiers' scoring) is 1 when the last reply's text after its last result is the
 answer. Prompts containing 'RAISE', 'HANG' or 'REWRITE' make the harness raise, hang or edit
-the model's turns (fault tests).
+the model's turns (fault tests); 'TOOLS' makes it declare the calculator tool in its requests.
 """
 
 import asyncio
@@ -18,6 +18,7 @@ import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
 
 from titanrl.data.task import safe_arithmetic
+from titanrl.envs.builtin import CALCULATOR_TOOL
 
 
 class CalcData(vf.TaskData):
@@ -56,6 +57,8 @@ class CalcHarness(vf.Harness[CalcHarnessConfig]):
         async with httpx.AsyncClient(timeout=600.0) as http:
             for _ in range(self.config.max_calls):
                 body = {"model": ctx.model, "messages": messages}
+                if "TOOLS" in data.prompt_text:  # a harness that declares its tool (OpenAI schema)
+                    body["tools"] = [CALCULATOR_TOOL]
                 reply = await http.post(endpoint.rstrip("/") + "/chat/completions", headers=headers, json=body)
                 if reply.status_code != 200:
                     return ProgramResult(1, "", reply.text)

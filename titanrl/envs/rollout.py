@@ -116,13 +116,16 @@ class ChatTurns:
         self.messages: dict[Key, list[dict]] = {}
         self.rendered: dict[Key, str] = {}
         """The conversation of each episode so far, as text, ending with the generation prompt."""
+        self.tools_of: dict[Key, list[dict] | None] = {}
 
-    def start(self, keys: list[Key], prompt: str) -> list[int]:
-        """The prompt's token ids (as `PromptEncoder` gives them); `keys` (a group) share it."""
+    def start(self, keys: list[Key], prompt: str, tools: list[dict] | None = None) -> list[int]:
+        """The prompt's token ids (as `PromptEncoder` gives them); `keys` (a group) share it.
+        `tools`: the episodes' own (a verifiers harness's), instead of the environment's."""
         messages = self.encoder.messages(prompt)
-        text = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
+        tools = tools if tools is not None else self.tools
+        text = self.template.render(messages, add_generation_prompt=True, tools=tools)
         for key in keys:
-            self.messages[key], self.rendered[key] = messages, text
+            self.messages[key], self.rendered[key], self.tools_of[key] = messages, text, tools
         return self.encoder.tokenizer.encode(text)
 
     def observation(
@@ -137,7 +140,7 @@ class ChatTurns:
             said = [{"role": self.role, "content": observation}]
         messages = self.messages[key] + [{"role": "assistant", "content": _ASSISTANT_PLACEHOLDER}, *said]
         before = self.rendered[key] + _ASSISTANT_PLACEHOLDER
-        after = self.template.render(messages, add_generation_prompt=True, tools=self.tools)
+        after = self.template.render(messages, add_generation_prompt=True, tools=self.tools_of[key])
         if not after.startswith(before):
             raise ValueError(
                 f"multi-turn environment: the chat template of {self.template.source} does not render the "
@@ -225,10 +228,22 @@ class MultiTurnRollout:
                 )
             text = texts.pop() if texts else samples[i]["prompt"]
             keys = [(i, j) for j in range(group_size)]
-            prompts.append(self.chat.start(keys, text) if self.chat is not None else encode(text))
+            tools = self._episode_tools(keys)
+            prompts.append(self.chat.start(keys, text, tools) if self.chat is not None else encode(text))
             for key in keys:
                 self._lengths[key] = 0  # completion tokens (model + environment) so far
         return prompts
+
+    def _episode_tools(self, keys: list[Key]) -> list[dict] | None:
+        """The tools a group's episodes declared (pools with `episode_tools`: verifiers), else None."""
+        if not hasattr(self.pool, "episode_tools"):
+            return None
+        found = [self.pool.episode_tools(self._ids[key]) for key in keys if not self.episodes[key].failed]
+        if any(tools != found[0] for tools in found):
+            raise ValueError(
+                "the environment's tools differ between the samples of one prompt; they must depend only on the sample"
+            )
+        return found[0] if found else None
 
     def _fail(self, key: Key, reason: str) -> None:
         episode = self.episodes[key]

@@ -11,7 +11,8 @@ request of the harness is held and handed to the trainer as an observation, and 
 it with the model's turn. So:
 
 - the harness's first request -> the first observation: the text of its messages (a system
-  message's, then the user's, as verifiers folds a system prompt into the prompt);
+  message's, then the user's, as verifiers folds a system prompt into the prompt); the tools it
+  declares (`episode_tools`) go to the chat template as `tools`;
 - `step(text)` answers the request (an assistant message; with `tool_format` 'hermes' or
   'llama3' its tool calls become OpenAI `tool_calls`, which the harness runs) and waits for the
   next request -> the messages added since (its user or tool messages; tool results as
@@ -124,6 +125,8 @@ class _Episode:
     pending: asyncio.Future | None = None
     """The harness's request waiting for the model's turn."""
     replies: list[str] = field(default_factory=list)
+    tools: list[dict] | None = None
+    """The tools (OpenAI JSON schemas) of the harness's first request, for the chat template."""
     seen: int = 0
     """Messages of the harness's conversation already given to the trainer."""
 
@@ -152,6 +155,8 @@ def _policy_client(pool: "VerifiersEnvPool") -> Any:
                 )
                 raise model_error("titanrl serves chat completions only", status_code=400)
             request = dialect.parse_request(body)
+            if not episode.replies and isinstance(body.get("tools"), list):
+                episode.tools = body["tools"] or None
             reply = asyncio.get_running_loop().create_future()
             await episode.events.put(("request", request, reply))
             raw = completion(await reply, str(body.get("model", "")), pool.tool_format, bool(request.tools))
@@ -195,6 +200,11 @@ class VerifiersEnvPool(AsyncEnvPool):
         self.server = Server()
         super().__init__("verifiers-env")
         asyncio.run_coroutine_threadsafe(self.server.__aenter__(), self._loop).result(timeout=60.0)
+
+    def episode_tools(self, eid: int) -> list[dict] | None:
+        """The tools the harness declared in episode `eid`'s first request (after its reset)."""
+        episode = self._episodes.get(eid)
+        return episode.tools if episode is not None else None
 
     def close(self) -> None:
         """Cancel every rollout, stop the interception server and the loop thread."""
