@@ -198,8 +198,8 @@ class ServerEnvPool(AsyncEnvPool):
             reward = 0.0 if data.get("reward") is None else data["reward"]
             result = validate_step((obs, reward, bool(data.get("done", False)), info))
         except Exception as e:  # noqa: BLE001 - a failed step ends its episode, never the run
-            await self._close(episode)
             self._results.put(EnvResult(episode, "step", None, failure_reason(e, url)))
+            await self._close(episode)
             return
         self._results.put(EnvResult(episode, "step", result))
 
