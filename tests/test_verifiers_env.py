@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.real_vocab import write_qwen_layout_folder
 from test_envs import ARGS, TOK, ScriptedModel
 
 from titanrl.config.rl_sections import Env
@@ -141,8 +142,6 @@ def test_the_tools_a_harness_declares_reach_the_chat_template(pool, tmp_path):
     """A harness that sends `tools` in its requests: the prompt is rendered with those tools, as
     the chat template renders them (Qwen2.5's template at a real BPE vocabulary); without them
     the prompt has no tools section."""
-    from helpers.real_vocab import write_qwen_layout_folder
-
     from titanrl.data.encode import PromptEncoder
     from titanrl.envs.builtin import CALCULATOR_TOOL
     from titanrl.models.chat_template import ChatTemplate

@@ -10,6 +10,9 @@ from typing import Any
 
 from titanrl.envs.pool import EnvResult
 
+_DRAIN_S = 5.0
+"""How long closing a pool waits for its loop's remaining tasks once cancelled."""
+
 
 class AsyncEnvPool:
     """Subclasses define the coroutines `_reset(episode, sample)`, `_step(episode, text)`,
@@ -56,10 +59,24 @@ class AsyncEnvPool:
         """End every episode (`_close_all`), then stop the loop thread."""
         if not self._thread.is_alive():
             return
-        done = asyncio.run_coroutine_threadsafe(self._close_all(), self._loop)
-        try:
-            done.result(timeout=close_timeout_s)
-        except Exception:  # noqa: BLE001 - closing what may already be gone
-            pass
+        for coro, timeout_s in ((self._close_all(), close_timeout_s), (self._drain(), _DRAIN_S + 1.0)):
+            done = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            try:
+                done.result(timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - closing what may already be gone
+                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @staticmethod
+    async def _drain() -> None:
+        """Cancel the tasks still running (a library's shielded clean-ups among them) and wait for
+        them, as `asyncio.run` does at its end: none is left to be finalized after the loop stops."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_DRAIN_S)
+        await asyncio.get_running_loop().shutdown_asyncgens()
