@@ -15,7 +15,8 @@ from titanrl.components.float8 import convert_to_float8
 from titanrl.config.adapt_sections import Float8, LoRA
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.data.batch import build_sequence_batch
-from titanrl.data.forward import forward_logprobs
+from titanrl.data.forward import forward_logprobs, routes_in_rows
+from titanrl.data.packing import layout_of
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer, get_model_args
 from titanrl.models.batch_invariant import ExactCausalAttention, batch_invariant_mode
@@ -102,6 +103,58 @@ def test_replay_makes_the_on_policy_ratio_exactly_one(rollout, packing):
     assert disagree[True] == 0.0 and disagree[False] > 0.0
     assert torch.equal(ratios[True], torch.ones_like(ratios[True]))
     assert (ratios[False] != 1.0).any()
+
+
+def _reference_sums(monitor, model, batch, packing) -> torch.Tensor:
+    """What `MoEMonitor.observe` adds, the plain way (boolean indexing, bincount; float64): the
+    decisions, disagreements, entropy, aux loss, 1 forward, then the [L, E] loads."""
+    gen_NLK = routes_in_rows(batch["routes"], layout_of(batch, packing)).long()
+    valid_N = (gen_NLK >= 0).all(-1).all(-1)
+    trainer_NLK = model.moe_routes().transpose(0, 1)[valid_N].long()
+    differ_NL = (trainer_NLK.sort(-1).values != gen_NLK[valid_N].sort(-1).values).any(-1)
+    entropy = sum(
+        -(p.double() * p.double().clamp_min(1e-30).log()).sum() for p in (q[valid_N] for q in monitor._probs.values())
+    )
+    loads = [
+        torch.bincount(trainer_NLK[:, layer].flatten(), minlength=monitor.num_experts) for layer in range(len(monitor.routers))
+    ]
+    sums = [differ_NL.numel(), differ_NL.sum().item(), entropy.item(), model.moe_aux_loss().item(), 1.0]
+    return torch.cat([torch.tensor(sums, dtype=torch.float64), torch.stack(loads).double().flatten()])
+
+
+def test_moe_metrics_equal_a_float64_reference_over_micro_batches(rollout):
+    """The step's MoE metrics, accumulated on the device without host syncs over two forwards
+    (padded, then packed; the expert bias flipped so that trainer and generator disagree), equal
+    the plain computation's."""
+    model, prompts, completions = rollout
+    batch = _batch(prompts, completions)
+    monitor = MoEMonitor(model)
+    saved = [m.expert_bias.clone() for m in model.moe_layers()]
+    total = 0
+    try:
+        for moe in model.moe_layers():
+            moe.expert_bias.mul_(-1.0)
+        for packing in ("off", "on"):
+            with torch.no_grad():
+                forward_logprobs(model, batch, True, 64, packing=packing)
+            monitor.observe(model, batch, packing)
+            total = total + _reference_sums(monitor, model, batch, packing)
+    finally:
+        for moe, bias in zip(model.moe_layers(), saved):
+            moe.expert_bias.copy_(bias)
+    decisions, disagree, entropy, aux, forwards = total[:5].tolist()
+    load_L = [(row.max() / row.mean()).item() for row in total[5:].view(2, -1)]
+    expected = {
+        "moe_route_disagree": disagree / decisions,
+        "moe_router_entropy": entropy / decisions,
+        "moe_aux_loss": aux / forwards,
+        "moe_load_max_mean": sum(load_L) / 2,
+        "moe_load_max_mean_l0": load_L[0],
+        "moe_load_max_mean_l1": load_L[1],
+    }
+    got = monitor.metrics(None)
+    assert got == pytest.approx(expected, rel=1e-12, abs=0) and disagree > 0
+    assert monitor.metrics(None)["moe_route_disagree"] == 0.0  # reset: an empty step
 
 
 def _statistics(model, batch, packing, replay) -> tuple[float, torch.Tensor]:

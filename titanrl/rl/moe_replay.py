@@ -57,37 +57,56 @@ class MoEMonitor:
         return hook
 
     def reset(self) -> None:
-        L, E = len(self.routers), self.num_experts
-        self.loads_LE = torch.zeros(L, E, dtype=torch.float64)
-        self.sums = torch.zeros(5, dtype=torch.float64)  # decisions, disagreements, entropy, aux loss, forwards
+        self.loads_LE: torch.Tensor | None = None
+        """[MoE layers, experts] tokens per expert, float64 on the model's device (so that
+        `observe` never waits for the device: one copy to the host per step, in `metrics`)."""
+        self.sums: torch.Tensor | None = None
+        """Decisions, disagreements, entropy, aux loss, forwards (float64, the model's device)."""
 
     @torch.no_grad()
     def observe(self, model: Transformer, batch: TensorDict, packing: str = "off") -> None:
         """After a forward of `model` over `batch`, padded or packed as `forward_logprobs` ran it
-        with this `packing`."""
+        with this `packing`. Tokens without recorded routes weigh 0 (no boolean indexing: its
+        data-dependent shape would make the host wait for the device every micro-batch)."""
         if not self.routers or "routes" not in batch.keys():
             return
-        gen_NLK = routes_in_rows(batch["routes"], layout_of(batch, packing))
-        valid_N = (gen_NLK >= 0).all(-1).all(-1)
-        trainer_NLK = model.moe_routes().transpose(0, 1)[valid_N]
-        gen_NLK = gen_NLK.to(trainer_NLK.device)[valid_N]
+        trainer_NLK = model.moe_routes().transpose(0, 1)
+        device = trainer_NLK.device
+        if self.sums is None:
+            self.loads_LE = torch.zeros(len(self.routers), self.num_experts, dtype=torch.float64, device=device)
+            self.sums = torch.zeros(5, dtype=torch.float64, device=device)
+        gen_NLK = routes_in_rows(batch["routes"], layout_of(batch, packing)).to(device, non_blocking=True)
+        N, L, K = gen_NLK.shape
+        valid_N = (gen_NLK >= 0).all(-1).all(-1).double()
         differ_NL = (trainer_NLK.sort(-1).values != gen_NLK.sort(-1).values).any(-1)
-        probs_LNE = torch.stack([self._probs[i][valid_N].double() for i in range(len(self.routers))])
-        entropy = -(probs_LNE * probs_LNE.clamp_min(1e-30).log()).sum()
-        for layer in range(len(self.routers)):
-            self.loads_LE[layer] += torch.bincount(trainer_NLK[:, layer].flatten(), minlength=self.num_experts).cpu()
-        aux = model.moe_aux_loss().item()
-        self.sums += torch.tensor([differ_NL.numel(), differ_NL.sum().item(), entropy.item(), aux, 1.0])
+        probs_LNE = torch.stack([self._probs[i].double() for i in range(L)])
+        entropy_LN = -(probs_LNE * probs_LNE.clamp_min(1e-30).log()).sum(-1)
+        experts_LM = trainer_NLK.permute(1, 0, 2).reshape(L, N * K).long().clamp_min(0)
+        self.loads_LE.scatter_add_(1, experts_LM, valid_N.repeat_interleave(K).expand(L, -1).contiguous())
+        aux = model.moe_aux_loss().detach().double().reshape(())
+        self.sums += torch.stack(
+            [
+                valid_N.sum() * L,
+                (differ_NL.double() * valid_N[:, None]).sum(),
+                (entropy_LN * valid_N).sum(),
+                aux,
+                torch.ones((), dtype=torch.float64, device=device),
+            ]
+        )
 
     def metrics(self, dp_group: dist.ProcessGroup | None) -> dict[str, float]:
         """The step's metrics, summed over data-parallel ranks (collective), then reset."""
         if not self.routers:
             return {}
-        flat = torch.cat([self.sums, self.loads_LE.flatten()])
+        L, E = len(self.routers), self.num_experts
+        if self.sums is None:  # no forward saw routes on this rank: zeros, for its peers' all-reduce
+            flat = torch.zeros(5 + L * E, dtype=torch.float64)
+        else:
+            flat = torch.cat([self.sums, self.loads_LE.flatten()]).cpu()
         if dp_group is not None:
             dist.all_reduce(flat, group=dp_group)
         decisions, disagree, entropy, aux, forwards = flat[:5].tolist()
-        loads_LE = flat[5:].view_as(self.loads_LE)
+        loads_LE = flat[5:].view(L, E)
         load_L = (loads_LE.max(-1).values / loads_LE.mean(-1).clamp_min(1e-30)).tolist()
         self.reset()
         out = {
