@@ -5,6 +5,9 @@ the critic, rewards, environments, and the SFT warm-up before RL; and the DPO re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+TOOL_FORMATS = ("tag", "hermes", "llama3", "auto")
+"""The values of [env] tool_format (envs/tool_calls.py reads them; 'auto' picks from the template)."""
+
 
 @dataclass
 class Generator:
@@ -377,9 +380,8 @@ class Env:
             raise ValueError(f"[env] timeout_s must be > 0, got {self.timeout_s}")
         if self.observation_role not in ("user", "tool"):
             raise ValueError(f"[env] observation_role must be 'user' or 'tool', got {self.observation_role!r}")
-        formats = ("tag", "hermes", "llama3", "auto")
-        if self.tool_format not in formats:
-            raise ValueError(f"[env] tool_format must be one of {formats}, got {self.tool_format!r}")
+        if self.tool_format not in TOOL_FORMATS:
+            raise ValueError(f"[env] tool_format must be one of {TOOL_FORMATS}, got {self.tool_format!r}")
 
 
 @dataclass

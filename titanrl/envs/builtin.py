@@ -24,9 +24,9 @@ import sys
 from titanrl.data.task import Sample, Task, safe_arithmetic
 from titanrl.data.tasks import TASKS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
-from titanrl.envs.tool_calls import ToolCall, tool_step
+from titanrl.envs.tool_calls import TOOL_FORMATS, ToolCall, tool_step
 
-_FORMATS = ("tag", "hermes", "llama3")
+_FORMATS = tuple(f for f in TOOL_FORMATS if f != "auto")
 
 
 def function_tool(name: str, description: str, argument: str, argument_description: str) -> dict:

@@ -25,9 +25,9 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from titanrl.config.rl_sections import TOOL_FORMATS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN
 
-TOOL_FORMATS = ("tag", "hermes", "llama3", "auto")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _SEPARATOR = re.compile(r"[\s;]*")
