@@ -116,7 +116,8 @@ def _reference_sums(monitor, model, batch, packing) -> torch.Tensor:
         -(p.double() * p.double().clamp_min(1e-30).log()).sum() for p in (q[valid_N] for q in monitor._probs.values())
     )
     loads = [
-        torch.bincount(trainer_NLK[:, layer].flatten(), minlength=monitor.num_experts) for layer in range(len(monitor.routers))
+        torch.bincount(trainer_NLK[:, layer].flatten(), minlength=monitor.num_experts)
+        for layer in range(len(monitor.routers))
     ]
     sums = [differ_NL.numel(), differ_NL.sum().item(), entropy.item(), model.moe_aux_loss().item(), 1.0]
     return torch.cat([torch.tensor(sums, dtype=torch.float64), torch.stack(loads).double().flatten()])
