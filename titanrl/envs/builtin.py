@@ -24,7 +24,7 @@ import sys
 from titanrl.data.task import Sample, Task, safe_arithmetic
 from titanrl.data.tasks import TASKS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
-from titanrl.envs.tool_calls import TOOL_FORMATS, ToolCall, tool_step
+from titanrl.envs.tool_calls import TOOL_FORMATS, ToolCall, tool_name, tool_step
 
 _FORMATS = tuple(f for f in TOOL_FORMATS if f != "auto")
 
@@ -57,6 +57,45 @@ _TEMPLATES = [
 ]
 
 
+class ToolEnv(Environment):
+    """An environment with one tool (`tools[0]`), which the model calls in `tool_format`; a turn
+    without a call is its final answer, right when `task().extract` of it is the sample's answer.
+    Subclasses set `tools`, `argument` (the tool's string argument) and `task`, and define `use`."""
+
+    tool_formats = _FORMATS
+    argument: str
+    task: type[Task]
+    tool_format: str
+    answer: str
+
+    def use(self, text: str) -> str:
+        """The tool's result for its argument `text`."""
+        raise NotImplementedError
+
+    def reset(self, sample: dict) -> str:
+        self.answer = str(sample["answer"])
+        return sample["prompt"]
+
+    def step(self, model_text: str) -> tuple[str, float, bool, dict]:
+        if self.tool_format != "tag":
+            answered = tool_step(model_text, self.tool_format, self.tools, self.call)
+            return answered if answered is not None else self.final(model_text)
+        text = parse_tool_call(model_text)
+        if text is None:
+            return self.final(model_text)
+        return f"{RESULT_OPEN}{self.use(text)}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
+
+    def final(self, model_text: str) -> tuple[str, float, bool, dict]:
+        correct = self.task().extract(model_text) == self.answer
+        return "", 1.0 if correct else 0.0, True, {"correct": correct}
+
+    def call(self, call: ToolCall) -> str:
+        text = string_argument(call, self.argument)
+        if text is None:
+            return f"error: {tool_name(self.tools[0])} takes a string argument '{self.argument}'"
+        return self.use(text)
+
+
 class CalculatorTask(Task):
     """'4 boxes of 37 pens. pens?' -> <tool>4*37</tool><result>148</result>148."""
 
@@ -81,41 +120,19 @@ CALCULATOR_TOOL = function_tool(
 )
 
 
-class CalculatorEnv(Environment):
+class CalculatorEnv(ToolEnv):
     tools = (CALCULATOR_TOOL,)
-    tool_formats = _FORMATS
+    argument = "expression"
+    task = CalculatorTask
 
     def __init__(self, max_expression_len: int = 64, tool_format: str = "tag") -> None:
         self.max_expression_len = max_expression_len
         self.tool_format = check_tool_format(tool_format)
         self.answer = ""
 
-    def reset(self, sample: dict) -> str:
-        self.answer = str(sample["answer"])
-        return sample["prompt"]
-
-    def step(self, model_text: str) -> tuple[str, float, bool, dict]:
-        if self.tool_format != "tag":
-            answered = tool_step(model_text, self.tool_format, self.tools, self.calculate)
-            return answered if answered is not None else self.final(model_text)
-        expression = parse_tool_call(model_text)
-        if expression is None:
-            return self.final(model_text)
-        return f"{RESULT_OPEN}{self.evaluate(expression)}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
-
-    def final(self, model_text: str) -> tuple[str, float, bool, dict]:
-        correct = CalculatorTask().extract(model_text) == self.answer
-        return "", 1.0 if correct else 0.0, True, {"correct": correct}
-
-    def calculate(self, call: ToolCall) -> str:
-        expression = string_argument(call, "expression")
-        if expression is None:
-            return "error: calculator takes a string argument 'expression'"
-        return self.evaluate(expression)
-
-    def evaluate(self, expression: str) -> str:
+    def use(self, text: str) -> str:
         try:
-            value, _ = safe_arithmetic(expression, self.max_expression_len)
+            value, _ = safe_arithmetic(text, self.max_expression_len)
             return str(int(value)) if value == int(value) else f"{value:.6g}"
         except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, RecursionError):
             return "error"  # the model's malformed call: the tool says so, the episode goes on
@@ -234,9 +251,10 @@ PYTHON_TOOL = function_tool(
 )
 
 
-class PythonSandboxEnv(Environment):
+class PythonSandboxEnv(ToolEnv):
     tools = (PYTHON_TOOL,)
-    tool_formats = _FORMATS
+    argument = "code"
+    task = PythonTask
     preexec_fn = None
     """Run in each sandbox child before the code (a served sandbox's jail)."""
 
@@ -245,29 +263,8 @@ class PythonSandboxEnv(Environment):
         self.tool_format = check_tool_format(tool_format)
         self.answer = ""
 
-    def reset(self, sample: dict) -> str:
-        self.answer = str(sample["answer"])
-        return sample["prompt"]
-
-    def step(self, model_text: str) -> tuple[str, float, bool, dict]:
-        if self.tool_format != "tag":
-            answered = tool_step(model_text, self.tool_format, self.tools, self.run)
-            return answered if answered is not None else self.final(model_text)
-        code = parse_tool_call(model_text)
-        if code is None:
-            return self.final(model_text)
-        out = run_sandboxed(code, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
-        return f"{RESULT_OPEN}{out}{RESULT_CLOSE}", 0.0, False, {"tool_call": True}
-
-    def final(self, model_text: str) -> tuple[str, float, bool, dict]:
-        correct = PythonTask().extract(model_text) == self.answer
-        return "", 1.0 if correct else 0.0, True, {"correct": correct}
-
-    def run(self, call: ToolCall) -> str:
-        code = string_argument(call, "code")
-        if code is None:
-            return "error: python takes a string argument 'code'"
-        return run_sandboxed(code, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
+    def use(self, text: str) -> str:
+        return run_sandboxed(text, self.timeout_s, self.memory_mb, preexec_fn=self.preexec_fn)
 
 
 # ---- guess the number ----
