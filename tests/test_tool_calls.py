@@ -357,6 +357,9 @@ class _RecordingPool:
         out, self.results = self.results, []
         return out
 
+    def episode_tools(self, episode: int) -> None:
+        return None
+
     def close_episode(self, episode: int) -> None:
         pass
 

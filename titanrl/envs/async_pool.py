@@ -39,6 +39,10 @@ class AsyncEnvPool:
     def step(self, episode: int, text: str) -> None:
         self._submit(self._step(episode, text))
 
+    def episode_tools(self, episode: int) -> list[dict] | None:
+        """Tools the episode declared itself (a verifiers harness's request); None: the environment's."""
+        return None
+
     def close_episode(self, episode: int) -> None:
         asyncio.run_coroutine_threadsafe(self._close(episode), self._loop)
 

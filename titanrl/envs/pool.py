@@ -178,6 +178,10 @@ class EnvPool:
     def step(self, episode: int, text: str) -> None:
         self._send(episode, "step", text)
 
+    def episode_tools(self, episode: int) -> list[dict] | None:
+        """Tools the episode declared itself (none here: the environment class's `tools` serve)."""
+        return None
+
     def close_episode(self, episode: int) -> None:
         home = self._home.pop(episode, None)
         if home is not None:

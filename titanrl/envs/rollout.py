@@ -235,9 +235,7 @@ class MultiTurnRollout:
         return prompts
 
     def _episode_tools(self, keys: list[Key]) -> list[dict] | None:
-        """The tools a group's episodes declared (pools with `episode_tools`: verifiers), else None."""
-        if not hasattr(self.pool, "episode_tools"):
-            return None
+        """The tools a group's episodes declared (a verifiers harness's), else None."""
         found = [self.pool.episode_tools(self._ids[key]) for key in keys if not self.episodes[key].failed]
         if any(tools != found[0] for tools in found):
             raise ValueError(
