@@ -144,8 +144,8 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     from titanrl.components.model_builder import build_model
     from titanrl.data.encode import PromptEncoder
     from titanrl.models.tokenizer import build_tokenizer
+    from titanrl.rl.builders import build_generator
     from titanrl.rl.evaluation import EvalSuites, load_suites
-    from titanrl.rl.rollouts import build_generator
 
     suites = load_suites(config)
     rank, dims, device = launch.start(config)

@@ -114,3 +114,58 @@ def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def _module_name(path: pathlib.Path, package_dir: pathlib.Path) -> str:
+    parts = path.relative_to(package_dir.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _run_at_import(tree: ast.AST) -> list[ast.AST]:
+    """The nodes that run when the module is imported: all but function bodies (class bodies and
+    `if TYPE_CHECKING:` blocks included)."""
+    found, todo = [], list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            found.append(node)
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _module_imports(tree: ast.AST, package: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, module of the package) of each import that runs at import time; `from pkg import name`
+    imports the submodule `pkg.name` when there is one, else `pkg`."""
+    found = []
+    for node in _run_at_import(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against the importing module's package
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            found += [(node.lineno, f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+            "import_module",
+            "__import__",
+        ):
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return [(line, m) for line, m in found if m in modules]
+
+
+def module_edges(package_dir: pathlib.Path) -> dict[tuple[str, str], list[str]]:
+    """(importing module, imported module) -> ['path:line', ...] between the package's modules, over
+    the imports that run when a module is imported (module level and under `TYPE_CHECKING`: a type
+    a module names is part of its design even when Python does not import it; not inside functions)."""
+    paths = sorted(package_dir.rglob("*.py"))
+    modules = {_module_name(p, package_dir) for p in paths}
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in paths:
+        src = _module_name(path, package_dir)
+        package = src if path.name == "__init__.py" else src.rpartition(".")[0]
+        for line, dst in _module_imports(ast.parse(path.read_text()), package, modules):
+            if dst != src:
+                edges.setdefault((src, dst), []).append(f"{path.relative_to(package_dir.parent)}:{line}")
+    return edges

@@ -63,8 +63,8 @@ def run_case(case: str, cp: int, folder: str) -> dict:
     recipe, out = trainer.recipe, {"generated": [], "metrics": [], "decoded": [0, 0]}
     collect, generate = recipe.rollouts.collect, recipe.generator.generate
 
-    def recorded_collect(batches, step, timer, stats):
-        train, generated = collect(batches, step, timer, stats)
+    def recorded_collect(batches, step, timer):
+        train, generated = collect(batches, step, timer)
         out["generated"].append(
             {
                 "prompts": generated.prompts,
@@ -72,7 +72,7 @@ def run_case(case: str, cp: int, folder: str) -> dict:
                 "rewards": generated.rewards,
                 "baseline_rewards": generated.baseline_rewards,
                 "train_prompts": train.prompts,
-                "gen_tokens": stats.gen_tokens,  # logged as tokens_per_s, which is a time
+                "gen_tokens": generated.counts.gen_tokens,  # logged as tokens_per_s, which is a time
             }
         )
         return train, generated

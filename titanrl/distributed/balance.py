@@ -5,10 +5,13 @@ An RL step's reference / old logprob passes and its update cost per token, and e
 for the slowest one at each collective (FSDP's gathers and reductions). With long-tailed
 responses a rank that generated one long group trains several times the tokens of the others
 while they wait (verl's `balance_batch` answers the same). `assign` plans, every rank computing
-the same plan from the all-gathered costs; `exchange` moves pickled units with one all-to-all.
+the same plan from the all-gathered costs; `exchange` moves pickled units with one all-to-all;
+`balance_units` does both over a list of units.
 """
 
 import pickle
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,3 +62,45 @@ def exchange(outgoing: list[list], group: dist.ProcessGroup | None) -> list[list
         out.append(outgoing[me] if src == me else pickle.loads(chunks[offset : offset + size]))
         offset += size
     return out
+
+
+@dataclass
+class Balanced:
+    """What `balance_units` did on this rank."""
+
+    units: list | None
+    """This rank's units after the exchange, by source rank then index; None when the plan moves
+    nothing (then on every rank alike: each keeps its own)."""
+
+    imbalance_before: float
+    """The most loaded rank's cost over the mean cost per rank, before the plan."""
+
+    imbalance: float
+    """The same under the plan."""
+
+    moved: int
+    """Units the plan gives to another rank."""
+
+    riders: list
+    """Every rank's `rider`, by rank."""
+
+
+def balance_units(units: list, costs: list[int], group: dist.ProcessGroup | None, rider: Any = None) -> Balanced:
+    """`units` (picklable, `costs[i]` > 0 the cost of `units[i]`) spread over the ranks of `group`
+    by `assign`'s plan. One all-gather of the costs, which also carries `rider` (any picklable
+    value every rank wants from every other), then one `exchange` if anything moves. Collective."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (costs, rider), group=group)
+    costs_by_rank = [c for c, _ in gathered]
+    plan = assign(costs_by_rank)
+    before = [sum(c) for c in costs_by_rank]
+    mean = max(sum(before) / len(before), 1.0)
+    moved = sum(src != d for d, mine in enumerate(plan) for src, _ in mine)
+    received = None
+    if moved:  # the same plan on every rank: all skip the exchange alike
+        me = dist.get_rank(group)
+        by_source = exchange([[units[i] for src, i in mine if src == me] for mine in plan], group)
+        received = [u for from_rank in by_source for u in from_rank]
+    return Balanced(
+        received, max(before) / mean, max(loads(costs_by_rank, plan)) / mean, moved, [r for _, r in gathered]
+    )

@@ -45,15 +45,27 @@ from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardItem, RewardOutputLog
-from titanrl.rl.builders import rollout_collector_class
+from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.evaluation import EvalSuites, load_suites
+from titanrl.rl.groups import Rollouts, balance_groups
 from titanrl.rl.moe_replay import MoEMonitor, routes_batch
-from titanrl.rl.rollouts import Rollouts, build_generator, build_reward_runner
+from titanrl.rl.one_step import RemoteRolloutCollector
+from titanrl.rl.partial import PartialRolloutCollector
+from titanrl.rl.rollouts import RolloutCollector
 from titanrl.rl.stats import RLStats
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
+
+
+def rollout_collector_class(config: JobConfig) -> type[RolloutCollector]:
+    """The collector of `config.rollout`: colocated (synchronous or partial) or one-step."""
+    if config.rollout.mode == "one_step":
+        return RemoteRolloutCollector
+    if config.rollout.partial:
+        return PartialRolloutCollector
+    return RolloutCollector
 
 
 class RLRecipe(Recipe):
@@ -169,9 +181,9 @@ class RLRecipe(Recipe):
         with timer("sync"):
             self.generator.wake()
             self.generator.load_weights(self.policy)
-        train, generated = self.rollouts.collect(batches, step, timer, stats)
+        train, generated = self.rollouts.collect(batches, step, timer)
         self.generator.sleep()  # the KV pool's memory goes to training
-        train = self.rollouts.balance(train, timer)  # whole groups between dp ranks, by tokens
+        train, generated = balance_groups(train, generated, self.trainer, timer)  # whole groups between dp ranks
         stats.add_rollouts(generated)
         self.reward_log.write(generated.results, step)
         batch = self.build_batch(train, stats)
@@ -214,7 +226,7 @@ class RLRecipe(Recipe):
                 self.trainer.lr_scheduler.step()
 
         # 5. Metrics, over data-parallel ranks.
-        return self.step_metrics(stats.reduced(self.trainer.dp_group), timer, grad_norms, critic_norms)
+        return self.step_metrics(stats.reduced(self.trainer.dp_group), generated, timer, grad_norms, critic_norms)
 
     def build_batch(self, train: Rollouts, stats: RLStats) -> TensorDict:
         G, completions = self.config.algorithm.group_size, train.completions
@@ -345,7 +357,7 @@ class RLRecipe(Recipe):
         return grad_norm
 
     def step_metrics(
-        self, s: RLStats, timer: PhaseTimer, grad_norms: list[float], critic_norms: list[float]
+        self, s: RLStats, generated: Rollouts, timer: PhaseTimer, grad_norms: list[float], critic_norms: list[float]
     ) -> dict[str, float]:
         algo, n, per_token = self.config.algorithm, s.samples, max(s.update_tokens, 1.0)
         r_mean = s.reward_sum / n
@@ -378,7 +390,7 @@ class RLRecipe(Recipe):
             )
         if self.config.rollout.overlong_filter:
             metrics["overlong_filtered"] = s.overlong_filtered
-        metrics.update(self.rollouts.metrics())
+        metrics.update(s.rollout_metrics(generated, self.trainer.dp_group))
         metrics.update(self.moe.metrics(self.trainer.dp_group))
         if self.config.reward.model_path:
             metrics["rm_score"] = s.rm_score_sum / n

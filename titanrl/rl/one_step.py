@@ -41,8 +41,9 @@ from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.distributed import dp_max, set_determinism
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.models.tokenizer import build_tokenizer
-from titanrl.rl.rollouts import RolloutCollector, Rollouts, build_generator, build_reward_runner
-from titanrl.rl.stats import RLStats
+from titanrl.rl.builders import build_generator, build_reward_runner
+from titanrl.rl.groups import Rollouts
+from titanrl.rl.rollouts import RolloutCollector
 
 
 @dataclass
@@ -154,9 +155,10 @@ class RemoteRolloutCollector(RolloutCollector):
         self.start: int | None = None
         self.step = 0
         """Last step whose batch was received."""
-        self.last: dict[str, float] = {}
 
-    def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+    def collect(self, batches: Iterator, step: int, timer: PhaseTimer) -> tuple[Rollouts, Rollouts]:
+        """The paired rollout rank's batch for `step` (with its counts), and the pair's lag and
+        waits, the most of any trainer rank (collective over the data-parallel ranks)."""
         r, cfg = roles(), self.config
         next(batches)  # the rollout rank draws this batch; the checkpointed loader stays in step
         self.generator.sleep()  # only its weights are used here (sent to the rollout rank): no KV pool
@@ -175,16 +177,22 @@ class RemoteRolloutCollector(RolloutCollector):
         self.step = step
         if one_step and self.start < step < cfg.training.steps:  # for the batch after this one
             send_weights(weights, step - 1, r)
-        for f in dataclasses.fields(out["stats"]):
-            setattr(stats, f.name, getattr(out["stats"], f.name))
-        self.lengths, self.decode_steps = out["lengths"], out["decode_steps"]
-        self.last = {
-            "lag": float(step - 1 - out["version"]),
-            "wait_s": time.perf_counter() - began,
-            "rollout_generate_s": out["seconds"].get("generate", 0.0),
-            "rollout_idle_s": out["idle_s"],
+        lag, gen_s, idle_s, wait_s = dp_max(
+            [
+                float(step - 1 - out["version"]),
+                out["seconds"].get("generate", 0.0),
+                out["idle_s"],
+                time.perf_counter() - began,
+            ],
+            self.host.dp_group,
+        )
+        metrics = {
+            "version_lag_max": lag,
+            "rollout_generate_s": gen_s,
+            "rollout_idle_s": idle_s,
+            "trainer_wait_s": wait_s,
         }
-        return out["train"], out["generated"]
+        return out["train"], dataclasses.replace(out["generated"], metrics=metrics)
 
     def close(self) -> None:
         """Release the rollout rank: after the last step it ends by itself; before (a stop on a
@@ -198,19 +206,6 @@ class RemoteRolloutCollector(RolloutCollector):
             if self.step + 1 >= steps:  # it was the last: the rollout rank is done
                 return
         send_object(STOP, r)
-
-    def metrics(self) -> dict[str, float]:
-        s = self.last
-        lag_max, gen_s, idle_s, wait_s = dp_max(
-            [s["lag"], s["rollout_generate_s"], s["rollout_idle_s"], s["wait_s"]], self.host.dp_group
-        )
-        return {
-            **super().metrics(),
-            "version_lag_max": lag_max,
-            "rollout_generate_s": gen_s,
-            "rollout_idle_s": idle_s,
-            "trainer_wait_s": wait_s,
-        }
 
 
 # ---- rollout side ----
@@ -287,17 +282,14 @@ class RolloutWorker:
                     if self.generator.allocator is not None:  # cached prefixes hold old weights' K/V
                         self.generator.allocator.reset_prefix_cache()
                 idle += time.perf_counter() - began
-                stats, timer = RLStats(), PhaseTimer(self.watchdog, self.generator.device)
-                train, generated = self.collector.collect(batches, step, timer, stats)
+                timer = PhaseTimer(self.watchdog, self.generator.device)
+                train, generated = self.collector.collect(batches, step, timer)
                 began = time.perf_counter()
                 send_object(
                     {
                         "train": train,
                         "generated": generated,
-                        "stats": stats,
                         "version": version,
-                        "lengths": self.collector.lengths,
-                        "decode_steps": self.collector.decode_steps,
                         "seconds": dict(timer.seconds),
                         "idle_s": idle,
                     },

@@ -17,17 +17,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.formats import RowSample
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
-from titanrl.rl.rollouts import RolloutCollector, Rollouts
-
-if TYPE_CHECKING:
-    from titanrl.rl.stats import RLStats
+from titanrl.rl.groups import RolloutCounts, Rollouts
+from titanrl.rl.rollouts import RolloutCollector
 
 
 @dataclass
@@ -69,9 +67,10 @@ class PartialRolloutCollector(RolloutCollector):
         self.in_flight: list[Group] = []
         self.drawn = 0
         """Prompts this rank has drawn from its loader."""
-        self.last: dict[str, float] = {}
 
-    def _collect(self, batches: Iterator, step: int, timer: PhaseTimer, stats: RLStats) -> tuple[Rollouts, Rollouts]:
+    def collect(self, batches: Iterator, step: int, timer: PhaseTimer) -> tuple[Rollouts, Rollouts]:
+        """(the groups completed this step, scored, twice: trained and generated); the staleness
+        metrics, reduced over the data-parallel ranks, go with them (collective)."""
         cfg = self.config
         quota = cfg.training.batch_size // self.host.dims.dp_size  # this rank's share
         version = step - 1
@@ -88,20 +87,23 @@ class PartialRolloutCollector(RolloutCollector):
                 resume=_resumed(groups),
                 pause_when=self._pause_when(groups, quota),
             )
-        stats.gen_tokens += gen_stats.decode_tokens + gen_stats.prefill_tokens
-        self.decode_steps += gen_stats.decode_steps
-        self.compile_s += gen_stats.compile_seconds
         _update(groups, completions, version)
         done = [g for g in groups if g.complete]
         self.in_flight = [g for g in groups if not g.complete]
         trained = self._rollouts(done)
         with timer("reward"):
-            results, rewards_N, rm_sum = self.score(
+            results, rewards_N, rm_sum = self.scorer.score(
                 [g.sample for g in done], trained.prompts, trained.completions, None
             )
-        stats.rm_score_sum += rm_sum
         trained.results, trained.rewards = results, rewards_N.tolist()
-        self.last = {**self._staleness(done, version, gen_stats), "restarted_groups": float(restarted)}
+        trained.counts = RolloutCounts(
+            gen_tokens=gen_stats.decode_tokens + gen_stats.prefill_tokens,
+            rm_score_sum=rm_sum,
+            decode_steps=gen_stats.decode_steps,
+            compile_s=gen_stats.compile_seconds,
+        )
+        staleness = {**self._staleness(done, version, gen_stats), "restarted_groups": float(restarted)}
+        trained.metrics = self._reduced(staleness)
         return trained, trained
 
     def _restart_stale(self, version: int) -> int:
@@ -148,7 +150,7 @@ class PartialRolloutCollector(RolloutCollector):
         return Rollouts([g.prompt for g in done], completions, [], [])
 
     def _staleness(self, done: list[Group], version: int, gen_stats: GenerationStats) -> dict[str, float]:
-        """This rank's sums; `metrics` reduces them over the data-parallel ranks."""
+        """This rank's sums; `_reduced` reduces them over the data-parallel ranks."""
         samples = [s for g in done for s in g.samples]
         lags = [version - min(s.versions) for s in samples if s.versions]
         return {
@@ -161,9 +163,8 @@ class PartialRolloutCollector(RolloutCollector):
             "paused_samples": float(gen_stats.paused),
         }
 
-    def metrics(self) -> dict[str, float]:
-        """Staleness of the trained samples and the tail, over data-parallel ranks (collective)."""
-        s = self.last
+    def _reduced(self, s: dict[str, float]) -> dict[str, float]:
+        """Staleness of the trained samples, over data-parallel ranks (collective)."""
         stale, tokens, lag_sum, samples, in_flight, paused, restarted = dp_sum(
             [
                 s["stale_tokens"],
@@ -178,7 +179,6 @@ class PartialRolloutCollector(RolloutCollector):
         )
         (lag_max,) = dp_max([s["lag_max"]], self.host.dp_group)
         return {
-            **super().metrics(),
             "stale_token_frac": stale / max(tokens, 1.0),
             "version_lag_mean": lag_sum / max(samples, 1.0),
             "version_lag_max": lag_max,

@@ -7,13 +7,14 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from titanrl.components.stats import StepStats, maximum
 from titanrl.rewards.runner import RewardStats
 from titanrl.rl.distillation import DistillStats
 
 if TYPE_CHECKING:
-    from titanrl.rl.rollouts import Rollouts
+    from titanrl.rl.groups import Rollouts
 
 
 @dataclasses.dataclass
@@ -31,6 +32,8 @@ class RLStats(DistillStats, RewardStats, StepStats):
     baseline_samples: float = 0.0
     env_turns: float = 0.0
     env_failures: float = 0.0
+    decode_steps: float = maximum(0.0)
+    gen_compile_s: float = maximum(0.0)
     sampling_rounds: float = maximum(0.0)
     dropped_groups: float = 0.0
     short_groups: float = 0.0
@@ -50,6 +53,7 @@ class RLStats(DistillStats, RewardStats, StepStats):
     value_tokens: float = 0.0
 
     def add_rollouts(self, generated: Rollouts) -> None:
+        """`generated`'s samples, rewards and counts."""
         rewards = torch.tensor(generated.rewards)
         self.samples += len(generated.results)
         self.reward_sum += rewards.sum().item()
@@ -59,3 +63,34 @@ class RLStats(DistillStats, RewardStats, StepStats):
         self.add_reward_results(generated.results)
         self.baseline_reward_sum += sum(generated.baseline_rewards)
         self.baseline_samples += len(generated.baseline_rewards)
+        c = generated.counts
+        self.gen_tokens += c.gen_tokens
+        self.env_turns += c.env_turns
+        self.env_failures += c.env_failures
+        self.rm_score_sum += c.rm_score_sum
+        self.decode_steps = max(self.decode_steps, float(c.decode_steps))
+        self.gen_compile_s = max(self.gen_compile_s, float(c.compile_s))
+        self.sampling_rounds = max(self.sampling_rounds, c.sampling_rounds)
+        self.dropped_groups += c.dropped_groups
+        self.short_groups += c.short_groups
+
+    def rollout_metrics(self, generated: Rollouts, group: dist.ProcessGroup | None) -> dict[str, float]:
+        """On the reduced stats: the tail of this step's responses over the data-parallel `group`
+        (what sets a synchronous step's length; collective, unless `balance_groups` gathered the
+        lengths), the most decode steps and compile seconds of a rank, and `generated`'s metrics."""
+        gathered = generated.lengths_by_rank
+        if gathered is None:
+            gathered = [generated.lengths()]
+            if group is not None:
+                gathered = [None] * dist.get_world_size(group)
+                dist.all_gather_object(gathered, generated.lengths(), group=group)
+        lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
+        q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
+        return {
+            "response_len_p50": q50,
+            "response_len_p90": q90,
+            "response_len_max": lengths_N.max().item(),
+            "decode_steps": self.decode_steps,
+            "gen_compile_s": self.gen_compile_s,
+            **generated.metrics,
+        }
