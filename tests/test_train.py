@@ -102,6 +102,9 @@ def test_single_rank_run_logs_every_metric(single_rank):
     assert "rl: eval_accuracy" in stdout
 
 
+TAIL = ("response_len_p50", "response_len_p90", "response_len_max")
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("layout", [["--parallelism.dp_shard=2"], ["--parallelism.tp=2", "--parallelism.dp_shard=1"]])
 def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
@@ -128,6 +131,8 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
         assert g["reward_mean"] == pytest.approx(w["reward_mean"], abs=1e-6)
         assert g["accuracy"] == pytest.approx(w["accuracy"], abs=1e-6)
         assert g["response_len"] == pytest.approx(w["response_len"], abs=1e-6)
+        # The tail over ranks (dp 2: gathered with the balance plan's costs) is one rank's.
+        assert [g[k] for k in TAIL] == [w[k] for k in TAIL]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
         assert g["entropy"] == pytest.approx(w["entropy"], rel=1e-3)
     if "--parallelism.dp_shard=2" in layout:  # training.balance_tokens moved groups between the ranks

@@ -260,22 +260,10 @@ class RLRecipe(Recipe):
             mask_BT=mask,
             kl_BT=kl_BT,
             values_BT=batch["values"] if self.critic is not None else None,
-            turn_scores=self.turn_scores(train),
+            turn_scores=train.turn_scores(self.config.reward.verifier_weight) if self.envs is not None else None,
             baseline_rewards_P=torch.tensor(train.baseline_rewards) if self.algorithm.needs_baseline_rollout else None,
             dp_group=self.trainer.dp_group,
         )
-
-    def turn_scores(self, rollouts: Rollouts) -> list[list[float]] | None:
-        """Multi-turn: each episode's per-turn rewards (weighted), with whatever else its total
-        holds (reward model, length penalty) on the last turn, so that they sum to the total."""
-        if self.envs is None:
-            return None
-        out = []
-        for result, total in zip(rollouts.results, rollouts.rewards):
-            scores = [self.config.reward.verifier_weight * r for r in result.turn_rewards or [0.0]]
-            scores[-1] += total - sum(scores)
-            out.append(scores)
-        return out
 
     def micro_batches(self, minibatch: TensorDict) -> list[TensorDict]:
         lengths, budget = minibatch["length"].tolist(), self.config.training.micro_batch_tokens

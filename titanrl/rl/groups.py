@@ -93,6 +93,16 @@ class Rollouts:
         counts = sum((p.counts for p in parts), RolloutCounts())
         return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in fields), counts)
 
+    def turn_scores(self, verifier_weight: float) -> list[list[float]]:
+        """Multi-turn: each episode's per-turn rewards (weighted), with whatever else its total
+        holds (reward model, length penalty) on the last turn, so that they sum to the total."""
+        out = []
+        for result, total in zip(self.results, self.rewards):
+            scores = [verifier_weight * r for r in result.turn_rewards or [0.0]]
+            scores[-1] += total - sum(scores)
+            out.append(scores)
+        return out
+
     def lengths(self) -> list[int]:
         """Each completion's response length."""
         return [len(c.token_ids) for c in self.completions]
