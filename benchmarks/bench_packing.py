@@ -26,7 +26,7 @@ import time
 import torch
 
 from benchmarks.harness import REPO_ROOT, write_json
-from titanrl.algorithms import get_algorithm
+from titanrl.algorithms import LossInputs, get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batch_plan, num_micro_batches, trim_padding
 from titanrl.data.forward import forward_logprobs
@@ -89,14 +89,14 @@ def train_phase(model, algo, batch, mbs, chunk: int) -> tuple[tuple[float, float
     for mb in mbs:
         logprobs, _ = forward_logprobs(model, mb, False, chunk, with_entropy=True)
         out = algo.loss(
-            logprobs,
-            logprobs.detach(),
-            mb["advantages"],
-            mb["loss_mask"],
-            num_global_tokens=num_tokens,
-            num_global_seqs=num_seqs,
-            ref_logprobs_BT=None,
-            is_weights_BT=None,
+            LossInputs(
+                logprobs,
+                logprobs.detach(),
+                mb["advantages"],
+                mb["loss_mask"],
+                num_global_tokens=num_tokens,
+                num_global_seqs=num_seqs,
+            )
         )
         out.loss.backward()
         total += out.loss.item()

@@ -185,6 +185,7 @@ def titanrl_update_fn(folder: str, batch: dict, lr: float):
     """One GRPO policy update as the RL recipe's `update_policy` runs it on one rank."""
     from tensordict import TensorDict
 
+    from titanrl.algorithms import LossInputs
     from titanrl.algorithms.grpo import GRPO
     from titanrl.components.optimizer import build_optimizer
     from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
@@ -212,14 +213,14 @@ def titanrl_update_fn(folder: str, batch: dict, lr: float):
             model, mb, False, training.logprob_chunk_tokens, with_entropy=True, packing=training.packing
         )
         out = algorithm.loss(
-            logprobs,
-            logprobs.detach(),  # on-policy, one update: pi_old is this very forward
-            mb["advantages"],
-            mask,
-            num_global_tokens=mask.sum().item(),
-            num_global_seqs=float(mask.shape[0]),
-            ref_logprobs_BT=None,
-            is_weights_BT=None,
+            LossInputs(
+                logprobs,
+                logprobs.detach(),  # on-policy, one update: pi_old is this very forward
+                mb["advantages"],
+                mask,
+                num_global_tokens=mask.sum().item(),
+                num_global_seqs=float(mask.shape[0]),
+            )
         )
         out.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_norm)

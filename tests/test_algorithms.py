@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.algorithms import ALGORITHMS, AdvantageInputs, validate_algorithm
+from titanrl.algorithms import ALGORITHMS, AdvantageInputs, LossInputs, get_algorithm, validate_algorithm
 from titanrl.algorithms.cispo import cispo_loss
 from titanrl.algorithms.common import clipped_pg_loss, importance_weights, masked_whiten, token_rewards
 from titanrl.algorithms.dapo import informative_groups, overlong_penalty
@@ -665,11 +665,11 @@ def test_cispo_and_sapo_are_registered_and_read_their_config():
     lp0, old, ref, adv, is_w = _random_case(13, False)
     cfg = AlgorithmConfig(clip_eps_low=1.0, clip_eps_high=0.1, loss_agg="seq-mean-token-sum")
     cfg.tables = {"sapo": {"tau_pos": 0.5, "tau_neg": 2.0}}
-    kw = dict(num_global_tokens=MASK.sum().item(), num_global_seqs=4, ref_logprobs_BT=None, is_weights_BT=None)
-    got = ALGORITHMS["cispo"](dataclasses.replace(cfg, tables={})).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
+    inputs = LossInputs(lp0, old, adv, MASK.double(), num_global_tokens=MASK.sum().item(), num_global_seqs=4)
+    got = ALGORITHMS["cispo"](dataclasses.replace(cfg, tables={})).loss(inputs).loss.item()
     want = _cispo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 1.0, 0.1, 0.0)
     assert got == pytest.approx(want.item(), rel=1e-10)
-    got = ALGORITHMS["sapo"](cfg).loss(lp0, old, adv, MASK.double(), **kw).loss.item()
+    got = ALGORITHMS["sapo"](cfg).loss(inputs).loss.item()
     want = _sapo_ref(lp0, old, adv, ref, torch.ones_like(is_w), MASK, "seq-mean-token-sum", 0.5, 2.0, 0.0)
     assert got == pytest.approx(want.item(), rel=1e-10)
     for name in ("tau_pos", "tau_neg"):
@@ -693,7 +693,7 @@ def test_shared_loss_options_reach_every_clipped_surrogate_algorithm():
 
     def through_config(name, **options):
         algo = ALGORITHMS[name](AlgorithmConfig(name=name, **base, **options))
-        return algo.loss(lp, old, adv, MASK.double(), **counts, ref_logprobs_BT=ref, is_weights_BT=None)
+        return algo.loss(LossInputs(lp, old, adv, MASK.double(), **counts, ref_logprobs_BT=ref))
 
     own = {"grpo": dict(clip_low=0.2, clip_high=0.2), "cispo": dict(clip_low=0.2, clip_high=0.2)}
     own["sapo"] = dict(tau_pos=1.0, tau_neg=1.05)
@@ -754,3 +754,40 @@ def test_loss_agg_norm_zero_is_the_maximum_response_length():
         0.0,
         True,
     )
+
+
+# ---- the loss contract: a user's policy term, the rest applied once by Algorithm.loss ----
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_user_policy_term_gets_importance_weights_kl_and_aggregation(agg):
+    """A plug-in that writes only `policy_term` (helpers.plugin_algorithms:PlainPG, loaded as
+    `algorithm.name` loads it) trains on w_t * term_t + beta * k3_t, aggregated as configured,
+    against a float64 loop; its own "clipped" count and the sequence of ratios come back too."""
+    cls = get_algorithm("helpers.plugin_algorithms:PlainPG")
+    lp0, old, ref, adv, is_w = _random_case(31, False)
+    cfg = AlgorithmConfig(name=cls.name, kl_coef=0.05, loss_agg=agg, tables={"plain_pg": {"max_ratio": 1.1}})
+    lp, lp_ref = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    inputs = LossInputs(lp, old, adv, MASK.double(), MASK.sum().item(), 4, ref_logprobs_BT=ref, is_weights_BT=is_w)
+    out = cls(cfg).loss(inputs)
+    terms = [[None] * 5 for _ in range(4)]
+    for b in range(4):
+        for t in range(5):
+            ratio = torch.exp(lp_ref[b, t] - old[b, t])
+            term = -adv[b].item() * torch.clamp(ratio, max=1.1)
+            terms[b][t] = is_w[b, t].item() * term + 0.05 * _k3_f64(lp_ref[b, t], ref[b, t])
+    _check_value_and_grad(out, _aggregate_f64(terms, MASK.tolist(), agg), lp, lp_ref)
+    capped = (torch.exp(lp0 - old) > 1.1) & (MASK > 0)
+    assert out.clipped_tokens.item() == capped.sum().item() > 0
+    assert out.ratio_max.item() == pytest.approx((torch.exp(lp0 - old) * MASK).max().item(), rel=1e-15)
+    with pytest.raises(ValueError, match=r"max_ratio must be > 1"):
+        cls.read_settings(AlgorithmConfig(name=cls.name, tables={"plain_pg": {"max_ratio": 1.0}}))
+
+
+def test_loss_spec_leaves_the_kl_out_of_the_loss_when_it_is_in_the_reward():
+    lp, old, ref, adv, _ = _random_case(32, False)
+    inputs = LossInputs(lp, old, adv, MASK.double(), MASK.sum().item(), 4, ref_logprobs_BT=ref)
+    in_loss = ALGORITHMS["grpo"](AlgorithmConfig(kl_coef=0.1)).loss(inputs)
+    in_reward = ALGORITHMS["grpo"](AlgorithmConfig(kl_coef=0.1, kl_in_reward=True)).loss(inputs)
+    assert in_loss.kl_sum.item() > 0 and in_reward.kl_sum.item() == 0.0
+    assert in_reward.loss.item() == pytest.approx(in_loss.loss.item() - 0.1 * in_loss.kl_sum.item() / MASK.sum().item())

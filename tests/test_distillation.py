@@ -15,7 +15,7 @@ import torch
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from tensordict import TensorDict
 
-from titanrl.algorithms import ALGORITHMS
+from titanrl.algorithms import ALGORITHMS, LossInputs
 from titanrl.config import load_config
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf
@@ -273,14 +273,15 @@ def test_only_algorithms_whose_loss_takes_per_token_advantages_are_accepted():
             check_distillation(config, algorithm, _trainer_stub(config))
             lp = torch.randn(B, T)
             out = algorithm.loss(
-                lp,
-                lp,
-                torch.randn(B, T),
-                torch.ones(B, T),
-                num_global_tokens=B * T,
-                num_global_seqs=B,
-                ref_logprobs_BT=lp,
-                is_weights_BT=None,
+                LossInputs(
+                    lp,
+                    lp,
+                    torch.randn(B, T),
+                    torch.ones(B, T),
+                    num_global_tokens=B * T,
+                    num_global_seqs=B,
+                    ref_logprobs_BT=lp,
+                )
             )
             assert torch.isfinite(out.loss)
         else:

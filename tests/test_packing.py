@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanrl import train
-from titanrl.algorithms import get_algorithm
+from titanrl.algorithms import LossInputs, get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batches
 from titanrl.data.forward import DocumentFlexAttention, DocumentSDPA, forward_logprobs, forward_values
@@ -140,14 +140,14 @@ def _grpo_step(model, algo, batch, mbs):
     for mb in mbs:
         logprobs, _ = forward_logprobs(model, mb, False, 64)
         out = algo.loss(
-            logprobs,
-            logprobs.detach(),
-            mb["advantages"],
-            mb["loss_mask"],
-            num_global_tokens=num_tokens,
-            num_global_seqs=num_seqs,
-            ref_logprobs_BT=None,
-            is_weights_BT=None,
+            LossInputs(
+                logprobs,
+                logprobs.detach(),
+                mb["advantages"],
+                mb["loss_mask"],
+                num_global_tokens=num_tokens,
+                num_global_seqs=num_seqs,
+            )
         )
         out.loss.backward()
         total += out.loss.item()

@@ -170,7 +170,7 @@ def test_rl_step_with_int8_rollout_logs_the_mismatch_and_applies_tis(tmp_path):
     )
     seen = []
     loss = trainer.recipe.algorithm.loss
-    trainer.recipe.algorithm.loss = lambda *a, **kw: seen.append((kw["is_weights_BT"], out := loss(*a, **kw))) or out
+    trainer.recipe.algorithm.loss = lambda inputs: seen.append((inputs.is_weights_BT, out := loss(inputs))) or out
     try:
         assert trainer.recipe.generator.quantizer is not None and not trainer.recipe.generator.shares_weights
         loader = iter(trainer.recipe.loader)

@@ -1,13 +1,15 @@
-"""A user's own algorithm, outside titanrl: importable as 'helpers.plugin_algorithms:MaxBaseline' with
-tests/ on PYTHONPATH. It is what a researcher writes to try an idea without editing titanrl: the
-class, and a settings dataclass read from its own table `[algorithm.max_baseline]`."""
+"""A user's own algorithms, outside titanrl: importable as 'helpers.plugin_algorithms:MaxBaseline'
+(or ':PlainPG') with tests/ on PYTHONPATH. They are what a researcher writes to try an idea
+without editing titanrl: the class, and a settings dataclass read from its own table
+`[algorithm.<name>]`. MaxBaseline brings its own advantages, PlainPG its own policy term."""
 
 import os
 from dataclasses import dataclass
 
 import torch
 
-from titanrl.algorithms import AdvantageInputs, Advantages, Algorithm
+from titanrl.algorithms import AdvantageInputs, Advantages, Algorithm, LossInputs, PolicyTerm
+from titanrl.algorithms.grpo import GRPO, GroupSettings
 
 
 @dataclass
@@ -42,3 +44,31 @@ class MaxBaseline(Algorithm):
             with open(f"{log}.{os.environ.get('RANK', '0')}", "a") as f:
                 f.write(f"{advantages_N.numel()} {torch.all(advantages_N <= 0).item()} {self.settings.margin}\n")
         return Advantages(advantages_N)
+
+
+@dataclass
+class PlainPGSettings(GroupSettings):
+    """`[algorithm.plain_pg]`: the ratio cap (and GRPO's normalize_std)."""
+
+    max_ratio: float = 10.0
+    """The importance ratio is capped here (no gradient above), so one stale token cannot dominate."""
+
+    def validate(self) -> None:
+        if not self.max_ratio > 1:
+            raise ValueError(f"[algorithm.plain_pg] max_ratio must be > 1, got {self.max_ratio}")
+
+
+class PlainPG(GRPO):
+    """GRPO's advantages with a policy term of its own: the plain importance-weighted policy
+    gradient L_t = -A_t * min(r_t, max_ratio), no trust region. Only `policy_term` is written;
+    `Algorithm.loss` applies the off-policy importance weights, the KL term and the aggregation,
+    as for every algorithm."""
+
+    name = "plain_pg"
+    Settings = PlainPGSettings
+    dual_clip = False  # no clipped surrogate to cap
+
+    def policy_term(self, inputs: LossInputs) -> PolicyTerm:
+        ratio_BT = torch.exp(inputs.logprobs_BT - inputs.old_logprobs_BT)
+        capped_BT = ratio_BT > self.settings.max_ratio
+        return PolicyTerm(-inputs.advantages_BT * ratio_BT.clamp(max=self.settings.max_ratio), capped_BT)

@@ -1,7 +1,7 @@
 """The algorithm registry: built-in algorithms by name, or a user's as 'package.module:Class'.
 
-Adding a built-in is one file under `titanrl/algorithms/` (a subclass of `base.Algorithm`) and
-one entry in `ALGORITHMS`.
+Adding a built-in is one file under `titanrl/algorithms/` (a subclass of `base.Algorithm`: its
+`advantages` and, for a new objective, its `policy_term`) and one entry in `ALGORITHMS`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm, NoSettings
 from titanrl.algorithms.cispo import CISPO
+from titanrl.algorithms.common import LossInputs, LossOutput, PolicyTerm
 from titanrl.algorithms.grpo import GRPO
 from titanrl.algorithms.gspo import GSPO
 from titanrl.algorithms.ppo import PPO
@@ -70,6 +71,9 @@ __all__ = [
     "AdvantageInputs",
     "Advantages",
     "Algorithm",
+    "LossInputs",
+    "LossOutput",
+    "PolicyTerm",
     "NoSettings",
     "get_algorithm",
     "max_response_length",

@@ -2,7 +2,8 @@
 
 An algorithm is a small class: class attributes declare what the RL recipe must build or run
 for it (a critic, a greedy baseline rollout), `advantages` turns scored rollouts into
-advantages, `loss` turns logprobs and advantages into the policy loss, and `validate` rejects
+advantages, `policy_term` turns logprobs and advantages into the per-token policy loss (which
+`loss` weighs, adds the KL to and aggregates the same way for all), and `validate` rejects
 configurations it cannot run. The RL recipe (`titanrl/recipes/rl.py`) reads only these; no
 other module branches on an algorithm's name. Register a built-in in `algorithms/__init__.py`,
 or load your own with `algorithm.name = "package.module:Class"`.
@@ -17,7 +18,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from titanrl.algorithms.common import LossOutput, clipped_pg_loss, kl_estimate
+from titanrl.algorithms.common import (
+    LossInputs,
+    LossOutput,
+    LossSpec,
+    PolicyTerm,
+    clipped_term,
+    kl_estimate,
+    policy_loss,
+)
 from titanrl.config.manager import parse_table
 
 if TYPE_CHECKING:  # the config imports nothing of ours at run time; only type hints need it
@@ -82,7 +91,7 @@ class Algorithm:
     """The recipe also generates one greedy completion per prompt and passes its reward in."""
 
     token_advantages: ClassVar[bool] = True
-    """`loss` takes per-token advantages [B, T] as well as per-sequence ones [B] (what on-policy
+    """`policy_term` takes per-token advantages [B, T] as well as per-sequence ones [B] (what on-policy
     distillation's per-token advantages need)."""
 
     group_baseline: ClassVar[bool] = True
@@ -90,8 +99,8 @@ class Algorithm:
     signal (what makes DAPO's dynamic sampling meaningful)."""
 
     dual_clip: ClassVar[bool] = True
-    """`loss` is the shared clipped surrogate, which `algorithm.dual_clip_c` caps; an algorithm
-    with a loss of its own sets False, and dual_clip_c > 0 is then rejected at load."""
+    """`policy_term` is the shared clipped surrogate, which `algorithm.dual_clip_c` caps; an
+    algorithm with a policy term of its own sets False, and dual_clip_c > 0 is then rejected at load."""
 
     def __init__(self, config: AlgorithmConfig) -> None:
         self.config = config
@@ -151,48 +160,24 @@ class Algorithm:
             return inputs.rewards_N
         return inputs.rewards_N - self.config.kl_coef * inputs.kl_BT.sum(-1)
 
-    def loss(
-        self,
-        logprobs_BT: torch.Tensor,
-        old_logprobs_BT: torch.Tensor,
-        advantages: torch.Tensor,
-        mask_BT: torch.Tensor,
-        *,
-        num_global_tokens: float,
-        num_global_seqs: float,
-        ref_logprobs_BT: torch.Tensor | None,
-        is_weights_BT: torch.Tensor | None,
-    ) -> LossOutput:
-        """PPO's clipped surrogate (`common.clipped_pg_loss`), with the KL term unless the KL
-        is in the reward; `is_weights_BT` are off-policy importance weights or None."""
-        c = self.config
-        return clipped_pg_loss(
-            logprobs_BT,
-            old_logprobs_BT,
-            advantages,
-            mask_BT,
-            clip_low=c.clip_eps_low,
-            clip_high=c.clip_eps_high,
-            loss_agg=c.loss_agg,
-            loss_agg_norm=c.loss_agg_norm,
-            num_global_tokens=num_global_tokens,
-            num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT),
-            is_weights_BT=is_weights_BT,
-            dual_clip_c=c.dual_clip_c,
-        )
+    def loss(self, inputs: LossInputs) -> LossOutput:
+        """The policy loss of one micro-batch: this algorithm's `policy_term`, weighted by the
+        off-policy importance weights, plus the KL term unless the KL is in the reward, aggregated
+        as configured (`common.policy_loss`). Override `policy_term`, not this."""
+        return policy_loss(self.policy_term(inputs), inputs, self.loss_spec())
 
-    def kl_term(self, ref_logprobs_BT: torch.Tensor | None) -> dict:
-        """The loss's KL arguments: none when the KL goes in the reward instead."""
+    def policy_term(self, inputs: LossInputs) -> PolicyTerm:
+        """The per-token policy loss: PPO's clipped surrogate (`common.clipped_term`), capped by
+        `algorithm.dual_clip_c`. An algorithm with another objective overrides this (and sets
+        `dual_clip = False`)."""
         c = self.config
-        if c.kl_coef > 0 and not c.kl_in_reward:
-            return {
-                "ref_logprobs_BT": ref_logprobs_BT,
-                "kl_coef": c.kl_coef,
-                "kl_estimator": c.kl_estimator,
-                "kl_clamp": c.kl_clamp,
-            }
-        return {"ref_logprobs_BT": None, "kl_coef": 0.0, "kl_estimator": c.kl_estimator, "kl_clamp": c.kl_clamp}
+        return clipped_term(inputs, c.clip_eps_low, c.clip_eps_high, c.dual_clip_c)
+
+    def loss_spec(self) -> LossSpec:
+        """Aggregation and KL term from `[algorithm]`: no KL term when the KL goes in the reward."""
+        c = self.config
+        kl_coef = c.kl_coef if not c.kl_in_reward else 0.0
+        return LossSpec(c.loss_agg, c.loss_agg_norm, kl_coef, c.kl_estimator, c.kl_clamp)
 
     def kl(self, logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Tensor:
         """Per-token KL to the reference with the configured estimator and clamp (what the recipe

@@ -11,6 +11,7 @@ GRPO's division by the (near-zero) std + 1e-6 turned that step into an advantage
 the whole group; a group whose max equals its min now gets exactly 0 (`equal_groups`).
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -257,6 +258,77 @@ def importance_weights(
 
 
 @dataclass
+class LossInputs:
+    """What a policy loss may use, for one micro-batch (the twin of `base.AdvantageInputs`);
+    [B, T] tensors are per next-token target."""
+
+    logprobs_BT: torch.Tensor
+    """log pi(y_t) under the policy being trained (with gradient)."""
+
+    old_logprobs_BT: torch.Tensor
+    """log pi_old(y_t), the trainer's policy before this step's updates (on-policy with a single
+    update: this very forward, detached, so the ratio is exactly 1)."""
+
+    advantages: torch.Tensor
+    """Per sequence [B] or per token [B, T]."""
+
+    mask_BT: torch.Tensor
+    """1 on the tokens trained on."""
+
+    num_global_tokens: float
+    """Loss tokens of the optimizer step, summed over data-parallel ranks and micro-batches."""
+
+    num_global_seqs: float
+    """Sequences of the optimizer step, summed likewise."""
+
+    ref_logprobs_BT: torch.Tensor | None = None
+    """log pi_ref(y_t) of the frozen reference, for the KL term; None without one."""
+
+    is_weights_BT: torch.Tensor | None = None
+    """Off-policy importance weights pi_old / pi_gen (`importance_weights`); None: no correction."""
+
+    @property
+    def advantages_BT(self) -> torch.Tensor:
+        """The advantages per token: per-sequence ones broadcast over their tokens."""
+        return per_token(self.advantages, self.logprobs_BT)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """How a policy term becomes the loss, the same for every algorithm: the aggregation and the
+    KL to the reference (`kl_coef` 0 when the KL is in the reward)."""
+
+    loss_agg: LossAgg
+    """`aggregate`'s mode."""
+
+    loss_agg_norm: float = 0.0
+    """The constant of 'seq-mean-token-sum-norm'."""
+
+    kl_coef: float = 0.0
+    """beta of the KL term beta * KL_t; 0 adds none."""
+
+    kl_estimator: str = "k3"
+    """k1, k2 or k3 (`kl_estimate`)."""
+
+    kl_clamp: bool = True
+    """Clamp k3 (`kl_estimate`)."""
+
+
+@dataclass
+class PolicyTerm:
+    """An algorithm's per-token policy loss, before importance weights, KL and aggregation."""
+
+    loss_BT: torch.Tensor
+    """The per-token policy loss (with gradient)."""
+
+    clipped_BT: torch.Tensor
+    """Bool: tokens the algorithm's clip (or gate) acted on; their fraction is `clip_frac`."""
+
+    ratio_BT: torch.Tensor | None = None
+    """The importance ratio whose maximum is logged (`ratio_max`); None: pi(y_t) / pi_old(y_t)."""
+
+
+@dataclass
 class LossOutput:
     loss: torch.Tensor
     """Local share of the global loss (sum over ranks/micro-batches is the full loss)."""
@@ -264,6 +336,58 @@ class LossOutput:
     kl_sum: torch.Tensor
     clipped_tokens: torch.Tensor
     ratio_max: torch.Tensor
+    """The largest ratio over the masked tokens (1 when there are none), a tensor on the device."""
+
+
+def policy_loss(term: PolicyTerm, inputs: LossInputs, spec: LossSpec) -> LossOutput:
+    """The one assembly of every policy loss: the policy term weighted by the off-policy
+    importance weights (when given), plus beta * KL_t when `spec.kl_coef` > 0, aggregated with
+    `spec.loss_agg` over the global counts; and the statistics every policy loss reports, on
+    the device (no host sync)."""
+    pg_BT, mask_BT = term.loss_BT, inputs.mask_BT
+    if inputs.is_weights_BT is not None:
+        pg_BT = pg_BT * inputs.is_weights_BT
+    loss_BT = pg_BT
+    kl_BT = torch.zeros_like(pg_BT)
+    if spec.kl_coef > 0:
+        assert inputs.ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
+        kl_BT = kl_estimate(inputs.logprobs_BT, inputs.ref_logprobs_BT, spec.kl_estimator, spec.kl_clamp)
+        loss_BT = loss_BT + spec.kl_coef * kl_BT
+    loss = aggregate(
+        loss_BT, mask_BT, spec.loss_agg, inputs.num_global_tokens, inputs.num_global_seqs, spec.loss_agg_norm
+    )
+    with torch.no_grad():
+        ratio_BT = term.ratio_BT
+        if ratio_BT is None:
+            ratio_BT = torch.exp(inputs.logprobs_BT - inputs.old_logprobs_BT)
+        return LossOutput(
+            loss=loss,
+            policy_loss_sum=(pg_BT * mask_BT).sum(),
+            kl_sum=(kl_BT * mask_BT).sum(),
+            clipped_tokens=(term.clipped_BT.float() * mask_BT).sum(),
+            ratio_max=torch.where(mask_BT.any(), (ratio_BT * mask_BT).max(), 1.0),
+        )
+
+
+def loss_arguments(
+    logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor, advantages: torch.Tensor, mask_BT: torch.Tensor, **kw
+) -> tuple[LossInputs, LossSpec]:
+    """The keyword form of the loss functions (`clipped_pg_loss`, `cispo.cispo_loss`, ...): `kw`
+    names fields of `LossInputs` (num_global_tokens, num_global_seqs, ref_logprobs_BT,
+    is_weights_BT) and of `LossSpec` (loss_agg, loss_agg_norm, kl_coef, kl_estimator, kl_clamp)."""
+    input_names = {f.name for f in dataclasses.fields(LossInputs)}
+    inputs = LossInputs(
+        logprobs_BT, old_logprobs_BT, advantages, mask_BT, **{k: v for k, v in kw.items() if k in input_names}
+    )
+    return inputs, LossSpec(**{k: v for k, v in kw.items() if k not in input_names})
+
+
+def clipped_term(inputs: LossInputs, clip_low: float, clip_high: float, dual_clip_c: float = 0.0) -> PolicyTerm:
+    """PPO's clipped surrogate as a policy term (`clipped_surrogate`)."""
+    loss_BT, clipped_BT = clipped_surrogate(
+        inputs.logprobs_BT, inputs.old_logprobs_BT, inputs.advantages_BT, clip_low, clip_high, dual_clip_c
+    )
+    return PolicyTerm(loss_BT, clipped_BT)
 
 
 def clipped_pg_loss(
@@ -274,16 +398,8 @@ def clipped_pg_loss(
     *,
     clip_low: float,
     clip_high: float,
-    loss_agg: LossAgg,
-    num_global_tokens: float,
-    num_global_seqs: float,
-    ref_logprobs_BT: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    is_weights_BT: torch.Tensor | None = None,
     dual_clip_c: float = 0.0,
-    loss_agg_norm: float = 0.0,
-    kl_clamp: bool = True,
+    **kw,
 ) -> LossOutput:
     """PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347), shared by GRPO, Dr.GRPO,
     DAPO, RLOO, ReMax, REINFORCE++ and PPO, which differ only in their advantages:
@@ -294,63 +410,8 @@ def clipped_pg_loss(
     and, with `dual_clip_c` = c > 1, the policy term of a token with A_t < 0 capped at -c A_t
     (`clipped_surrogate`). `advantages` is per sequence [B] or per token [B, T]; w_t are off-policy
     importance weights (`importance_weights`, 1 when None); KL_t one of k1/k2/k3 to the reference
-    policy (k3 clamped with `kl_clamp`, `kl_estimate`); `loss_agg_norm` is the constant of
-    'seq-mean-token-sum-norm' (`aggregate`).
+    policy (k3 clamped with `kl_clamp`, `kl_estimate`); `kw` are the fields of `LossInputs` and
+    `LossSpec` (`loss_arguments`), assembled by `policy_loss`.
     """
-    advantages_BT = per_token(advantages, logprobs_BT)
-    pg_BT, clipped_BT = clipped_surrogate(logprobs_BT, old_logprobs_BT, advantages_BT, clip_low, clip_high, dual_clip_c)
-    return _finish(
-        pg_BT,
-        clipped_BT,
-        logprobs_BT,
-        old_logprobs_BT,
-        mask_BT,
-        loss_agg,
-        num_global_tokens,
-        num_global_seqs,
-        ref_logprobs_BT,
-        kl_coef,
-        kl_estimator,
-        is_weights_BT,
-        loss_agg_norm=loss_agg_norm,
-        kl_clamp=kl_clamp,
-    )
-
-
-def _finish(
-    pg_BT,
-    clipped_BT,
-    logprobs_BT,
-    old_logprobs_BT,
-    mask_BT,
-    loss_agg,
-    num_global_tokens,
-    num_global_seqs,
-    ref_logprobs_BT,
-    kl_coef,
-    kl_estimator,
-    is_weights_BT,
-    *,
-    loss_agg_norm: float = 0.0,
-    kl_clamp: bool = True,
-) -> LossOutput:
-    """Weigh the policy term by the off-policy importance weights (when given), add the KL term,
-    aggregate, and collect the statistics every policy loss reports."""
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * is_weights_BT
-    loss_BT = pg_BT
-    kl_BT = torch.zeros_like(pg_BT)
-    if kl_coef > 0:
-        assert ref_logprobs_BT is not None, "kl_coef > 0 needs reference logprobs"
-        kl_BT = kl_estimate(logprobs_BT, ref_logprobs_BT, kl_estimator, kl_clamp)
-        loss_BT = loss_BT + kl_coef * kl_BT
-    loss = aggregate(loss_BT, mask_BT, loss_agg, num_global_tokens, num_global_seqs, loss_agg_norm)
-    with torch.no_grad():
-        ratio = torch.exp(logprobs_BT - old_logprobs_BT)
-        return LossOutput(
-            loss=loss,
-            policy_loss_sum=(pg_BT * mask_BT).sum(),
-            kl_sum=(kl_BT * mask_BT).sum(),
-            clipped_tokens=(clipped_BT.float() * mask_BT).sum(),
-            ratio_max=(ratio * mask_BT).max() if mask_BT.any() else ratio.new_tensor(1.0),
-        )
+    inputs, spec = loss_arguments(logprobs_BT, old_logprobs_BT, advantages, mask_BT, **kw)
+    return policy_loss(clipped_term(inputs, clip_low, clip_high, dual_clip_c), inputs, spec)

@@ -14,55 +14,36 @@ equals the sequence form's under per-sequence mean aggregation ("seq-mean-token-
 import torch
 
 from titanrl.algorithms.base import AdvantageInputs, Advantages, Algorithm
-from titanrl.algorithms.common import LossOutput, _finish
+from titanrl.algorithms.common import LossInputs, LossOutput, PolicyTerm, loss_arguments, policy_loss
 from titanrl.algorithms.grpo import GroupSettings, group_advantages
 
 
-def gspo_loss(
-    logprobs_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
-    advantages_B: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    num_global_tokens: float,
-    num_global_seqs: float,
-    ref_logprobs_BT: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    is_weights_BT: torch.Tensor | None = None,
-    kl_clamp: bool = True,
-) -> LossOutput:
+def gspo_term(inputs: LossInputs, clip_low: float, clip_high: float) -> PolicyTerm:
+    """max(-A_i s_i,t, -A_i clip(s_i,t, 1 - eps_low, 1 + eps_high)) with the GSPO-token ratio
+    s_i,t; the ratio logged is the sequence ratio s_i."""
+    logprobs_BT, mask_BT = inputs.logprobs_BT, inputs.mask_BT
     lengths_B = mask_BT.sum(-1).clamp(min=1.0)
-    seq_log_ratio_B = ((logprobs_BT - old_logprobs_BT) * mask_BT).sum(-1) / lengths_B
-    log_ratio_BT = seq_log_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach()
-    ratio_BT = torch.exp(log_ratio_BT)
-    adv_BT = advantages_B[:, None].expand_as(logprobs_BT)
+    seq_log_ratio_B = ((logprobs_BT - inputs.old_logprobs_BT) * mask_BT).sum(-1) / lengths_B
+    ratio_BT = torch.exp(seq_log_ratio_B.detach()[:, None] + logprobs_BT - logprobs_BT.detach())
+    adv_BT = inputs.advantages_BT
     unclipped = -adv_BT * ratio_BT
     clipped = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
-    pg_BT = torch.maximum(unclipped, clipped)
-    # The ratio reported is the sequence ratio: pass a log ratio that reproduces it.
-    old_for_stats_BT = logprobs_BT.detach() - log_ratio_BT.detach()
-    return _finish(
-        pg_BT,
-        clipped > unclipped,
-        logprobs_BT,
-        old_for_stats_BT,
-        mask_BT,
-        "seq-mean-token-mean",
-        num_global_tokens,
-        num_global_seqs,
-        ref_logprobs_BT,
-        kl_coef,
-        kl_estimator,
-        is_weights_BT,
-        kl_clamp=kl_clamp,
+    return PolicyTerm(torch.maximum(unclipped, clipped), clipped > unclipped, ratio_BT.detach())
+
+
+def gspo_loss(
+    logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, *, clip_low: float, clip_high: float, **kw
+) -> LossOutput:
+    """GSPO's loss in keyword form, aggregated per sequence ("seq-mean-token-mean"); `kw` as
+    `common.clipped_pg_loss`'s but for loss_agg (`common.loss_arguments`)."""
+    inputs, spec = loss_arguments(
+        logprobs_BT, old_logprobs_BT, advantages_B, mask_BT, loss_agg="seq-mean-token-mean", **kw
     )
+    return policy_loss(gspo_term(inputs, clip_low, clip_high), inputs, spec)
 
 
 class GSPO(Algorithm):
-    """Group-relative advantages with one clipped ratio per sequence (`gspo_loss`)."""
+    """Group-relative advantages with one clipped ratio per sequence (`gspo_term`)."""
 
     name = "gspo"
     Settings = GroupSettings
@@ -82,28 +63,5 @@ class GSPO(Algorithm):
         c = self.config
         return Advantages(group_advantages(self.sequence_rewards(inputs), c.group_size, self.settings.normalize_std))
 
-    def loss(
-        self,
-        logprobs_BT,
-        old_logprobs_BT,
-        advantages,
-        mask_BT,
-        *,
-        num_global_tokens,
-        num_global_seqs,
-        ref_logprobs_BT,
-        is_weights_BT,
-    ) -> LossOutput:
-        c = self.config
-        return gspo_loss(
-            logprobs_BT,
-            old_logprobs_BT,
-            advantages,
-            mask_BT,
-            clip_low=c.clip_eps_low,
-            clip_high=c.clip_eps_high,
-            num_global_tokens=num_global_tokens,
-            num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT),
-            is_weights_BT=is_weights_BT,
-        )
+    def policy_term(self, inputs: LossInputs) -> PolicyTerm:
+        return gspo_term(inputs, self.config.clip_eps_low, self.config.clip_eps_high)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanrl.algorithms.common import LossAgg, LossOutput, _finish, per_token
+from titanrl.algorithms.common import LossInputs, LossOutput, PolicyTerm, loss_arguments, policy_loss
 from titanrl.algorithms.grpo import GRPO, GroupSettings
 
 
@@ -39,48 +39,19 @@ def sapo_gate(
     return p_BT * (4.0 / tau_BT), damped_BT
 
 
-def sapo_loss(
-    logprobs_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
-    advantages: torch.Tensor,
-    mask_BT: torch.Tensor,
-    *,
-    tau_pos: float,
-    tau_neg: float,
-    loss_agg: LossAgg,
-    num_global_tokens: float,
-    num_global_seqs: float,
-    ref_logprobs_BT: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    is_weights_BT: torch.Tensor | None = None,
-    kl_clamp: bool = True,
-    loss_agg_norm: float = 0.0,
-) -> LossOutput:
-    """SAPO's loss; `advantages` per sequence [B] or per token [B, T], `is_weights_BT` the
-    off-policy (generator vs trainer) weights, KL to the reference added as in `clipped_pg_loss`.
+def sapo_term(inputs: LossInputs, tau_pos: float, tau_neg: float) -> PolicyTerm:
+    """-f(r_t) * A_t; nothing is clipped: the "clipped" tokens are those whose gate weight w_t is
+    below 1/2 (the gate has at least halved their importance-weighted gradient)."""
+    advantages_BT = inputs.advantages_BT
+    ratio_BT = torch.exp(inputs.logprobs_BT - inputs.old_logprobs_BT)
+    gate_BT, damped_BT = sapo_gate(ratio_BT, advantages_BT, tau_pos, tau_neg)
+    return PolicyTerm(-gate_BT * advantages_BT, damped_BT, ratio_BT.detach())
 
-    Nothing is clipped; the "clipped" count is of tokens whose gate weight w_t is below 1/2
-    (the gate has at least halved their importance-weighted gradient)."""
-    advantages_BT = per_token(advantages, logprobs_BT)
-    gate_BT, damped_BT = sapo_gate(torch.exp(logprobs_BT - old_logprobs_BT), advantages_BT, tau_pos, tau_neg)
-    pg_BT = -gate_BT * advantages_BT
-    return _finish(
-        pg_BT,
-        damped_BT,
-        logprobs_BT,
-        old_logprobs_BT,
-        mask_BT,
-        loss_agg,
-        num_global_tokens,
-        num_global_seqs,
-        ref_logprobs_BT,
-        kl_coef,
-        kl_estimator,
-        is_weights_BT,
-        loss_agg_norm=loss_agg_norm,
-        kl_clamp=kl_clamp,
-    )
+
+def sapo_loss(logprobs_BT, old_logprobs_BT, advantages, mask_BT, *, tau_pos: float, tau_neg: float, **kw) -> LossOutput:
+    """SAPO's loss in keyword form; `kw` as `common.clipped_pg_loss`'s (`common.loss_arguments`)."""
+    inputs, spec = loss_arguments(logprobs_BT, old_logprobs_BT, advantages, mask_BT, **kw)
+    return policy_loss(sapo_term(inputs, tau_pos, tau_neg), inputs, spec)
 
 
 @dataclass
@@ -101,36 +72,11 @@ class SAPOSettings(GroupSettings):
 
 
 class SAPO(GRPO):
-    """GRPO's group-relative advantages with SAPO's soft-gated loss (`sapo_loss`)."""
+    """GRPO's group-relative advantages with SAPO's soft-gated policy term."""
 
     name = "sapo"
     Settings = SAPOSettings
     dual_clip = False  # a soft gate, no clip
 
-    def loss(
-        self,
-        logprobs_BT,
-        old_logprobs_BT,
-        advantages,
-        mask_BT,
-        *,
-        num_global_tokens,
-        num_global_seqs,
-        ref_logprobs_BT,
-        is_weights_BT,
-    ) -> LossOutput:
-        c = self.config
-        return sapo_loss(
-            logprobs_BT,
-            old_logprobs_BT,
-            advantages,
-            mask_BT,
-            tau_pos=self.settings.tau_pos,
-            tau_neg=self.settings.tau_neg,
-            loss_agg=c.loss_agg,
-            loss_agg_norm=c.loss_agg_norm,
-            num_global_tokens=num_global_tokens,
-            num_global_seqs=num_global_seqs,
-            **self.kl_term(ref_logprobs_BT),
-            is_weights_BT=is_weights_BT,
-        )
+    def policy_term(self, inputs: LossInputs) -> PolicyTerm:
+        return sapo_term(inputs, self.settings.tau_pos, self.settings.tau_neg)

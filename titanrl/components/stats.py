@@ -7,6 +7,12 @@ data-parallel ranks in one collective.
         ratio_max: float = maximum(0.0)     # a max over ranks
 
 Adding a metric is one field; `reduced` sends every field in a single all-gather.
+
+Inside an update loop, statistics stay on the device: `add_on_device` / `max_on_device` take
+0-d tensors and keep float64 sums (maxima) there, so no micro-batch waits for the device;
+`flush` (which `reduced` calls) copies them to the host in one `.tolist()` and adds them to
+their fields. The float64 additions are those of python floats in the same order, so the
+values are bit-identical to adding each `.item()`.
 """
 
 import dataclasses
@@ -23,8 +29,37 @@ def maximum(default: float = float("-inf")) -> float:
 
 @dataclasses.dataclass
 class StepStats:
+    def add_on_device(self, **values: torch.Tensor) -> None:
+        """Add 0-d tensors to device sums of these fields (which must be 0 until `flush`)."""
+        sums = self.__dict__.setdefault("_device_sums", {})
+        for name, value in values.items():
+            if name not in sums:
+                sums[name] = torch.zeros((), dtype=torch.float64, device=value.device)
+            sums[name] += value.detach().double()
+
+    def max_on_device(self, **values: torch.Tensor) -> None:
+        """Keep the device maxima of 0-d tensors for these `maximum()` fields; NaNs are ignored,
+        as python's max(field, nan) ignores them."""
+        maxima = self.__dict__.setdefault("_device_maxima", {})
+        for name, value in values.items():
+            value = value.detach().double()
+            maxima[name] = torch.fmax(maxima[name], value) if name in maxima else value
+
+    def flush(self) -> None:
+        """Copy the device sums and maxima to their fields: one host copy for all of them."""
+        sums, maxima = self.__dict__.pop("_device_sums", {}), self.__dict__.pop("_device_maxima", {})
+        if not sums and not maxima:
+            return
+        values = torch.stack([*sums.values(), *maxima.values()]).tolist()
+        for name, value in zip(sums, values):
+            setattr(self, name, getattr(self, name) + value)
+        for name, value in zip(maxima, values[len(sums) :]):
+            setattr(self, name, max(getattr(self, name), value))
+
     def reduced(self, group: dist.ProcessGroup | None) -> "StepStats":
-        """Every field summed (or, for `maximum()` fields, maxed) over the ranks of `group`."""
+        """Every field summed (or, for `maximum()` fields, maxed) over the ranks of `group`
+        (after `flush`)."""
+        self.flush()
         fields = dataclasses.fields(self)
         local = torch.tensor([float(getattr(self, f.name)) for f in fields], dtype=torch.float64)
         if group is None or dist.get_world_size(group) == 1:

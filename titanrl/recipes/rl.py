@@ -21,7 +21,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from titanrl.algorithms import AdvantageInputs, get_algorithm
+from titanrl.algorithms import AdvantageInputs, LossInputs, get_algorithm
 from titanrl.algorithms.common import importance_weights, kl_estimate
 from titanrl.algorithms.ppo import value_loss
 from titanrl.components.loss import global_token_count
@@ -66,6 +66,18 @@ def rollout_collector_class(config: JobConfig) -> type[RolloutCollector]:
     if config.rollout.partial:
         return PartialRolloutCollector
     return RolloutCollector
+
+
+def micro_batches(minibatch: TensorDict, trainer: Trainer) -> list[TensorDict]:
+    """The micro-batches of `minibatch` this rank accumulates over: packed rows
+    (training.packing) or padded rows of training.micro_batch_tokens."""
+    training = trainer.config.training
+    lengths, budget = minibatch["length"].tolist(), training.micro_batch_tokens
+    if use_packing(training.packing, lengths, budget):  # each carries its packed rows
+        return packed_micro_batches(minibatch, budget, trainer.dp_group)
+    # Sorted by length even when whole: the rounding of every published seeded run depends on it.
+    plan = trainer.plan_micro_batches(lengths, sort_single=True)
+    return [trim_padding(minibatch[rows]) for rows in plan]
 
 
 class RLRecipe(Recipe):
@@ -265,21 +277,16 @@ class RLRecipe(Recipe):
             dp_group=self.trainer.dp_group,
         )
 
-    def micro_batches(self, minibatch: TensorDict) -> list[TensorDict]:
-        lengths, budget = minibatch["length"].tolist(), self.config.training.micro_batch_tokens
-        if use_packing(self.config.training.packing, lengths, budget):  # each carries its packed rows
-            return packed_micro_batches(minibatch, budget, self.trainer.dp_group)
-        # Sorted by length even when whole: the rounding of every published seeded run depends on it.
-        plan = self.trainer.plan_micro_batches(lengths, sort_single=True)
-        return [trim_padding(minibatch[rows]) for rows in plan]
-
     def update_policy(self, minibatch: TensorDict, off_policy: bool, stats: RLStats, step: int) -> float:
-        """One optimizer step over `minibatch`, accumulated over micro-batches; returns the grad norm."""
+        """One optimizer step over `minibatch`, accumulated over micro-batches; returns the grad norm.
+        Statistics stay on the device (`StepStats.add_on_device`): no micro-batch waits for it."""
         algo, trainer = self.config.algorithm, self.trainer
+        # Per mini-batch, not per micro-batch: the loss divides by a python float (what the
+        # seeded runs were computed with) and `optimizer_step` reads the grad norm anyway.
         num_tokens = global_token_count(minibatch["loss_mask"], trainer.dp_group).item()
         (num_seqs,) = trainer.dp_sum([float(minibatch.batch_size[0])])
         trainer.optimizer.zero_grad()
-        for mb in self.micro_batches(minibatch):
+        for mb in micro_batches(minibatch, trainer):
             logprobs, entropy = forward_logprobs(
                 self.policy,
                 mb,
@@ -289,39 +296,33 @@ class RLRecipe(Recipe):
                 replay_routes=self.replay,
             )
             self.moe.observe(self.policy, mb)
-            mask = mb["loss_mask"]
+            mask, gen = mb["loss_mask"], mb["gen_logprobs"]
             # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
             old = mb["old_logprobs"] if off_policy else logprobs.detach()
-            is_weights, is_dropped = importance_weights(
-                old, mb["gen_logprobs"], algo.off_policy_correction, algo.is_cap
-            )
+            is_weights, is_dropped = importance_weights(old, gen, algo.off_policy_correction, algo.is_cap)
+            ref = mb["ref_logprobs"] if self.reference is not None else None
+            weights = is_weights if algo.off_policy_correction != "none" else None
             out = self.algorithm.loss(
-                logprobs,
-                old,
-                mb["advantages"],
-                mask,
-                num_global_tokens=num_tokens,
-                num_global_seqs=num_seqs,
-                ref_logprobs_BT=mb["ref_logprobs"] if self.reference is not None else None,
-                is_weights_BT=is_weights if algo.off_policy_correction != "none" else None,
+                LossInputs(logprobs, old, mb["advantages"], mask, num_tokens, num_seqs, ref, weights)
             )
             distill_loss = (
                 self.distiller.loss(self.policy, mb, num_tokens, stats) if self.distiller is not None else 0.0
             )
             trainer.backward(out.loss + distill_loss, step)
             with torch.no_grad():
-                if self.reference is not None:
-                    stats.kl += (self.algorithm.kl(logprobs, mb["ref_logprobs"]) * mask).sum().item()
-                stats.entropy += (entropy * mask).sum().item()
-                stats.clipped += out.clipped_tokens.item()
-                stats.update_tokens += mask.sum().item()
-                stats.gen_diff += ((old - mb["gen_logprobs"]).abs() * mask).sum().item()
-                stats.mismatch_kl += (kl_estimate(mb["gen_logprobs"], old, "k3", clamp=False) * mask).sum().item()
-                stats.is_dropped += (is_dropped.float() * mask).sum().item()
-                stats.ratio_max = max(stats.ratio_max, out.ratio_max.item())
-                if mask.any():
-                    mismatch = torch.exp(old - mb["gen_logprobs"])[mask > 0].max().item()
-                    stats.mismatch_ratio_max = max(stats.mismatch_ratio_max, mismatch)
+                if ref is not None:
+                    stats.add_on_device(kl=(self.algorithm.kl(logprobs, ref) * mask).sum())
+                stats.add_on_device(
+                    entropy=(entropy * mask).sum(),
+                    clipped=out.clipped_tokens,
+                    update_tokens=mask.sum(),
+                    gen_diff=((old - gen).abs() * mask).sum(),
+                    mismatch_kl=(kl_estimate(gen, old, "k3", clamp=False) * mask).sum(),
+                    is_dropped=(is_dropped.float() * mask).sum(),
+                )
+                # Masked out as 0, not indexed away (a data-dependent shape waits for the device).
+                mismatch = torch.where(mask > 0, torch.exp(old - gen), 0.0).max()
+                stats.max_on_device(ratio_max=out.ratio_max, mismatch_ratio_max=mismatch)
         grad_norm = trainer.optimizer_step(self.policy, trainer.optimizer, "policy")
         stats.skipped_updates += math.isnan(grad_norm)
         return grad_norm
@@ -330,16 +331,16 @@ class RLRecipe(Recipe):
         """One critic optimizer step on the clipped value loss toward the returns."""
         num_tokens = global_token_count(minibatch["loss_mask"], self.trainer.dp_group).item()
         self.critic_optimizer.zero_grad()
-        for mb in self.micro_batches(minibatch):
+        for mb in micro_batches(minibatch, self.trainer):
             mask = mb["loss_mask"]
             v_BT = forward_values(self.critic, mb)
             loss, n_clipped = value_loss(
                 v_BT, mb["values"], mb["returns"], mask, self.config.critic.value_clip, num_tokens
             )
             self.trainer.backward(loss, step)
-            stats.value_loss += loss.item() * num_tokens
-            stats.value_clipped += n_clipped.item()
-            stats.value_tokens += mask.sum().item()
+            stats.add_on_device(
+                value_loss=loss.detach().double() * num_tokens, value_clipped=n_clipped, value_tokens=mask.sum()
+            )
         grad_norm = self.trainer.optimizer_step(self.critic, self.critic_optimizer, "critic")
         stats.skipped_updates += math.isnan(grad_norm)
         return grad_norm
