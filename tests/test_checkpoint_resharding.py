@@ -417,7 +417,7 @@ def _two_ranks(folder: str) -> None:
     manager.wait()
     # After the failed saves, close() frees the writer's group now (not at interpreter exit, where
     # tearing gloo down aborted a rank once in a while).
-    group = weakref.ref(manager._async_group)
+    group = weakref.ref(manager.writer.group)
     manager.close()
     result = {
         "async_equals_sync": same,

@@ -26,7 +26,7 @@ def _items(*completions, **metadata):
 
 
 def _pids(runner):
-    return [w.proc.pid for w in runner._slots]
+    return [w.proc.pid for w in runner.pool.slots]
 
 
 def _live_in_group(pgid):
@@ -246,7 +246,7 @@ def test_streamed_batch_scores_like_one_call():
         assert [(r.reward, r.failed) for r in streamed] == [(r.reward, r.failed) for r in whole]
         assert [r.failed for r in streamed] == [None, "timeout", None, None]
         assert 1.5 < waited < 10.0  # the deadline runs from finish(), not from the first submit
-        assert runner(_items("d")) and all(w is not None for w in runner._slots)  # replaced, usable
+        assert runner(_items("d")) and all(w is not None for w in runner.pool.slots)  # replaced, usable
     finally:
         runner.close()
 
@@ -320,8 +320,8 @@ def test_spawned_children_setsid_and_daemons_die_with_the_workers(pid_dir):
         spawned = _spawned(pid_dir)
         assert {k: len(v) for k, v in spawned.items()} == {"plain": 4, "setsid": 4, "daemon": 4}
         assert _all_alive(pid_dir)  # they live with their worker
-        runner._slots[0].kill()  # a worker killed (as at a deadline): what it started goes with it
-        runner._slots[0] = None
+        runner.pool.slots[0].kill()  # a worker killed (as at a deadline): what it started goes with it
+        runner.pool.slots[0] = None
         pids = [p for ps in _spawned(pid_dir).values() for p in ps]
         end = time.monotonic() + 10
         while sum(map(_sleep_alive, pids)) != 6 and time.monotonic() < end:

@@ -1,6 +1,6 @@
 """Sharded, atomic checkpoints with `torch.distributed.checkpoint` (DCP).
 
-Layout under `<dump_folder>/<checkpoint.folder>/`:
+Layout under `<dump_folder>/<checkpoint.folder>/` (`checkpoint_folder.py`):
     step-<N>/            a complete checkpoint: DCP shards + .metadata, and host state per rank
     .tmp-step-<N>/       a save in progress (never loaded; removed by the next save)
 A save writes into the temporary folder on every rank, then rank 0 renames it once all ranks
@@ -9,8 +9,8 @@ with DCP: a checkpoint saved on 1 rank loads on 2 (FSDP or TP) or 4, and one sav
 
 With `async_mode = "async"` the save copies the state to host memory and returns; a background
 thread writes it (over a gloo group of its own, so that its collectives never interleave with
-training's) and rank 0 renames the folder when the write has finished. `wait()` (the next save,
-the end of the run) raises a failed write's error on every rank.
+training's) and rank 0 renames the folder when the write has finished (`checkpoint_async.py`).
+`wait()` (the next save, the end of the run) raises a failed write's error on every rank.
 
 Before the rename, the ranks checksum what they wrote into `checksums.json`; a load checks the
 files against it first and reads host state as plain data (`checkpoint_integrity.py`).
@@ -22,12 +22,9 @@ A save that cannot write (disk full, no permission) raises `CheckpointSaveError`
 naming the folder and the cause, and removes its temporary folder; no `step-N` appears.
 """
 
-import gc
 import os
-import re
 import shutil
 import traceback
-from concurrent.futures import Future
 from typing import Any, Literal
 
 import torch
@@ -44,31 +41,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanrl.components.checkpoint_async import AsyncCheckpointWriter
 from titanrl.components.checkpoint_errors import CheckpointSaveError, free_bytes, nbytes, save_error
+from titanrl.components.checkpoint_folder import CheckpointFolder, rank
 from titanrl.components.checkpoint_integrity import (
     MANIFEST,
     CheckpointCorrupt,
     check_files,
-    checksums,
     corrupt,
     load_host_state,
-    rank_files,
     read_manifest,
     summary,
     verify_checkpoint,
-    write_manifest,
 )
 from titanrl.components.faults import fault_point
 from titanrl.models.lora import has_lora, is_lora_key
 
 # verify_checkpoint: the launcher's pre-flight; the errors: what callers catch.
 __all__ = ["CheckpointCorrupt", "CheckpointManager", "CheckpointSaveError", "verify_checkpoint"]
-
-_STEP_DIR = re.compile(r"step-(\d+)")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _barrier() -> None:
@@ -92,25 +82,16 @@ class CheckpointManager:
         self.error_log = error_log or os.path.join(os.path.dirname(os.path.abspath(folder)), "checkpoint_errors.log")
         # Bytes this rank's part of the save in progress holds, for the disk-full message.
         self._needed = 0
-        self.keep_latest_k = keep_latest_k
+        self.layout = CheckpointFolder(folder, keep_latest_k)
         self.async_mode = async_mode
-        # (step, temporary folder, done when written and renamed) of the last async save, if any.
-        self._pending: tuple[int, str, Future] | None = None
-        self._async_group: dist.ProcessGroup | None = None
+        self.writer = AsyncCheckpointWriter(self.layout)
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.folder, f"step-{step}")
+        return self.layout.step_dir(step)
 
     def complete_steps(self) -> list[int]:
         """Steps with a finished checkpoint (renamed, with DCP's .metadata), oldest first."""
-        if not os.path.isdir(self.folder):
-            return []
-        steps = []
-        for name in os.listdir(self.folder):
-            m = _STEP_DIR.fullmatch(name)
-            if m and os.path.exists(os.path.join(self.folder, name, ".metadata")):
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        return self.layout.complete_steps()
 
     def save(
         self,
@@ -125,9 +106,9 @@ class CheckpointManager:
         self.wait()
         for name, model in models.items():
             _check_finite(name, model)
-        tmp = os.path.join(self.folder, f".tmp-step-{step}")
-        error = None
-        if _rank() == 0:
+        tmp = self.layout.tmp_dir(step)
+        error: BaseException | None = None
+        if rank() == 0:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp, exist_ok=True)
@@ -139,7 +120,7 @@ class CheckpointManager:
         self._needed = nbytes(state) + nbytes(host_state)
         error = None
         try:
-            torch.save(host_state, os.path.join(tmp, f"host_rank{_rank()}.pt"))
+            torch.save(host_state, os.path.join(tmp, f"host_rank{rank()}.pt"))
         # Writing to a path, torch's zip writer reports a full disk as a RuntimeError.
         except Exception as e:
             error = e
@@ -147,8 +128,7 @@ class CheckpointManager:
         error = None
         try:
             if self.async_mode == "async":
-                written = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group())
-                self._pending = (step, tmp, self._publish_when_written(step, tmp, written))
+                self.writer.start(step, tmp, state)
             else:
                 dcp.save(state, checkpoint_id=tmp)
         # DCP raises a rank's write error on every rank, wrapped in a CheckpointException (a
@@ -164,11 +144,11 @@ class CheckpointManager:
         """Collective: wait for the async save in flight, if any, to be written and renamed to
         step-N, and raise its error on every rank. The trainer calls it at the end of the run;
         `save` calls it before starting another."""
-        if self._pending is None:
+        pending = self.writer.take_pending()
+        if pending is None:
             return
-        step, tmp, published = self._pending
-        self._pending = None
-        error = None
+        step, tmp, published = pending
+        error: BaseException | None = None
         try:
             published.result()
         except (Exception, CheckpointException) as e:
@@ -177,88 +157,23 @@ class CheckpointManager:
 
     def close(self) -> None:
         """Destroy the async writer's group, once no save is in flight (`wait` first), before
-        the default group is. After a failed async save, reference cycles (the error's traceback
-        frames, DCP's `_DistWrapper`) keep the group alive until a garbage collection, which
-        could be the one at interpreter exit: its gloo threads were then torn down in whatever
-        order finalisation picked, and a rank aborted ("terminate called without an active
-        exception", CI). Collected here, while the process is whole. With a save still in
-        flight (a failing run), the group is left to its writer thread."""
-        if self._async_group is not None and self._pending is None:
-            dist.destroy_process_group(self._async_group)
-            self._async_group = None
-            gc.collect()
-
-    def _group(self) -> dist.ProcessGroup | None:
-        """The async writer's own gloo group (created once, collectively): DCP's collectives run
-        in its background thread, and on the training group they could interleave with the
-        training thread's own collectives in a different order on different ranks."""
-        if dist.is_initialized() and self._async_group is None:
-            self._async_group = dist.new_group(backend="gloo")
-        return self._async_group
-
-    def _publish_when_written(self, step: int, tmp: str, written: Future) -> Future:
-        """A future that is done once the async write is and rank 0 has renamed the folder. Rank 0
-        renames it without asking the other ranks: its DCP save ends after every rank's shards are
-        written (DCP gathers their write results before writing .metadata), and host state was
-        written before the save began. So a crash after the write loses nothing, and one before
-        it leaves only the temporary folder."""
-        published: Future = Future()
-
-        def publish(_: Future) -> None:
-            try:
-                written.result()
-                fault_point("checkpoint_save", step)
-                self._seal(tmp, self._async_group)
-                if _rank() == 0:
-                    self._rename(step, tmp)
-                published.set_result(None)
-            except BaseException as e:
-                published.set_exception(e)
-
-        written.add_done_callback(publish)  # runs in DCP's writer thread (or here, if already done)
-        return published
+        the default group is (`AsyncCheckpointWriter.close`)."""
+        self.writer.close()
 
     def _publish(self, step: int, tmp: str) -> None:
         fault_point("checkpoint_save", step)
         error = None
         try:
-            self._seal(tmp, None)
-            if _rank() == 0:
-                self._rename(step, tmp)
+            self.layout.publish(step, tmp, None)
         except Exception as e:
             error = e
         self._agree(step, tmp, error)
-
-    def _seal(self, tmp: str, group: dist.ProcessGroup | None) -> None:
-        """Collective over `group` (after every rank's files are written): each rank checksums the
-        files it wrote, rank 0 gathers them and writes the manifest. A rank that cannot read its
-        files back still takes part, so that no rank waits for it."""
-        try:
-            own, error = checksums(tmp, rank_files(tmp, _rank())), None
-        except OSError as e:
-            own, error = None, e
-        claimed = [own]
-        if dist.is_initialized():
-            claimed = [None] * dist.get_world_size(group)
-            dist.all_gather_object(claimed, own, group=group)
-        if error is not None:
-            raise error
-        if _rank() == 0:
-            failed = [r for r, files in enumerate(claimed) if files is None]
-            if failed:
-                raise RuntimeError(f"rank(s) {failed} could not read back the files they wrote")
-            write_manifest(tmp, {name: c for files in claimed for name, c in files.items()})
-
-    def _rename(self, step: int, tmp: str) -> None:
-        shutil.rmtree(self.step_dir(step), ignore_errors=True)
-        os.rename(tmp, self.step_dir(step))
-        self._purge()
 
     def _agree(self, step: int, tmp: str, error: BaseException | None) -> None:
         """Collective: raise on every rank if this rank's part of the save (`error`) or any other
         rank's failed, so that no rank waits in a barrier for a rank that gave up."""
         failed = torch.zeros(dist.get_world_size() if dist.is_initialized() else 1)
-        failed[_rank()] = float(error is not None)
+        failed[rank()] = float(error is not None)
         if dist.is_initialized():
             dist.all_reduce(failed)
         if failed.any():
@@ -273,19 +188,11 @@ class CheckpointManager:
         """Every rank: drop the partial save (it would only fill the disk) and raise the cause."""
         free = free_bytes(self.folder)  # before the partial save is removed, which frees space
         _barrier()
-        if _rank() == 0:
+        if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         message, says_all = save_error(self.folder, step, error, self.complete_steps(), free, self._needed)
         # A disk-full or permission error says all in its message; anything else keeps its traceback.
         raise message from (None if says_all else error)
-
-    def _purge(self) -> None:
-        for name in os.listdir(self.folder):
-            if name.startswith(".tmp-step-"):
-                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
-        if self.keep_latest_k > 0:
-            for step in self.complete_steps()[: -self.keep_latest_k]:
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     def load_latest(
         self, models: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer], log=print
@@ -339,10 +246,10 @@ class CheckpointManager:
             files = {name: {} for name in os.listdir(path)}
         else:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            problem = _first_problem(check_files(files, path, sorted(files)[_rank() :: world]))
+            problem = _first_problem(check_files(files, path, sorted(files)[rank() :: world]))
             if problem is not None:
                 raise corrupt(path, problem)
-        own = f"host_rank{_rank()}.pt"
+        own = f"host_rank{rank()}.pt"
         return os.path.join(path, own if own in files else "host_rank0.pt")
 
     def _host_state(self, path: str, host_file: str) -> dict[str, Any]:
@@ -357,11 +264,12 @@ class CheckpointManager:
         problem = _first_problem(problem)
         if problem is not None:
             raise CheckpointCorrupt(problem) from error
+        assert host is not None, "no rank's problem, yet no host state"
         return host
 
     def _log_error(self, path: str, error: BaseException) -> None:
         """Rank 0: the traceback of a skipped checkpoint, appended to the error log."""
-        if _rank() != 0:
+        if rank() != 0:
             return
         try:
             with open(self.error_log, "a") as f:

@@ -5,12 +5,12 @@ KV blocks are free, their prompt is prefilled once and its blocks are shared by 
 (copy-on-write for the partly filled last block), all running samples decode together, finished
 ones leave and waiting ones join, and when blocks run out the youngest sample is preempted and
 later recomputed. Every rank of a TP group runs the same schedule on its shard of heads.
+The policy copy and its forwards are `model_runner.py`'s; a call's passes, `step_loop.py`'s.
 """
 
-import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -19,26 +19,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from titanrl.components.compile_cache import compile_seconds
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
-from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.distributed.utils import return_freed_host_memory
-from titanrl.generator.decode import (
-    DecodeRows,
-    batch_bucket,
-    compile_decode,
-    decode_step,
-    run_decode_pass,
-    static_kv_for_cuda_graphs,
-    uses_cuda_graphs,
-)
-from titanrl.generator.ep_lockstep import EPLockstep, with_tick
+from titanrl.generator.decode import static_kv_for_cuda_graphs
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, blocks_from_memory
-from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
-from titanrl.generator.routes import add_route_chunk, has_moe_layers, record_packed_routes, record_prefill_routes
-from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs, validate_prompts
+from titanrl.generator.model_runner import ModelRunner
+from titanrl.generator.sampling import SamplingParams, validate_prompts
 from titanrl.generator.scheduler import Scheduler
-from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, Seq, TurnHandler
+from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, TurnHandler
+from titanrl.generator.step_loop import StepLoop
 from titanrl.generator.weight_sync import (
-    build_quantizer,
     can_sync_trainable_only,
     copy_expert_bias,
     copy_trainer_weights,
@@ -46,10 +35,7 @@ from titanrl.generator.weight_sync import (
     weight_storage,
 )
 from titanrl.models.args import TransformerModelArgs
-from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.hf import load_hf_weights
-from titanrl.models.lora import add_lora
-from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
 __all__ = ["Completion", "GenerationStats", "Generator", "PauseWhen", "ResumedSample", "TurnHandler"]
@@ -88,35 +74,15 @@ class Generator:
         self.dtype = dtype
         self.eos_id = eos_id if eos_id is not None else getattr(tokenizer, "eos_id", None)
         self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
-        self.tp = tp_mesh.size() if tp_mesh is not None else 1
-        self.record_routes = has_moe_layers(model_args)  # routing replay (`routes.py`)
-        if self.record_routes and config.quantize != "none":
-            raise ValueError(
-                f"[generator] quantize = '{config.quantize}' is not supported for mixture-of-experts models "
-                "(routed experts are grouped weights, and a quantised router would pick other experts than "
-                "the trainer's): set generator.quantize = 'none'"
-            )
-        self.quantizer = build_quantizer(config.quantize, device, dtype, self.tp)  # before the model
-        ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
-        self.model = self._build_model(tp_mesh, ep_mesh)
-        # Experts sharded over ep ranks: every forward in lockstep with the peers (`ep_lockstep.py`).
-        self.lockstep = EPLockstep(self.model, ep_mesh, device) if ep_mesh is not None else None
+        self.runner = ModelRunner(model_args, config, device, dtype, lora=lora, tp_mesh=tp_mesh, ep_mesh=ep_mesh)
+        self.tp = self.runner.tp
+        # The runner's, read here and by callers: the same objects for the generator's lifetime.
+        self.model = self.runner.model
+        self.quantizer = self.runner.quantizer
+        self.lockstep = self.runner.lockstep
+        self.compile = self.runner.compile
+        self.attention = self.runner.attention
         self.shares_weights = False
-        self._decode_model = self.model
-        # Unset: compiled on CUDA (never with batch_invariant, whose kernels run eagerly).
-        auto_compile = device.type == "cuda" and not config.batch_invariant
-        self.compile = config.compile if config.compile is not None else auto_compile
-        self.attention, self.eager_attention = attention_kinds(config, device, self.compile)
-        if device.type == "cuda" and "flex" in (self.attention, self.eager_attention) and config.block_size % 16:
-            raise ValueError(
-                f"[generator] block_size must be a multiple of 16 on CUDA (FlexAttention's kernels tile "
-                f"a page by 16 keys or more), got {config.block_size}"
-            )
-        self._cuda_graphs = uses_cuda_graphs(self.compile, config.compile_backend, device)
-        if self.compile:
-            self._decode_model, self._decode_step = compile_decode(self.model, config.compile_backend, device)
-        else:
-            self._decode_step = decode_step
         self.num_blocks = config.num_blocks or blocks_from_memory(
             self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
         )
@@ -125,22 +91,6 @@ class Generator:
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
-
-    def _build_model(self, tp_mesh: DeviceMesh | None, ep_mesh: DeviceMesh | None) -> Transformer:
-        with torch.device("meta"):
-            model = Transformer(self.args)
-            if self.lora is not None:
-                add_lora(model, self.lora)  # same names and shards as the trainer's adapters
-        if tp_mesh is not None and self.tp > 1:
-            apply_tp(model, tp_mesh, sequence_parallel=False)
-        if ep_mesh is not None:
-            apply_ep(model, ep_mesh)  # each rank holds its experts, as the trainer's same rank
-        model.to_empty(device=self.device)
-        model.init_weights(buffer_device=self.device)
-        model = model.to(self.dtype).eval().requires_grad_(False)
-        if self.quantizer is not None:
-            self.quantizer.quantize_model_(model)  # quantised tensors allocated once; syncs rewrite them
-        return model
 
     # ---- memory: time-slicing with the trainer ----
 
@@ -170,7 +120,7 @@ class Generator:
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
-            if self._cuda_graphs:
+            if self.runner.cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
 
     def sleep(self, offload_weights: bool = False) -> None:
@@ -219,13 +169,20 @@ class Generator:
 
     # ---- generation ----
 
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _validate(
+        self, prompts: list[list[int]], params: SamplingParams, resume: Sequence[ResumedSample], partial_turns: bool
+    ) -> None:
+        """`partial_turns`: pause / resume or on_finish asked for multi-turn episodes."""
         params.validate()
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass tokenizer= to the Generator")
         validate_prompts(prompts, self.args.max_seq_len, self.args.vocab_size)
         for i, prompt in enumerate(prompts):
             self._check_pool_fits(i, len(prompt), params.max_new_tokens)
+        if partial_turns:
+            raise ValueError("pause / resume and on_finish do not support multi-turn environments")
+        for r in resume:
+            r.validate(len(prompts[r.prompt_index]), self.args.max_seq_len)
 
     def _check_pool_fits(self, i: int, prompt_len: int, max_new_tokens: int) -> None:
         """A lone sequence must fit in the pool: preemption cannot make room for it."""
@@ -246,7 +203,7 @@ class Generator:
         prompt_ids: list[int] | None = None,
         turns: TurnHandler | None = None,
         *,
-        resume: list[ResumedSample] = (),
+        resume: Sequence[ResumedSample] = (),
         pause_when: PauseWhen | None = None,
         on_finish: Callable[[list[Completion]], None] | None = None,
     ) -> tuple[list[Completion], GenerationStats]:
@@ -260,12 +217,9 @@ class Generator:
         of `prompts` (those prompts are not forked into new groups; only the resumed samples of
         them are returned).
         """
+        partial = bool(resume) or pause_when is not None or on_finish is not None
         try:
-            self._validate(prompts, params)
-            if (resume or pause_when is not None or on_finish is not None) and turns is not None:
-                raise ValueError("pause / resume and on_finish do not support multi-turn environments")
-            for r in resume:
-                r.validate(len(prompts[r.prompt_index]), self.args.max_seq_len)
+            self._validate(prompts, params, resume, partial_turns=partial and turns is not None)
         except ValueError:
             if self.lockstep is not None:  # the peers must not wait for this rank's forwards
                 self.lockstep.agree(ok=False)
@@ -273,7 +227,7 @@ class Generator:
         if self.lockstep is not None:
             self.lockstep.agree(ok=True)
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
-        if self.pool is None:
+        if self.pool is None or self.allocator is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         start, compile_start = time.perf_counter(), compile_seconds()
         sched = Scheduler(
@@ -288,206 +242,17 @@ class Generator:
             turns=turns,
             resume=resume,
         )
-        self._run(sched, turns, pause_when, on_finish)
+        loop = StepLoop(
+            self.runner,
+            self.pool,
+            sched,
+            self.config,
+            eos_ids=self.eos_ids,
+            tokenizer=self.tokenizer,
+            block_routes=self.block_routes,
+        )
+        loop.run(turns, pause_when, on_finish)
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         sched.stats.compile_seconds = compile_seconds() - compile_start
         return [seq.to_completion(self.tokenizer) for seq in results], sched.stats
-
-    def _run(
-        self,
-        sched: Scheduler,
-        turns: TurnHandler | None,
-        pause_when: PauseWhen | None,
-        on_finish: Callable[[list[Completion]], None] | None,
-    ) -> None:
-        """Scheduler passes until every sample finished or paused: admit and prefill while there is
-        room, else decode (both while a long context is prefilled chunk by chunk); report finished
-        samples to `on_finish` after each pass."""
-        reported = 0
-        # Under expert parallelism: while any ep rank has work; a rank without serves the peers' all-to-alls.
-        while sched.has_work if self.lockstep is None else self.lockstep.more_passes(sched.has_work):
-            if not sched.has_work:
-                continue
-            sched.stats.steps += 1
-            sched.stats.scheduler_passes += 1
-            if turns is not None and not sched.exchange_turns():
-                continue
-            prefill = sched.admit()
-            if prefill:
-                with torch.profiler.record_function("generator/prefill"):
-                    self._prefill(sched, prefill)
-            if not prefill or sched.prefilling:
-                # A chunked prefill continues next pass: the running samples decode in between.
-                sched.stats.steps += bool(prefill)
-                self._decode(sched, turns)
-            if turns is not None:
-                sched.pause()
-            if (
-                pause_when is not None
-                and sched.has_work
-                and pause_when([(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats)
-            ):
-                sched.pause_all()
-            if on_finish is not None:  # single-turn: `finished` only grows
-                on_finish(
-                    [s.to_completion(self.tokenizer) for s in sched.finished[reported:] if s.finish_reason != "paused"]
-                )
-                reported = len(sched.finished)
-
-    def _prefill(self, sched: Scheduler, seqs: list[Seq]) -> None:
-        """One packed forward over this step's context tokens of the admitted sequences (up to
-        `prefill_end`: a chunk of a long context attends to the K/V its earlier chunks left in the
-        blocks); each group prompt's last row then gives its samples their first token."""
-        slices, tokens, last_index, starts, row = [], [], [], [], {}
-        for seq in seqs:
-            end = seq.prefill_end
-            new = seq.token_ids[seq.num_computed : end]
-            starts.append(seq.num_computed)
-            slices.append(SeqSlice(seq.block_table, end, len(new)))
-            tokens.extend(new)
-            if end == seq.context_end:  # the last chunk: its last row is sampled
-                row[id(seq)] = len(last_index)
-                last_index.append(len(tokens) - 1)
-            sched.stats.prefill_tokens += len(new)
-            seq.num_computed = end
-        # Logits only at each finished context's last token: the rows that are sampled (a full
-        # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
-        logits_SV = self._forward(slices, tokens, logits_at=last_index)
-        if self.record_routes:
-            counts, B = [s.num_new for s in slices], self.config.block_size
-            record_prefill_routes(seqs, starts, counts, self.model.moe_routes(), self.block_routes, B)
-        samples, rows = [], []
-        for seq in seqs:
-            forked = sched.after_prefill(seq)
-            samples.extend(forked)
-            rows.extend(row[id(seq)] for _ in forked)
-        if samples:
-            self._sample(sched, samples, logits_SV[rows])
-
-    def _decode(self, sched: Scheduler, turns: TurnHandler | None) -> None:
-        """Tokens for every running sequence (preempting some if blocks run out): several steps
-        on device per scheduler pass (`decode.py`), or one step when a stop needs the host
-        (stop strings, multi-turn) or the step is not the tensor-only kind (top logprobs)."""
-        batch = sched.schedule_decode()
-        if not batch:
-            return
-        params = batch[0].params
-        if turns is not None or params.stop_strings or params.num_top_logprobs:
-            return self._decode_one_step(sched, batch)
-        steps, left = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
-        stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
-        rows = DecodeRows(
-            tokens=[s.token_ids[-1] for s in batch],
-            positions=[len(s.token_ids) - 1 for s in batch],
-            left=left,
-            keys=[s.key for s in batch],
-            tables=[s.block_table for s in batch],
-        )
-        compiled = self._decode_step is not decode_step
-        bucket = batch_bucket(len(batch)) if compiled else len(batch)
-        with torch.profiler.record_function("generator/decode"):
-            out = run_decode_pass(
-                self._decode_step if self.lockstep is None else with_tick(self._decode_step, self.lockstep),
-                self.model,
-                self.pool.k,
-                self.pool.v,
-                params,
-                rows,
-                steps=steps,
-                bucket=bucket,
-                stop_ids=stop_ids,
-                scratch=self.num_blocks,
-                end_when_any_stops=bool(sched.waiting),
-                device=self.device,
-                attention=self.attention if compiled else self.eager_attention,
-                cuda_graphs=self._cuda_graphs,
-                record_routes=self.record_routes,
-            )
-        sched.stats.steps += out.steps - 1
-        sched.stats.decode_steps += out.steps
-        for i, (seq, tokens, logprobs, stopped) in enumerate(zip(batch, out.tokens, out.logprobs, out.stopped)):
-            if out.routes is not None:
-                add_route_chunk(seq, len(seq.token_ids) - 1, out.routes[i])
-            seq.token_ids.extend(tokens)
-            seq.logprobs.extend(logprobs)
-            seq.num_computed = len(seq.token_ids) - 1
-            sched.stats.decode_tokens += len(tokens)
-            reason = ("stop" if tokens[-1] in stop_ids else "length") if stopped else None
-            if reason is None:
-                sched.trim_blocks(seq)
-            sched.after_sample(seq, reason)
-
-    def _decode_one_step(self, sched: Scheduler, batch: list[Seq]) -> None:
-        slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
-        with torch.profiler.record_function("generator/decode"):
-            logits_NV = self._forward(slices, [s.token_ids[-1] for s in batch], decode=True)
-        if self.record_routes:
-            starts = [len(s.token_ids) - 1 for s in batch]
-            record_packed_routes(batch, starts, [1] * len(batch), self.model.moe_routes())
-        sched.stats.decode_tokens += len(batch)
-        sched.stats.decode_steps += 1
-        for seq in batch:
-            seq.num_computed = len(seq.token_ids)
-        self._sample(sched, batch, logits_NV)
-
-    def _forward(
-        self, slices: list[SeqSlice], tokens: list[int], decode: bool = False, logits_at: list[int] | None = None
-    ) -> torch.Tensor:
-        """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
-        positions `logits_at` ([len(logits_at), vocab])."""
-        model = self.model
-        n = len(tokens)
-        if self.lockstep is not None:
-            self.lockstep.before_forward()
-        if decode and self.compile:
-            # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
-            bucket = batch_bucket(n)
-            scratch = SeqSlice([self.num_blocks], 1, 1)
-            slices = slices + [scratch] * (bucket - n)
-            tokens = tokens + [0] * (bucket - n)
-            model = self._decode_model
-        attention = self.attention if model is not self.model else self.eager_attention
-        num_pages = self.pool.num_blocks if attention == "flex" else None
-        batch = PagedBatch.from_slices(slices, self.num_blocks, self.config.block_size, self.device, num_pages)
-        backend = paged_attention(attention, batch, self.pool.k, self.pool.v)
-        tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
-        if model is not self.model:
-            # The context length changes every step; keep it symbolic instead of recompiling.
-            torch._dynamo.mark_dynamic(batch.table_SM, 1)
-        with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
-            if logits_at is None:
-                return model(tokens_1N, batch.positions_1N, backend)[0, :n]
-            h_ND = model.hidden_states(tokens_1N, batch.positions_1N, backend)[0]
-            return model.output(h_ND[logits_at])
-
-    def _sample(self, sched: Scheduler, seqs: list[Seq], logits_NV: torch.Tensor) -> None:
-        """Sample the next token of each seq from its row of `logits_NV`; the scheduler keeps it
-        running or retires it."""
-        with torch.profiler.record_function("generator/sample"):
-            keys_N = torch.tensor([seq.key for seq in seqs], device=logits_NV.device)
-            counters_N = torch.tensor([len(seq.token_ids) for seq in seqs], device=logits_NV.device)
-            tokens_N = sample_tokens(logits_NV, seqs[0].params, keys_N, counters_N)
-            logprobs_N = sampled_logprobs(logits_NV, tokens_N).tolist()
-            tokens = tokens_N.tolist()
-        num_top = seqs[0].params.num_top_logprobs
-        if num_top:
-            top = torch.log_softmax(logits_NV.float(), -1).topk(num_top)
-            top_ids, top_lps = top.indices.tolist(), top.values.tolist()
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprobs_N[i])
-            if num_top:
-                seq.top_logprobs.append(list(zip(top_ids[i], top_lps[i])))
-            sched.after_sample(seq, self._finish_reason(seq, token))
-
-    def _finish_reason(self, seq: Seq, token: int) -> str | None:
-        if token in self.eos_ids or token in seq.params.stop_token_ids:
-            return "stop"
-        if seq.params.stop_strings:
-            text = self.tokenizer.decode(seq.turn_token_ids)
-            if any(s in text for s in seq.params.stop_strings):
-                return "stop"
-        if seq.num_generated >= seq.params.max_new_tokens or len(seq.token_ids) >= self.args.max_seq_len:
-            return "length"
-        return None

@@ -1,4 +1,4 @@
-"""Continuous batching over the paged KV cache: admission, block tables, preemption, turns.
+"""Continuous batching over the paged KV cache: admission, preemption, turns.
 
 One `Scheduler` lives for one `Generator.generate` call. Each step either prefills the waiting
 sequences that fit (a group's prompt once, then its `n` samples fork its blocks, copy-on-write
@@ -8,22 +8,27 @@ reserved at admission, each step computes the next chunk, and the running sample
 chunks; its samples fork after the last one. When blocks run out while decoding, the youngest
 sample is preempted: its blocks are freed and it is recomputed once it is admitted again.
 Decisions depend only on token ids and block counts, which agree across the ranks of a TP group,
-so every rank builds the same schedule.
+so every rank builds the same schedule. Each sequence's block table is kept by
+`block_accounting.py`; multi-turn samples wait on their environment in `turn_exchange.py`.
 """
 
 import math
+from collections.abc import Sequence
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
-from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
+from titanrl.generator.block_accounting import BlockAccounting
+from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from titanrl.generator.sampling import SamplingParams
 from titanrl.generator.sequence import GenerationStats, ResumedSample, Seq, TurnHandler
+from titanrl.generator.turn_exchange import TurnExchange
 
 
 class Scheduler:
     """Queues of one `generate` call: `waiting` (group prompts, preempted samples and resumed
     multi-turn samples, front first), `prefilling` (admitted, holding blocks for their whole
     context, part of it computed: chunked prefill), `running` (decode next step, oldest first),
-    `paused` (multi-turn samples in an environment step, holding their blocks) and `finished`."""
+    `finished`, and in `exchange` the multi-turn samples in an environment step, holding their
+    blocks."""
 
     def __init__(
         self,
@@ -37,10 +42,9 @@ class Scheduler:
         max_seq_len: int,
         vocab_size: int,
         turns: TurnHandler | None = None,
-        resume: list[ResumedSample] = (),
+        resume: Sequence[ResumedSample] = (),
     ) -> None:
-        self.pool = pool
-        self.allocator = allocator
+        self.blocks = BlockAccounting(pool, allocator, config.block_size)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -49,8 +53,7 @@ class Scheduler:
         self.prompt_ids = prompt_ids
         self.seed = params.seed if params.seed is not None else 0
         self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
-        self.turns = turns
+        self.exchange = TurnExchange(turns, max_seq_len, vocab_size) if turns is not None else None
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
         # Resumed samples first (the oldest work); their prompts are not forked again.
         resumed = {r.prompt_index for r in resume}
@@ -73,15 +76,15 @@ class Scheduler:
         self.prefilling: list[Seq] = []
         self.running: list[Seq] = []
         self.finished: list[Seq] = []
-        self.paused: dict[tuple[int, int], Seq] = {}
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.paused)
+        paused = self.exchange is not None and bool(self.exchange.paused)
+        return bool(self.waiting or self.prefilling or self.running or paused)
 
     def results(self) -> list[Seq]:
         """The finished samples ordered by (prompt, sample), once every block is back."""
-        assert all(rc == 0 for rc in self.allocator.ref_count), "KV blocks leaked"
+        assert all(rc == 0 for rc in self.blocks.allocator.ref_count), "KV blocks leaked"
         return sorted(self.finished, key=lambda s: (s.prompt_index, s.sample_index))
 
     # ---- prefill ----
@@ -110,9 +113,9 @@ class Scheduler:
             # Blocks for the whole context, plus one per sample to start decoding, must be free now.
             needed = math.ceil(to_compute / self.block_size) + n_after - len(seq.block_table)
             can_wait = bool(admitted or self.running)  # others will free blocks when they finish
-            if needed > self.allocator.num_free and can_wait:
+            if needed > self.blocks.allocator.num_free and can_wait:
                 break
-            if not self._reserve_context(seq, to_compute, can_wait):
+            if not self.blocks.reserve_context(seq, to_compute, can_wait):
                 break
             self.prefilling.append(self.waiting.pop(0))
             if seq.is_group_prompt:
@@ -135,53 +138,6 @@ class Scheduler:
         seq.prefill_end = seq.num_computed + n
         return n
 
-    def _reserve_context(self, seq: Seq, num_tokens: int, can_wait: bool) -> bool:
-        """Blocks for `seq`'s first `num_tokens` tokens. False if they are not free and `seq`
-        can wait; OutOfBlocks if it cannot (nothing else would ever free a block)."""
-        try:
-            if seq.block_table:
-                self._extend_context(seq, num_tokens)
-            else:
-                self._allocate_context(seq, num_tokens)
-        except OutOfBlocks:
-            if can_wait:
-                return False
-            raise
-        return True
-
-    def _allocate_context(self, seq: Seq, num_tokens: int) -> None:
-        """Block table for the first `num_tokens` tokens, reusing cached full prompt blocks."""
-        B = self.block_size
-        hashes = block_hashes(seq.token_ids[: seq.prompt_len], B)
-        # Keep at least one token to compute: its logits start (or resume) the sample.
-        max_cached = (num_tokens - 1) // B
-        table: list[int] = []
-        try:
-            for h in hashes[:max_cached]:
-                block = self.allocator.lookup(h)
-                if block is None:
-                    break
-                table.append(block)
-            seq.num_computed = len(table) * B
-            while len(table) * B < num_tokens:
-                table.append(self.pool.prepare(self.allocator.allocate()))
-        except OutOfBlocks:
-            for block in table:
-                self.allocator.free(block)
-            seq.num_computed = 0
-            raise
-        seq.block_table = table
-
-    def _extend_context(self, seq: Seq, num_tokens: int) -> None:
-        """A resumed multi-turn sample keeps its blocks; add blocks up to `num_tokens` and make
-        the block it writes into first its own (it may still be shared with the group)."""
-        B = self.block_size
-        first = seq.num_computed // B
-        if first < len(seq.block_table) and self.allocator.ref_count[seq.block_table[first]] > 1:
-            self._copy_on_write(seq, first)
-        while len(seq.block_table) * B < num_tokens:
-            self._append_block(seq)
-
     def after_prefill(self, seq: Seq) -> list[Seq]:
         """After a prefill forward computed `seq`'s context up to `num_computed`. Short of its end
         (chunked prefill), `seq` stays in `prefilling` for its next chunk. Else: register its full
@@ -192,39 +148,17 @@ class Scheduler:
             self.stats.prefill_chunks += 1
             return []
         self.prefilling.remove(seq)
-        self._register_prompt_blocks(seq)
+        self.blocks.register_prompt_blocks(seq)
         if not seq.is_group_prompt:
             # Resumed (after preemption or an environment step): its next token is already sampled.
             self.running.append(seq)
             return []
-        samples = [self._fork(seq, sample_index) for sample_index in range(seq.params.n)]
-        self._free_blocks(seq)  # the samples hold their own references
+        samples = [
+            self.blocks.fork(seq, j, sample_key(self.seed, self.prompt_ids[seq.prompt_index], j))
+            for j in range(seq.params.n)
+        ]
+        self.blocks.free(seq)  # the samples hold their own references
         return samples
-
-    def sample_key(self, prompt_index: int, sample_index: int) -> int:
-        """Key of a sample's random stream, from (seed, global prompt id, sample index)."""
-        group_seed = hash((self.seed, self.prompt_ids[prompt_index]))
-        return hash((group_seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF
-
-    def _register_prompt_blocks(self, seq: Seq) -> None:
-        B = self.block_size
-        full = min(seq.num_computed, seq.prompt_len) // B
-        for block, h in zip(seq.block_table[:full], block_hashes(seq.token_ids[: full * B], B)):
-            self.allocator.register(block, h)
-
-    def _fork(self, group: Seq, sample_index: int) -> Seq:
-        """Sample `sample_index` of a group: its own random stream, the group's blocks shared."""
-        return Seq(
-            group.prompt_index,
-            sample_index,
-            list(group.token_ids),
-            group.prompt_len,
-            group.params,
-            self.sample_key(group.prompt_index, sample_index),
-            block_table=[self.allocator.fork(b) for b in group.block_table],
-            num_computed=group.num_computed,
-            route_chunks=None if group.route_chunks is None else list(group.route_chunks),
-        )
 
     # ---- decode ----
 
@@ -235,7 +169,7 @@ class Scheduler:
         while self.running:
             seq = self.running.pop(0)
             try:
-                self._reserve_slot(seq)
+                self.blocks.reserve_slot(seq)
                 batch.append(seq)
             except OutOfBlocks:
                 # Preempt the youngest sequence (the last one admitted) and retry this one; one in
@@ -253,44 +187,13 @@ class Scheduler:
     def reserve_ahead(self, batch: list[Seq], max_steps: int) -> tuple[int, list[int]]:
         """Blocks for the next decode steps of every sequence in `batch` (each already has a
         writable slot for its next one). Returns the number of steps reserved and each
-        sequence's tokens left. When the free blocks do not cover `max_steps`, the steps are
-        halved until they do (1: the next pass schedules, and preempts, step by step)."""
-        B = self.block_size
+        sequence's tokens left (`BlockAccounting.reserve_steps`)."""
         lefts = [self.tokens_left(s) for s in batch]
-        steps = min(max_steps, max(lefts))
-        while steps > 1:
-            # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
-            needed = [
-                max(0, (len(s.token_ids) - 2 + min(steps, left)) // B + 1 - len(s.block_table))
-                for s, left in zip(batch, lefts)
-            ]
-            if sum(needed) <= self.allocator.num_free:
-                for seq, n in zip(batch, needed):
-                    for _ in range(n):
-                        self._append_block(seq)
-                return steps, lefts
-            steps //= 2
-        return 1, lefts
-
-    def trim_blocks(self, seq: Seq) -> None:
-        """Give back blocks reserved ahead but not reached (a pass ended early)."""
-        keep = (len(seq.token_ids) - 1) // self.block_size + 1
-        while len(seq.block_table) > keep:
-            self.allocator.free(seq.block_table.pop())
-
-    def _reserve_slot(self, seq: Seq) -> None:
-        """Make the block for the token at position len-1 writable by this sequence alone."""
-        B = self.block_size
-        pos = len(seq.token_ids) - 1
-        if pos // B == len(seq.block_table):
-            self._append_block(seq)
-            return
-        if self.allocator.ref_count[seq.block_table[pos // B]] > 1:  # shared with the group
-            self._copy_on_write(seq, pos // B)
+        return self.blocks.reserve_steps(batch, lefts, max_steps), lefts
 
     def _preempt(self, seq: Seq) -> None:
         """Free all of `seq`'s blocks; it resumes later by recomputing its context."""
-        self._free_blocks(seq)
+        self.blocks.free(seq)
         seq.num_computed = 0
         self.waiting.insert(0, seq)
         self.stats.preemptions += 1
@@ -301,15 +204,15 @@ class Scheduler:
             self.running.append(seq)
             return
         seq.finish_reason = finish_reason
-        if self.turns is None:  # a multi-turn sample keeps its blocks for its next turn
-            self._free_blocks(seq)
+        if self.exchange is None:  # a multi-turn sample keeps its blocks for its next turn
+            self.blocks.free(seq)
         self.finished.append(seq)
 
     def pause_all(self) -> None:
         """Finish every unfinished sample as 'paused' and free its blocks: a group prompt not
         yet prefilled comes back as its `n` samples without tokens."""
         for seq in self.running + self.prefilling + self.waiting:
-            self._free_blocks(seq)
+            self.blocks.free(seq)
             if seq.is_group_prompt:
                 self.finished.extend(
                     Seq(
@@ -318,7 +221,7 @@ class Scheduler:
                         list(seq.token_ids),
                         seq.prompt_len,
                         seq.params,
-                        self.sample_key(seq.prompt_index, j),
+                        sample_key(self.seed, self.prompt_ids[seq.prompt_index], j),
                         finish_reason="paused",
                     )
                     for j in range(seq.params.n)
@@ -335,50 +238,26 @@ class Scheduler:
         """Start of a multi-turn step: resume the samples whose environment step is done
         (waiting for one when nothing else could run) and hand over those whose turn ended.
         False when no sample can run this step."""
-        self._resume(block=not (self.waiting or self.prefilling or self.running))
+        assert self.exchange is not None, "exchange_turns() without a TurnHandler"
+        resumed, ended = self.exchange.collect(block=not (self.waiting or self.prefilling or self.running))
+        for seq in ended:
+            self.blocks.free(seq)
+            self.finished.append(seq)
+        for seq in resumed:
+            # The sampled last token and the observation (but its last token) are prefilled;
+            # the earlier turns' K/V stay in the sample's blocks.
+            self.waiting.insert(0, seq)
+        self.stats.resumed_turns += len(resumed)
         self.pause()
         return bool(self.waiting or self.prefilling or self.running)
 
     def pause(self) -> None:
         """Hand samples whose turn just ended to the environment; they keep their KV blocks."""
-        for seq in [s for s in self.finished if s.finish_reason is not None and not s.finish_reason.startswith("done")]:
-            self.finished.remove(seq)
-            key = (seq.prompt_index, seq.sample_index)
-            self.paused[key] = seq
-            self.turns.submit(key, seq.turn_token_ids, seq.finish_reason)
+        assert self.exchange is not None, "pause() without a TurnHandler"
+        self.finished = self.exchange.hand_over(self.finished)
 
-    def _resume(self, block: bool) -> None:
-        """Append environment observations and send the samples back to the scheduler; samples
-        whose episode is over are finished and their blocks freed."""
-        for key, obs in self.turns.poll(block):
-            seq = self.paused.pop(key)
-            if obs is None or len(seq.token_ids) + len(obs) >= self.max_seq_len:
-                seq.finish_reason = "done:" + seq.finish_reason if obs is None else "done:length"
-                self._free_blocks(seq)
-                self.finished.append(seq)
-                continue
-            if any(not 0 <= t < self.vocab_size for t in obs) or not obs:
-                raise ValueError(f"observation for sample {key} has no tokens or ids outside the vocabulary")
-            seq.append_observation(obs)
-            self.stats.resumed_turns += 1
-            # The sampled last token and the observation (but its last token) are prefilled;
-            # the earlier turns' K/V stay in the sample's blocks.
-            self.waiting.insert(0, seq)
 
-    # ---- blocks ----
-
-    def _append_block(self, seq: Seq) -> None:
-        seq.block_table.append(self.pool.prepare(self.allocator.allocate()))
-
-    def _copy_on_write(self, seq: Seq, index: int) -> None:
-        """Give `seq` its own copy of its shared block `block_table[index]`."""
-        block = seq.block_table[index]
-        new_block = self.pool.prepare(self.allocator.allocate())
-        self.pool.copy_block(block, new_block)
-        self.allocator.free(block)
-        seq.block_table[index] = new_block
-
-    def _free_blocks(self, seq: Seq) -> None:
-        for block in seq.block_table:
-            self.allocator.free(block)
-        seq.block_table = []
+def sample_key(seed: int, prompt_id: int, sample_index: int) -> int:
+    """Key of a sample's random stream, from (seed, global prompt id, sample index)."""
+    group_seed = hash((seed, prompt_id))
+    return hash((group_seed, sample_index)) & 0x7FFF_FFFF_FFFF_FFFF

@@ -18,12 +18,12 @@ killed at the deadline; a dead one is replaced at once, unless the same slot's w
 in a row within a batch (a function that kills every worker): that slot then rests until the
 batch ends, and once every slot rests the samples left fail as 'crash' at once. Replacements for
 a batch's casualties start as it ends, so they warm up while the trainer trains. Each sample's
-stdout and stderr are captured (first OUTPUT_KEEP_BYTES kept).
+stdout and stderr are captured (first OUTPUT_KEEP_BYTES kept). The worker slots, their start-up
+and their events are `worker_pool.py`'s; what they mean for a batch's samples, this module's.
 """
 
 import os
 import pickle
-import selectors
 import sys
 import time
 from collections import deque
@@ -34,6 +34,7 @@ from typing import Any
 from titanrl.components.containment import announce
 from titanrl.data.tasks import Task
 from titanrl.rewards.worker import OUTPUT_KEEP_BYTES, RewardWorker
+from titanrl.rewards.worker_pool import RewardWorkerPool
 
 __all__ = [
     "FAILURE_REASONS",
@@ -49,8 +50,6 @@ FAILURE_REASONS = ("error", "memory", "invalid", "crash", "timeout")
 """The values of `RewardResult.failed` when a reward function failed."""
 
 _MAX_DEATHS_IN_A_ROW = 2  # a slot whose workers die this often in a row rests for the batch
-_START_TIMEOUT_S = 300.0  # loading the reward module: generous for torch / transformers
-_POLL_S = 0.1  # without pidfds, how often workers are checked for having died
 
 
 @dataclass
@@ -111,18 +110,11 @@ class RewardRunner:
             raise ValueError(
                 f"the reward function must be picklable (a module-level function or a Task): {e}"
             ) from None
-        self._init = {
-            "fn": blob,
-            "sys_path": list(sys.path),
-            "main": _main_module(blob),
-            "memory_limit_mb": memory_limit_mb,
-        }
-        self._slots: list[RewardWorker | None] = [None] * num_workers
-        self._sel: selectors.BaseSelector | None = None
-        self._loaded = False  # some worker has loaded the function: a start-up death is then not fatal
+        init = {"fn": blob, "sys_path": list(sys.path), "main": _main_module(blob), "memory_limit_mb": memory_limit_mb}
+        self.pool = RewardWorkerPool(num_workers, init)
         self._batch: _Batch | None = None
         announce("reward")
-        self._start_missing()  # they warm up while the trainer builds its model
+        self.pool.start_missing()  # they warm up while the trainer builds its model
 
     def __call__(self, items: list[RewardItem]) -> list[RewardResult]:
         if not items:
@@ -132,8 +124,8 @@ class RewardRunner:
             self.submit(items)
             return self.finish()
         finally:
-            if self._loaded:
-                self._start_missing()
+            if self.pool.loaded:
+                self.pool.start_missing()
 
     # ---- a batch, streamed: begin, submit as samples finish, finish ----
 
@@ -143,10 +135,10 @@ class RewardRunner:
         first batch waits for the workers to load the function (a module that cannot load is a
         clear error at once); later ones start the workers lost meanwhile and go on while they
         load (they take work once ready)."""
-        if self._loaded:
-            self._replace_lost()
+        if self.pool.loaded:
+            self.pool.replace_lost()
         else:
-            self._warm_up()
+            self.pool.warm_up()
         self._batch = _Batch(deaths=[0] * self.num_workers)
 
     def submit(self, items: list[RewardItem]) -> None:
@@ -174,36 +166,40 @@ class RewardRunner:
             if left <= 0 or not self._advance(left):
                 break
         # The deadline: unfinished samples time out; only the workers busy with them are killed.
-        for slot, w in enumerate(self._slots):
+        for slot, w in enumerate(self.pool.slots):
             if w is not None and w.sample is not None:
                 w.read_output()
                 b.results[w.sample] = self._result(
                     w, "timeout", 0.0, False, f"still running after the batch's {self.timeout_s:g} s"
                 )
                 w.kill()
-                self._slots[slot] = None
+                self.pool.slots[slot] = None
         for i in b.queue:
             b.results[i] = self._failure("timeout", f"not started within the batch's {self.timeout_s:g} s")
         self._batch = None
-        if self._loaded:  # replacements warm up while the trainer trains
-            self._start_missing()
-        return b.results  # type: ignore[return-value]
+        if self.pool.loaded:  # replacements warm up while the trainer trains
+            self.pool.start_missing()
+        results = [r for r in b.results if r is not None]
+        assert len(results) == len(b.items), "an item without a result after the deadline"
+        return results
 
     def _advance(self, timeout: float) -> bool:
         """Dispatch queued items to idle workers, then handle what happens within `timeout` s.
         False when nothing could ever run the queued items (they fail as 'crash')."""
         b = self._batch
-        for w in self._slots:
+        assert b is not None, "a batch's work outside begin() / finish()"
+        slots = self.pool.slots
+        for w in slots:
             if w is not None and w.ready and w.sample is None and b.queue:
                 self._dispatch(w, b.queue.popleft(), b.items)
-        if b.queue and all(w is None for w in self._slots):  # every slot rests: nothing would run them
+        if b.queue and all(w is None for w in slots):  # every slot rests: nothing would run them
             for i in b.queue:
                 b.results[i] = self._failure("crash", "not run: the reward workers kept dying this batch")
                 b.done += 1
             b.queue.clear()
             return False
-        for event, w, payload in self._events(timeout):
-            slot = self._slots.index(w)
+        for event, w, payload in self.pool.events(timeout):
+            slot = slots.index(w)
             if event == "ready":
                 w.ready = True
             elif event == "result" and payload[0] == w.sample:
@@ -213,45 +209,15 @@ class RewardRunner:
                 w.sample, b.deaths[slot], b.done = None, 0, b.done + 1
                 if kind == "memory":  # what it leaked would fail every later sample: a fresh worker
                     w.kill()
-                    self._slots[slot] = self._start()
+                    slots[slot] = self.pool.start()
             elif event == "dead":
                 if w.sample is not None:
                     kind = "memory" if w.over_memory else "crash"
                     b.results[w.sample] = self._result(w, kind, 0.0, False, payload)
                     b.done += 1
                 b.deaths[slot] += 1
-                self._slots[slot] = self._start() if b.deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
+                slots[slot] = self.pool.start() if b.deaths[slot] < _MAX_DEATHS_IN_A_ROW else None
         return True
-
-    def _replace_lost(self) -> None:
-        """Start the workers the last batch lost (a worker still busy with a sample of a batch an
-        exception cut short is killed first)."""
-        for slot, w in enumerate(self._slots):
-            if w is not None and w.sample is not None:
-                w.kill()
-                self._slots[slot] = None
-        self._start_missing()
-
-    def _warm_up(self) -> None:
-        """Start the workers the last batch lost; wait until every worker has loaded the function."""
-        self._replace_lost()
-        give_up = time.monotonic() + _START_TIMEOUT_S
-        while any(w is not None and not w.ready for w in self._slots):
-            left = give_up - time.monotonic()
-            if left <= 0:
-                self.close()
-                raise RuntimeError(f"reward workers did not load the reward function within {_START_TIMEOUT_S:.0f} s")
-            for event, w, payload in self._events(left):
-                if event == "ready":
-                    w.ready = self._loaded = True
-                elif event == "dead":
-                    self._slots[self._slots.index(w)] = None  # rests for this batch
-                    if not self._loaded:
-                        output, _ = w.take_output()
-                        self.close()
-                        raise RuntimeError(
-                            f"the reward function cannot be loaded in a worker process ({payload}):\n{output}"
-                        )
 
     def _dispatch(self, w: RewardWorker, index: int, items: list[RewardItem]) -> None:
         w.read_output()
@@ -276,53 +242,9 @@ class RewardRunner:
     def _failure(self, kind: str, detail: str) -> RewardResult:
         return RewardResult(self.failure_reward, False, kind, detail=detail)
 
-    def _start_missing(self) -> None:
-        for slot, w in enumerate(self._slots):
-            if w is None:
-                self._slots[slot] = self._start()
-
-    def _start(self) -> RewardWorker:
-        if self._sel is None:
-            self._sel = selectors.DefaultSelector()
-        return RewardWorker(self._sel, self._init)
-
-    def _events(self, timeout: float) -> list[tuple[str, RewardWorker, Any]]:
-        """Wait up to `timeout` s: [('ready' | 'result' | 'dead', worker, its message or how it died)]."""
-        out: list[tuple[str, RewardWorker, Any]] = []
-        polled = any(w is not None and w.pidfd is None for w in self._slots)
-        for key, _ in self._sel.select(min(timeout, _POLL_S) if polled else timeout):
-            w, what = key.data
-            if w.dead:
-                continue
-            if what == "output":
-                w.read_output()
-            elif what == "requests":
-                w.write()
-            else:  # its messages; "exit": it died, what it sent before it did comes first
-                out += self._messages(w, dead=what == "exit")
-        for w in self._slots:
-            if polled and w is not None and not w.dead and w.pidfd is None and w.exited():
-                out += self._messages(w, dead=True)
-        return out
-
-    def _messages(self, w: RewardWorker, dead: bool) -> list[tuple[str, RewardWorker, Any]]:
-        try:
-            out = [("result" if len(m) == 5 else "ready", w, m) for m in w.read_results()]
-        except ValueError as e:
-            return [("dead", w, f"{w.kill()} after {e}")]
-        if dead or w.results_closed:  # a worker that closed its result pipe is as good as dead
-            out.append(("dead", w, w.kill()))
-        return out
-
     def close(self) -> None:
         """Kill every worker and whatever it forked; a later call starts new ones."""
-        for slot, w in enumerate(self._slots):
-            if w is not None:
-                w.kill()
-            self._slots[slot] = None
-        if self._sel is not None:
-            self._sel.close()
-            self._sel = None
+        self.pool.close()
 
 
 def _main_module(blob: bytes) -> dict:
