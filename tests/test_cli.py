@@ -3,6 +3,7 @@ recipe, `job.recipe` naming a user's Recipe subclass, a forked recipe trained wi
 and a user error raised mid-run printed as one line with its traceback in a file."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -202,3 +203,25 @@ def test_disk_full_at_a_save_is_one_line_with_the_traceback_in_a_file(small_dump
     assert lines[0].startswith("titanrl: error: cannot write the step 2 checkpoint to"), lines[0]
     assert "no free space left" in lines[0] and lines[0].endswith(f"(traceback in {log})"), lines[0]
     assert "Traceback" in open(log).read() and "CheckpointSaveError" in open(log).read()
+
+
+def test_console_output_goes_through_the_titanrl_logger(capsys):
+    """Console lines are the message alone (INFO on stdout, warnings and STDERR notices on
+    stderr); the standard library silences them"""
+    from titanrl.rl.evaluation import progress_report
+
+    logger = logging.getLogger("titanrl.components.metrics")
+    logger.info("step    1 | reward 0.5")
+    progress_report("rev", 2, 1e-9)([1, 2])
+    captured = capsys.readouterr()
+    assert captured.out == "step    1 | reward 0.5\n"
+    assert captured.err.startswith("eval 'rev': 2/2 samples finished on rank 0")
+    titanrl_logger = logging.getLogger("titanrl")
+    level = titanrl_logger.level
+    titanrl_logger.setLevel(logging.WARNING)
+    try:
+        logger.info("step    2 | reward 0.5")
+        logger.warning("titanrl: SIGTERM received")
+    finally:
+        titanrl_logger.setLevel(level)
+    assert capsys.readouterr() == ("", "titanrl: SIGTERM received\n")

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
 
+log = logging.getLogger("titanrl.cli")  # not __name__: `python -m titanrl.cli` runs it as __main__
+
 USAGE_RUN = "titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
 USAGE_EVAL = (
     "titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]"
@@ -167,27 +169,21 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         stopped = os.path.join(dump_folder, STOPPED_FILE)
         if os.path.exists(stopped) and os.path.getmtime(stopped) >= started:
             record = json.load(open(stopped))
-            print(
+            log.warning(
                 f"titanrl: stopped by {record['signal']} after step {record['step']} "
-                f"(checkpoint {record['checkpoint'] or 'off'})",
-                file=sys.stderr,
-                flush=True,
+                f"(checkpoint {record['checkpoint'] or 'off'})"
             )
             return 0
-        print(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved", file=sys.stderr)
+        log.warning(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved")
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         # A user error, also one a rank left while another rank failed first in another way.
         if failure.exitcode == 2 or os.listdir(errors.name):
-            print(rank_error(errors.name, rank), file=sys.stderr, flush=True)
+            log.error(rank_error(errors.name, rank))
         # The watchdog (3) has already printed its one line.
         if failure.exitcode not in (2, 3):
-            print(
-                f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.error(f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)")
         return failure.exitcode if failure.exitcode in (2, 3) else 1
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
@@ -312,10 +308,10 @@ def copy_main(args: argparse.Namespace) -> int:
         with open(toml, "x") as f:
             f.write(point_at(config_text, os.path.basename(dest)))
     except (ValueError, OSError) as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
-    print(f"wrote {dest} (a copy of {recipe_file})")
-    print(f"wrote {toml} (job.recipe = '{os.path.basename(dest)}'); train it with: titanrl run {toml}")
+    log.info(f"wrote {dest} (a copy of {recipe_file})")
+    log.info(f"wrote {toml} (job.recipe = '{os.path.basename(dest)}'); train it with: titanrl run {toml}")
     return 0
 
 
@@ -380,7 +376,7 @@ def run_main(argv: list[str]) -> int:
         config_args = [f"--job.config_file={config_file}", *overrides]
         config = preflight(config_args, world_size(opts))
     except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
     return run_torchrun(opts, config_args, config.job.dump_folder)
 
@@ -393,7 +389,7 @@ def eval_main(args: list[str]) -> int:
         parsed = evaluate.parse_eval_args(args)
         config = evaluate.preflight(parsed)
     except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
     opts = torchrun_options(["--nproc", parsed.nproc])
     code = run_torchrun(
@@ -401,7 +397,7 @@ def eval_main(args: list[str]) -> int:
     )
     if code == 0:
         with open(evaluate.out_path(parsed, config.job.dump_folder)) as f:
-            print(f.read(), end="", flush=True)
+            print(f.read(), end="", flush=True)  # stdout is the JSON alone (`titanrl eval ... | jq`)
     return code
 
 

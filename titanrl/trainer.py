@@ -11,6 +11,7 @@ what every recipe shares, once: checkpoint save and resume, the non-finite-updat
 watchdog, evaluation and logging.
 """
 
+import logging
 import os
 import random
 import re
@@ -37,6 +38,8 @@ from titanrl.distributed import clip_grad_norm_, dp_sum
 from titanrl.models.hf import export_hf, export_lora
 from titanrl.models.moe import MoE
 from titanrl.models.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -164,25 +167,23 @@ class Trainer:
         where = self.checkpointer.step_dir(step) if self.config.checkpoint.enable else ""
         if self.rank == 0:
             launch.write_stopped(self.config.job.dump_folder, signum, step, where)
-            print(
+            log.info(
                 f"titanrl: stopped by {signal.Signals(signum).name} after step {step}; "
                 + (
                     f"checkpoint {where} saved, run the same command again to resume"
                     if where
                     else "checkpoint.enable is off, so this run cannot resume"
-                ),
-                flush=True,
+                )
             )
 
     def _banner(self) -> None:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is global
             model = self.config.model.hf_checkpoint.rstrip("/") or f"flavor {self.config.model.flavor}"
-            print(
+            log.info(
                 f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
                 f"rank(s) {self.dims} | model {model} ({n_params / 1e6:.1f}M params) | "
-                f"data {self.config.data.path or 'task ' + self.config.data.task}",
-                flush=True,
+                f"data {self.config.data.path or 'task ' + self.config.data.task}"
             )
 
     def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
@@ -195,7 +196,7 @@ class Trainer:
             summary = ", ".join(
                 f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval)
             )
-            print(f"{self.recipe.name}: {summary}", flush=True)
+            log.info(f"{self.recipe.name}: {summary}")
 
     # ---- what recipes share inside a step ----
 
@@ -289,17 +290,17 @@ class Trainer:
         returns its host state (step, evals) or None for a fresh run."""
         if not self.resuming:
             return None
-        log = print if self.rank == 0 else lambda _: None
+        notice = log.info if self.rank == 0 else lambda _: None
         path = self.config.checkpoint.load_path.rstrip("/")
         if path:
             match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
             if not match or not os.path.exists(os.path.join(path, ".metadata")):
                 raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
             # A corrupt or refused load_path raises CheckpointCorrupt, a user error: one line, exit 2.
-            host = self.checkpointer.load(path, *self.checkpoint_parts(), log=log)
+            host = self.checkpointer.load(path, *self.checkpoint_parts(), log=notice)
         else:
             # Damaged checkpoints are skipped with one line each; none loadable is CheckpointCorrupt.
-            restored = self.checkpointer.load_latest(*self.checkpoint_parts(), log=log)
+            restored = self.checkpointer.load_latest(*self.checkpoint_parts(), log=notice)
             if restored is None:
                 return None
             host = restored[1]
@@ -310,5 +311,5 @@ class Trainer:
         torch.set_rng_state(host["torch_rng"])
         random.setstate(host["py_rng"])
         if self.rank == 0:
-            print(f"resumed from {path} (step {host['step']})", flush=True)
+            log.info(f"resumed from {path} (step {host['step']})")
         return host

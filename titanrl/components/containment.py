@@ -27,11 +27,14 @@ then dies by its parent-death signal, but what it started is left, in its cgroup
 one).
 """
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+
+log = logging.getLogger(__name__)
 
 PIDS_MAX = 1024
 """Processes and threads a worker's cgroup may hold (a fork bomb stops there)."""
@@ -161,7 +164,7 @@ def announce(kind: str) -> None:
     """Say once per process and kind ('reward', 'environment') how its workers are contained."""
     if kind not in _ANNOUNCED:
         _ANNOUNCED.add(kind)
-        print(f"{kind} workers contained by {probe()}", flush=True)
+        log.info(f"{kind} workers contained by {probe()}")
 
 
 def join_cgroups(cgroups: dict[str, str]) -> None:

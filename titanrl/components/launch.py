@@ -7,6 +7,7 @@ import ctypes
 import fcntl
 import gc
 import json
+import logging
 import os
 import signal
 import socket
@@ -34,6 +35,8 @@ from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import read_hf_config
 from titanrl.models.lora import add_lora, is_lora_key
 from titanrl.models.model import Transformer
+
+log = logging.getLogger(__name__)
 
 
 def parse_args(argv: list[str] | None) -> JobConfig | None:
@@ -115,11 +118,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         del frame
         if not self.received:
-            print(
-                f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning(f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint")
         self.received = self.received or signum
 
     def agreed(self) -> int:
@@ -147,7 +146,7 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:
-        print(to_toml(config))
+        log.info(to_toml(config))
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep, p.cp)
     return rank, dims, local_device()
@@ -240,7 +239,7 @@ def report_user_error(error: BaseException) -> None:
         with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(line + "\n")
         return
-    print(line, file=sys.stderr, flush=True)
+    log.error(line)
 
 
 # ---- pre-flight of the checkpoint a run resumes from (`titanrl run`, before any rank starts) ----

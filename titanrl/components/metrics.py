@@ -4,6 +4,7 @@ wandb is never required: it is imported only when enabled and runs offline unles
 """
 
 import json
+import logging
 import math
 import os
 import time
@@ -13,6 +14,8 @@ from typing import Any
 import torch
 
 from titanrl.config.job_config import JobConfig
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -69,7 +72,7 @@ class MetricsLogger:
             for k, label in labels.items()
             if k in record
         ]
-        print(f"step {step:>4} | " + " | ".join(parts), flush=True)
+        log.info(f"step {step:>4} | " + " | ".join(parts))
 
     def close(self) -> None:
         if self.jsonl is not None:

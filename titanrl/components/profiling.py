@@ -13,10 +13,10 @@ eval, checkpoint) appear in a trace as `record_function` ranges opened by
 
 import contextlib
 import json
+import logging
 import os
 import pickle
 import resource
-import sys
 import warnings
 from collections.abc import Iterator
 
@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from titanrl.config.sections import Profiling
+
+log = logging.getLogger(__name__)
 
 # Allocation events kept by `torch.cuda.memory._record_memory_history` (a ring buffer).
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
@@ -145,11 +147,9 @@ def maybe_enable_memory_snapshot(
         yield snapshot
     except torch.OutOfMemoryError:
         path = snapshot.dump(snapshot.last_step + 1, "_oom")
-        print(
+        log.error(
             f"titanrl: rank {snapshot.rank} ran out of memory in step {snapshot.last_step + 1}; "
-            f"memory snapshot written to {path}",
-            file=sys.stderr,
-            flush=True,
+            f"memory snapshot written to {path}"
         )
         raise
     finally:

@@ -9,6 +9,7 @@ them and prints how many, naming the first rows' file:line; 'error' stops on the
 it. Their cost is the tokenizer's, paid once per rank, at the same time.
 """
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
@@ -18,6 +19,8 @@ from titanrl.data.prompts import is_rank0, listed
 from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
@@ -99,10 +102,9 @@ def fit_rows(
         )
     total = len(train or []) + len(held_out)
     if is_rank0():
-        print(
+        log.info(
             f"dropped {len(over)} of {total} rows whose {what} is over {max_tokens} tokens ({limit}): "
-            f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)",
-            flush=True,
+            f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)"
         )
     named = ((train, kept[0], "training rows"), (held_out, kept[1], "held-out rows (data.num_eval_samples)"))
     for rows, left, name in named:

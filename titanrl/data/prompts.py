@@ -5,6 +5,7 @@ Every rank iterates the same global stream and keeps its own strided share of ea
 batch, so a run on N data-parallel ranks sees exactly the prompts of a 1-rank run.
 """
 
+import logging
 import os
 import random
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import torchdata.nodes as tn
 from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
 from titanrl.data.provenance import ProvenanceLoader, hashed_rows, new_source, sources_in
 from titanrl.data.tasks import Sample, Task
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config.sections import Data
@@ -119,10 +122,9 @@ def load_samples(
             continue
         samples.append(sample)
     if dropped and is_rank0():
-        print(
+        log.info(
             f"{path}: dropped {len(dropped)} of {total} rows whose prompt is longer than data.max_prompt_chars "
-            f"({max_prompt_chars} characters): {listed(dropped, 'characters')}",
-            flush=True,
+            f"({max_prompt_chars} characters): {listed(dropped, 'characters')}"
         )
     if not samples:
         extra = f" left after dropping {len(dropped)} over data.max_prompt_chars" if dropped else ""

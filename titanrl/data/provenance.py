@@ -14,12 +14,15 @@ with one line naming it and the fix, unless `data.allow_changed` is set.
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torchdata.nodes as tn
+
+log = logging.getLogger(__name__)
 
 SOURCES_KEY = "data_sources"
 """The loader state's entry with the identities of its data files."""
@@ -109,7 +112,7 @@ def check_sources(saved: list[dict] | None, current: list[DataSource], notify: b
     """Raise ValueError if the checkpoint's data files (`saved`: their identities; None for a
     checkpoint saved before they were recorded) are not the rows this run reads (`current`),
     unless data.allow_changed; `notify`: print the one-line notices (rank 0)."""
-    say = (lambda text: print(f"titanrl: notice: {text}", flush=True)) if notify else (lambda text: None)
+    say = (lambda text: log.info(f"titanrl: notice: {text}")) if notify else (lambda text: None)
     if saved is None:
         if current:
             say(

@@ -14,6 +14,7 @@ trained on; the groups in flight are part of the checkpoint, so a resumed run co
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,8 @@ from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
 from titanrl.rl.rollouts import RolloutCollector, Rollouts
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.rl.stats import RLStats
@@ -200,10 +203,9 @@ class PartialRolloutCollector(RolloutCollector):
         # Another layout: the groups are another data shard's, or TP peers would disagree.
         if state["layout"] != _layout(self.host.dims):
             if self.host.rank == 0:
-                print(
+                log.info(
                     f"partial rollouts: the groups in flight were saved with another parallel layout "
-                    f"({state['layout']}, now {_layout(self.host.dims)}): dropped",
-                    flush=True,
+                    f"({state['layout']}, now {_layout(self.host.dims)}): dropped"
                 )
             return
         self.in_flight, self.drawn = [_group(g) for g in state["in_flight"]], state["drawn"]

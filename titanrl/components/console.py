@@ -1,0 +1,45 @@
+"""Console output. Every titanrl module writes to the console through a `logging` logger of the
+"titanrl" hierarchy (`logging.getLogger(__name__)`); `configure()` (run once per process, when
+titanrl is imported) gives that hierarchy one handler that prints each message's text alone, as
+`print` did: INFO on stdout; WARNING and above, and records logged with `extra=STDERR`
+(progress notices that must keep stdout free, e.g. for `titanrl eval`'s JSON), on stderr. The
+streams are looked up at each message, so a redirected sys.stdout (`contextlib.redirect_stdout`,
+pytest's capture) redirects it too. Which rank prints is each caller's choice (rank 0 for
+everything a job prints once).
+
+Silence or redirect it with the standard library, e.g.
+`logging.getLogger("titanrl").setLevel(logging.WARNING)` (errors and warnings only), or
+`logging.getLogger("titanrl").handlers.clear()` and `.propagate = True` (the root logger's
+handlers, e.g. `logging.basicConfig(filename=...)`)."""
+
+import logging
+import sys
+
+STDERR = {"stderr": True}
+"""`extra=` of an INFO record that goes to stderr."""
+
+
+class ConsoleHandler(logging.Handler):
+    """Each record's message on stdout (below WARNING) or stderr, flushed."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            to_stderr = record.levelno >= logging.WARNING or getattr(record, "stderr", False)
+            stream = sys.stderr if to_stderr else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def configure() -> None:
+    """Give the "titanrl" logger its console handler at level INFO (once: a second call, e.g.
+    after a reload, changes nothing)."""
+    logger = logging.getLogger("titanrl")
+    if any(isinstance(h, ConsoleHandler) for h in logger.handlers):
+        return
+    handler = ConsoleHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # printed once, by this handler, whatever the root logger has
