@@ -11,8 +11,9 @@ error (config, degrees, data, checkpoint or model paths, reward function, a dump
 is one line on stderr and exit code 2, before any rank starts; so is a checkpoint to resume from
 whose parameters do not fit the model, that the dump folder has no room to save again, or whose
 data file has changed (`titanrl.data.provenance`). A user error that only a rank finds is printed
-once, by this launcher. A run stopped by SIGTERM / SIGUSR1
-that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
+once, by this launcher; one raised during the run names <dump_folder>/errors.log, its
+traceback. A run stopped by SIGTERM / SIGUSR1 that saved its checkpoint exits 0, so that
+`sbatch --requeue` or a Kubernetes restart resumes it.
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
@@ -31,10 +32,12 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from titanrl.components.console import get_logger
+
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
 
-log = logging.getLogger("titanrl.cli")  # not __name__: `python -m titanrl.cli` runs it as __main__
+log = get_logger("titanrl.cli")  # not __name__: `python -m titanrl.cli` runs it as __main__
 
 USAGE_RUN = "titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
 USAGE_EVAL = (

@@ -27,14 +27,15 @@ then dies by its parent-death signal, but what it started is left, in its cgroup
 one).
 """
 
-import logging
 import os
 import signal
 import subprocess
 import sys
 import time
 
-log = logging.getLogger(__name__)
+from titanrl.components.console import get_logger
+
+log = get_logger(__name__)
 
 PIDS_MAX = 1024
 """Processes and threads a worker's cgroup may hold (a fork bomb stops there)."""

@@ -7,7 +7,6 @@ import ctypes
 import fcntl
 import gc
 import json
-import logging
 import os
 import signal
 import socket
@@ -27,6 +26,7 @@ from titanrl.components.checkpoint import CheckpointManager
 from titanrl.components.checkpoint_errors import CheckpointSaveError, free_bytes
 from titanrl.components.checkpoint_integrity import CheckpointCorrupt, verify_checkpoint
 from titanrl.components.compile_cache import use_compile_cache
+from titanrl.components.console import get_logger
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.distributed import ParallelDims, device_type, init_distributed, set_determinism
@@ -36,7 +36,7 @@ from titanrl.models.hf import read_hf_config
 from titanrl.models.lora import add_lora, is_lora_key
 from titanrl.models.model import Transformer
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None) -> JobConfig | None:

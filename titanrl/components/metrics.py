@@ -4,7 +4,6 @@ wandb is never required: it is imported only when enabled and runs offline unles
 """
 
 import json
-import logging
 import math
 import os
 import time
@@ -13,9 +12,10 @@ from typing import Any
 
 import torch
 
+from titanrl.components.console import get_logger
 from titanrl.config.job_config import JobConfig
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class MetricsLogger:

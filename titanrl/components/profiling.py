@@ -13,7 +13,6 @@ eval, checkpoint) appear in a trace as `record_function` ranges opened by
 
 import contextlib
 import json
-import logging
 import os
 import pickle
 import resource
@@ -24,9 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titanrl.components.console import get_logger
 from titanrl.config.sections import Profiling
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # Allocation events kept by `torch.cuda.memory._record_memory_history` (a ring buffer).
 MEMORY_HISTORY_MAX_ENTRIES = 100_000

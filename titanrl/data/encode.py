@@ -9,10 +9,10 @@ them and prints how many, naming the first rows' file:line; 'error' stops on the
 it. Their cost is the tokenizer's, paid once per rank, at the same time.
 """
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from titanrl.components.console import get_logger
 from titanrl.config.sections import Data
 from titanrl.data.formats import sample_where
 from titanrl.data.prompts import is_rank0, listed
@@ -20,7 +20,7 @@ from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig

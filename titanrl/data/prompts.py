@@ -5,7 +5,6 @@ Every rank iterates the same global stream and keeps its own strided share of ea
 batch, so a run on N data-parallel ranks sees exactly the prompts of a 1-rank run.
 """
 
-import logging
 import os
 import random
 from collections.abc import Iterator
@@ -13,11 +12,12 @@ from typing import TYPE_CHECKING
 
 import torchdata.nodes as tn
 
+from titanrl.components.console import get_logger
 from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
 from titanrl.data.provenance import ProvenanceLoader, hashed_rows, new_source, sources_in
 from titanrl.data.tasks import Sample, Task
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config.sections import Data

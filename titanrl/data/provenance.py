@@ -14,7 +14,6 @@ with one line naming it and the fix, unless `data.allow_changed` is set.
 
 import hashlib
 import json
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,7 +21,9 @@ from typing import Any
 
 import torchdata.nodes as tn
 
-log = logging.getLogger(__name__)
+from titanrl.components.console import get_logger
+
+log = get_logger(__name__)
 
 SOURCES_KEY = "data_sources"
 """The loader state's entry with the identities of its data files."""

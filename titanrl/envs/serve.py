@@ -24,7 +24,6 @@ import asyncio
 import ctypes
 import hmac
 import json
-import logging
 import os
 import pwd
 import socket
@@ -33,10 +32,11 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from titanrl.components.console import get_logger
 from titanrl.envs.builtin import PythonSandboxEnv
 from titanrl.envs.pool import resolve_env, validate_step
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 TOKEN_ENV = "TITANRL_ENV_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

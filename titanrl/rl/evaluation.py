@@ -15,14 +15,13 @@ and eval/s/<source>/pass@j, mean@k, prompts for each value of the rows' `data_so
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from titanrl.components.console import STDERR
+from titanrl.components.console import STDERR, get_logger
 from titanrl.components.plugins import load_object
 from titanrl.config.eval_sections import EvalSuite
 from titanrl.data.encode import PromptEncoder, fit_rows, prompt_room
@@ -34,7 +33,7 @@ from titanrl.rewards.math_verify import gsm8k_verifier, math_verifier
 from titanrl.rewards.pass_at_k import pass_at_k, pass_ks
 from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig

@@ -14,12 +14,12 @@ trained on; the groups in flight are part of the checkpoint, so a resumed run co
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from titanrl.components.console import get_logger
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.formats import RowSample
 from titanrl.data.tasks import Sample
@@ -27,7 +27,7 @@ from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
 from titanrl.rl.rollouts import RolloutCollector, Rollouts
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.rl.stats import RLStats
