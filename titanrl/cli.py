@@ -2,6 +2,8 @@
 
     titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]
     titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]
+    titanrl serve-env NAME [--host H] [--port P] [--token-file F]
+    titanrl cp {rl,sft,dpo,reward_model} DEST.py
 
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
@@ -9,14 +11,18 @@ error (config, degrees, data, checkpoint or model paths, reward function, a dump
 is one line on stderr and exit code 2, before any rank starts; so is a checkpoint to resume from
 whose parameters do not fit the model, that the dump folder has no room to save again, or whose
 data file has changed (`titanrl.data.provenance`). A user error that only a rank finds is printed
-once, by this launcher. A run stopped by SIGTERM / SIGUSR1
-that saved its checkpoint exits 0, so that `sbatch --requeue` or a Kubernetes restart resumes it.
+once, by this launcher; one raised during the run names <dump_folder>/errors.log, its
+traceback. A run stopped by SIGTERM / SIGUSR1 that saved its checkpoint exits 0, so that
+`sbatch --requeue` or a Kubernetes restart resumes it.
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
 `titanrl serve-env NAME` serves an environment over OpenEnv's protocol (`titanrl/envs/serve.py`).
+`titanrl cp rl my_rl.py` copies a built-in recipe and its config to fork (job.recipe names the
+copy). `titanrl --help` and `titanrl COMMAND --help` describe each command; `titanrl --version`.
 """
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -26,15 +32,18 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from titanrl.components.console import get_logger
+
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
 
-USAGE = (
-    "usage: titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]\n"
-    "       titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] "
-    "[--section.key=value ...]\n"
-    "       titanrl serve-env NAME [--host H] [--port P] [--token-file F]"
+log = get_logger("titanrl.cli")  # not __name__: `python -m titanrl.cli` runs it as __main__
+
+USAGE_RUN = "titanrl run [--nproc N] [torchrun options] CONFIG.toml [--section.key=value ...]"
+USAGE_EVAL = (
+    "titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]"
 )
+USAGE = f"usage: {USAGE_RUN}"
 RENDEZVOUS = ("--standalone", "--nnodes", "--rdzv", "--master", "--node-rank", "--node_rank")
 # Slurm preemption (`--signal=USR1@90`) must reach the ranks: torchrun forwards only what it handles.
 SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -101,7 +110,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     p = config.parallelism
     if ranks is not None:
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks, p.ep, p.cp)
-    data = get_recipe(config.job.recipe).load_data(config)
+    data = get_recipe(config.job.recipe, config.job.config_file).load_data(config)  # a forked recipe imports
     args = launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
     if config.distillation.teacher_hf_checkpoint:
         read_hf_config(config.distillation.teacher_hf_checkpoint)  # the teacher's folder exists and parses
@@ -163,27 +172,21 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         stopped = os.path.join(dump_folder, STOPPED_FILE)
         if os.path.exists(stopped) and os.path.getmtime(stopped) >= started:
             record = json.load(open(stopped))
-            print(
+            log.warning(
                 f"titanrl: stopped by {record['signal']} after step {record['step']} "
-                f"(checkpoint {record['checkpoint'] or 'off'})",
-                file=sys.stderr,
-                flush=True,
+                f"(checkpoint {record['checkpoint'] or 'off'})"
             )
             return 0
-        print(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved", file=sys.stderr)
+        log.warning(f"titanrl: stopped by signal {e.sigval.name} before a checkpoint was saved")
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         # A user error, also one a rank left while another rank failed first in another way.
         if failure.exitcode == 2 or os.listdir(errors.name):
-            print(rank_error(errors.name, rank), file=sys.stderr, flush=True)
+            log.error(rank_error(errors.name, rank))
         # The watchdog (3) has already printed its one line.
         if failure.exitcode not in (2, 3):
-            print(
-                f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.error(f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)")
         return failure.exitcode if failure.exitcode in (2, 3) else 1
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
@@ -225,26 +228,158 @@ def quiet_user_errors(folder: str) -> _UserErrorFilter:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__}")
-        return 0
-    if argv[0] == "eval":
-        return eval_main(argv[1:])
-    if argv[0] == "serve-env":  # an environment as an OpenEnv-compatible server (docs/env_servers.md)
-        from titanrl.envs.serve import serve_main
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source tree on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
-        return serve_main(argv[1:])
-    if argv[0] != "run":
-        print(f"titanrl: error: unknown command '{argv[0]}'; {USAGE}", file=sys.stderr)
-        return 2
+    import titanrl
+
     try:
-        opts, config_file, overrides = split_args(argv[1:])
+        return installed("titanrl")
+    except PackageNotFoundError:
+        return titanrl.__version__
+
+
+RUN_HELP = """Check the whole job in this process (config, degrees, data, model and checkpoint
+paths, reward function: a user error is one line and exit code 2), then start it under torchrun.
+Everything before CONFIG.toml goes to torchrun (without rendezvous options the job is
+--standalone); everything after it overrides the config. Every config key:
+`python -m titanrl.train --help` and docs/configuration.md."""
+
+EVAL_HELP = """Run the config's [[eval]] suites on a checkpoint without training, under torchrun,
+and print the JSON summary on stdout (notices go to stderr); docs/evaluation.md."""
+
+CP_HELP = """Copy a built-in recipe's file and a TOML config that trains it (job.recipe pointing at
+the copy) to start an experiment from: `titanrl cp rl my_rl.py` writes my_rl.py and
+my_rl.toml; then edit the copy and `titanrl run my_rl.toml`. Nothing is overwritten."""
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line's parser, and each command's own (for its --help)."""
+    parser = argparse.ArgumentParser(
+        prog="titanrl",
+        description="titanrl: PyTorch-native RL post-training for LLMs.",
+        epilog="`titanrl COMMAND --help` describes each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"titanrl {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = sub.add_parser("run", help="check a job, then train it under torchrun", description=RUN_HELP, usage=USAGE_RUN)
+    run.add_argument("--nproc", metavar="N", help="ranks per node (torchrun's --nproc_per_node); default 1")
+    run.add_argument("torchrun", nargs="*", metavar="TORCHRUN_OPTION", help="e.g. --nnodes=2 --rdzv-endpoint=H:P")
+    run.add_argument("config", metavar="CONFIG.toml", help="the job's config (train_configs/)")
+    run.add_argument("overrides", nargs="*", metavar="--section.key=value", help="overrides of the config's keys")
+    ev = sub.add_parser(
+        "eval", help="run a config's [[eval]] suites on a checkpoint", description=EVAL_HELP, usage=USAGE_EVAL
+    )
+    ev.add_argument("config", metavar="CONFIG.toml", help="a config with [[eval]] suites")
+    ev.add_argument("--checkpoint", metavar="PATH", help="a titanrl step-N checkpoint folder")
+    ev.add_argument("--hf", metavar="FOLDER", help="a Hugging Face model folder (sets model.hf_checkpoint)")
+    ev.add_argument("--nproc", metavar="N", help="ranks (default 1)")
+    ev.add_argument("--out", metavar="FILE", help="the JSON summary's file (default <job.dump_folder>/eval.json)")
+    ev.add_argument("overrides", nargs="*", metavar="--section.key=value", help="overrides of the config's keys")
+    serve = sub.add_parser("serve-env", help="serve an environment over OpenEnv's protocol", add_help=False)
+    serve.add_argument("args", nargs=argparse.REMAINDER)
+    cp = sub.add_parser("cp", help="copy a built-in recipe and its config to fork", description=CP_HELP)
+    cp.add_argument("recipe", choices=sorted(RECIPE_CONFIGS), help="the built-in recipe to copy")
+    cp.add_argument("dest", metavar="DEST.py", help="the copy's file; its config is DEST.toml beside it")
+    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp}
+
+
+RECIPE_CONFIGS = {
+    "rl": "grpo_reverse_debug.toml",
+    "sft": "sft_reverse_debug.toml",
+    "dpo": "dpo_reverse_debug.toml",
+    "reward_model": "reward_model_reverse_debug.toml",
+}
+"""The train_configs/ file each built-in recipe's copy starts from."""
+
+
+def copy_main(args: argparse.Namespace) -> int:
+    """`titanrl cp RECIPE DEST.py`: the recipe's file as DEST.py and its config as DEST.toml."""
+    try:
+        recipe_file, config_text = fork_sources(args.recipe)
+        dest = args.dest if args.dest.endswith(".py") else args.dest + ".py"
+        toml = os.path.splitext(dest)[0] + ".toml"
+        for path in (dest, toml):
+            if os.path.exists(path):
+                raise ValueError(f"'{path}' exists; give `titanrl cp` a new file name (nothing was written)")
+        with open(recipe_file) as f:
+            source = f.read()
+        with open(dest, "x") as f:
+            f.write(source)
+        with open(toml, "x") as f:
+            f.write(point_at(config_text, os.path.basename(dest)))
+    except (ValueError, OSError) as e:
+        log.error(f"titanrl: error: {e}")
+        return 2
+    log.info(f"wrote {dest} (a copy of {recipe_file})")
+    log.info(f"wrote {toml} (job.recipe = '{os.path.basename(dest)}'); train it with: titanrl run {toml}")
+    return 0
+
+
+def fork_sources(name: str) -> tuple[str, str]:
+    """(the built-in recipe's source file, the text of the config its copy starts from)."""
+    import inspect
+
+    from titanrl.recipes import get_recipe
+
+    recipe_file = inspect.getsourcefile(get_recipe(name))
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs")
+    config = os.path.join(config, RECIPE_CONFIGS[name])
+    if recipe_file is None or not os.path.isfile(config):
+        raise ValueError(f"the '{name}' recipe's files are not in this installation ({config}); use a source checkout")
+    with open(config) as f:
+        return recipe_file, f.read()
+
+
+def point_at(config_text: str, recipe_file: str) -> str:
+    """`config_text` with [job] recipe set to `recipe_file` (a relative path: found beside the config)."""
+    out = ["# A forked recipe: `titanrl cp` copied this config; job.recipe names the copy beside it.\n"]
+    section, placed = "", False
+    for line in config_text.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            section = stripped
+        if section == "[job]" and stripped.split("=")[0].strip() == "recipe":
+            continue  # replaced below the [job] header
+        out.append(line)
+        if stripped == "[job]" and not placed:
+            out.append(f'recipe = "{recipe_file}"\n')
+            placed = True
+    return "".join(out) if placed else f'[job]\nrecipe = "{recipe_file}"\n\n' + "".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`titanrl COMMAND ...`; the exit code for the shell. argparse reads the command and the
+    top-level flags; `run` and `eval` read the rest in order (torchrun options before the .toml
+    file, config overrides after it: argparse cannot keep that split for options it does not
+    know), `serve-env` with its own parser (`titanrl/envs/serve.py`), `cp` with argparse."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser, commands = build_parser()
+    if argv and argv[0] in IN_ORDER:
+        if argv[0] != "serve-env" and ("-h" in argv[1:] or "--help" in argv[1:]):
+            commands[argv[0]].print_help()
+            return 0
+        return IN_ORDER[argv[0]](argv[1:])
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return copy_main(args)
+
+
+def run_main(argv: list[str]) -> int:
+    """`titanrl run ...`: check the job in this process, then start it under torchrun."""
+    try:
+        opts, config_file, overrides = split_args(argv)
         config_args = [f"--job.config_file={config_file}", *overrides]
         config = preflight(config_args, world_size(opts))
     except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
     return run_torchrun(opts, config_args, config.job.dump_folder)
 
@@ -257,7 +392,7 @@ def eval_main(args: list[str]) -> int:
         parsed = evaluate.parse_eval_args(args)
         config = evaluate.preflight(parsed)
     except ValueError as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
     opts = torchrun_options(["--nproc", parsed.nproc])
     code = run_torchrun(
@@ -265,8 +400,22 @@ def eval_main(args: list[str]) -> int:
     )
     if code == 0:
         with open(evaluate.out_path(parsed, config.job.dump_folder)) as f:
-            print(f.read(), end="", flush=True)
+            print(f.read(), end="", flush=True)  # stdout is the JSON alone (`titanrl eval ... | jq`)
     return code
+
+
+def serve_env_main(argv: list[str]) -> int:
+    """`titanrl serve-env NAME ...`: an environment as an OpenEnv-compatible server (docs/env_servers.md)."""
+    from titanrl.envs.serve import serve_main
+
+    try:
+        return serve_main(argv)
+    except SystemExit as e:  # its argparse: --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+
+
+IN_ORDER = {"run": run_main, "eval": eval_main, "serve-env": serve_env_main}
+"""The commands whose arguments are read in order, after argparse has read the command."""
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node=N -m titanrl.train --job.config_file train_configs/X.toml [--section.key=value]
 
-`job.recipe` picks what is trained ('rl', 'sft', 'dpo', 'reward_model'; `titanrl/recipes/`);
-the `Trainer` (`titanrl/trainer.py`) builds everything and runs the loop.
+`job.recipe` picks what is trained ('rl', 'sft', 'dpo', 'reward_model'; `titanrl/recipes/`;
+or a forked recipe: 'path/to/my_rl.py' or 'package.module:Class'); the `Trainer`
+(`titanrl/trainer.py`) builds everything and runs the loop. `--help` lists every config key.
 """
 
 from titanrl.algorithms import validate_algorithm
@@ -18,7 +19,7 @@ def build_trainer(config: JobConfig) -> Trainer:
     """The Trainer of the job's recipe (`job.recipe`), after the algorithm's own checks (which also
     resolve its settings table)."""
     validate_algorithm(config)
-    return Trainer(config, get_recipe(config.job.recipe))
+    return Trainer(config, get_recipe(config.job.recipe, config.job.config_file))
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -32,7 +33,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         RolloutWorker(config).run()
         return {}
     trainer = build_trainer(config)
-    result = trainer.train()
+    with launch.errors_logged(config.job.dump_folder):  # a user error mid-run: its traceback in a file
+        result = trainer.train()
     trainer.close()
     return result
 

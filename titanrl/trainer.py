@@ -23,6 +23,7 @@ from torch import nn
 
 from titanrl.components import launch
 from titanrl.components.checkpoint import CheckpointManager
+from titanrl.components.console import get_logger
 from titanrl.components.faults import fault_active, fault_point
 from titanrl.components.float8 import precompute_float8_scales
 from titanrl.components.metrics import MetricsLogger
@@ -37,6 +38,8 @@ from titanrl.distributed import clip_grad_norm_, dp_sum
 from titanrl.models.hf import export_hf, export_lora
 from titanrl.models.moe import MoE
 from titanrl.models.tokenizer import build_tokenizer
+
+log = get_logger(__name__)
 
 
 class Trainer:
@@ -69,6 +72,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.recipe = recipe_cls(self, data)
+        self.checkpoint = RunCheckpoint(self)
 
     # ---- the loop ----
 
@@ -76,7 +80,7 @@ class Trainer:
         """Run the job to `training.steps`; returns the first and last evaluation."""
         cfg = self.config
         self._banner()
-        restored = self.load_checkpoint()
+        restored = self.checkpoint.load()
         if restored is None:
             start, (first_eval, last_eval) = 1, self.begin()
         else:
@@ -89,7 +93,7 @@ class Trainer:
         ):
             stopped, last_eval = self.run_steps(start, first_eval, last_eval, profiler, memory)
         if not stopped:
-            self.finish_checkpoint()
+            self.checkpoint.wait()
             self._finish(first_eval, last_eval)
         return {**{f"first_{k}": v for k, v in first_eval.items()}, **last_eval}
 
@@ -121,7 +125,7 @@ class Trainer:
                 self.metrics.log(step, {"phase": self.recipe.name, **metrics}, self.recipe.console)
             saved = cfg.checkpoint.enable and (step % cfg.checkpoint.interval == 0 or step == cfg.training.steps)
             if saved:
-                self.save_checkpoint(step, first_eval, last_eval)
+                self.checkpoint.save(step, first_eval, last_eval)
             if profiler is not None:
                 profiler.step()
             if memory is not None:
@@ -159,30 +163,28 @@ class Trainer:
         """Preempted (SIGTERM / SIGUSR1): checkpoint this step if it was not just saved, then
         return so that the process exits 0 and a requeued job resumes from here."""
         if self.config.checkpoint.enable and not saved:
-            self.save_checkpoint(step, first_eval, last_eval)
-        self.finish_checkpoint()
+            self.checkpoint.save(step, first_eval, last_eval)
+        self.checkpoint.wait()
         where = self.checkpointer.step_dir(step) if self.config.checkpoint.enable else ""
         if self.rank == 0:
             launch.write_stopped(self.config.job.dump_folder, signum, step, where)
-            print(
+            log.info(
                 f"titanrl: stopped by {signal.Signals(signum).name} after step {step}; "
                 + (
                     f"checkpoint {where} saved, run the same command again to resume"
                     if where
                     else "checkpoint.enable is off, so this run cannot resume"
-                ),
-                flush=True,
+                )
             )
 
     def _banner(self) -> None:
         if self.rank == 0:
             n_params = sum(p.numel() for p in self.model.parameters())  # DTensor numel is global
             model = self.config.model.hf_checkpoint.rstrip("/") or f"flavor {self.config.model.flavor}"
-            print(
+            log.info(
                 f"titanrl | {self.config.job.description} | recipe {self.recipe.name} | {self.dims.world_size} "
                 f"rank(s) {self.dims} | model {model} ({n_params / 1e6:.1f}M params) | "
-                f"data {self.config.data.path or 'task ' + self.config.data.task}",
-                flush=True,
+                f"data {self.config.data.path or 'task ' + self.config.data.task}"
             )
 
     def _finish(self, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
@@ -195,7 +197,7 @@ class Trainer:
             summary = ", ".join(
                 f"{k} {first_eval.get(k, float('nan')):.4f} -> {last_eval[k]:.4f}" for k in sorted(last_eval)
             )
-            print(f"{self.recipe.name}: {summary}", flush=True)
+            log.info(f"{self.recipe.name}: {summary}")
 
     # ---- what recipes share inside a step ----
 
@@ -259,56 +261,66 @@ class Trainer:
         """This rank's micro-batches of training.micro_batch_tokens (`data.batch.plan_micro_batches`)."""
         return plan_micro_batches(lengths, self.config.training.micro_batch_tokens, self.dp_group, sort_single)
 
-    # ---- checkpoints ----
 
-    def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
-        models, optimizers = self.recipe.checkpoint_parts()
-        return {"model": self.model, **models}, {"model": self.optimizer, **optimizers}
+class RunCheckpoint:
+    """What a run saves at a step and restores on resume, beside the Trainer's checkpointer: the
+    models and optimizers (the Trainer's and the recipe's), the lr schedule, the loader's
+    position, the RNGs, the evaluations so far and the recipe's host state."""
 
-    def save_checkpoint(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
+        t = self.trainer
+        models, optimizers = t.recipe.checkpoint_parts()
+        return {"model": t.model, **models}, {"model": t.optimizer, **optimizers}
+
+    def save(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
+        t = self.trainer
         host = {
             "step": step,
-            "scheduler": self.lr_scheduler.state_dict(),
-            "loader": self.recipe.loader.state_dict(),
+            "scheduler": t.lr_scheduler.state_dict(),
+            "loader": t.recipe.loader.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "py_rng": random.getstate(),
             "first_eval": first_eval,
             "last_eval": last_eval,
-            "recipe": self.recipe.state_dict(),
+            "recipe": t.recipe.state_dict(),
         }
-        with phase(self.watchdog, "checkpoint"):
-            self.checkpointer.save(step, *self.checkpoint_parts(), host)
+        with phase(t.watchdog, "checkpoint"):
+            t.checkpointer.save(step, *self.parts(), host)
 
-    def finish_checkpoint(self) -> None:
+    def wait(self) -> None:
         """Wait for the async save in flight, if any, and raise its error (sync saves: no-op)."""
-        with phase(self.watchdog, "checkpoint"):
-            self.checkpointer.wait()
+        with phase(self.trainer.watchdog, "checkpoint"):
+            self.trainer.checkpointer.wait()
 
-    def load_checkpoint(self) -> dict | None:
+    def load(self) -> dict | None:
         """Restore checkpoint.load_path, else the latest complete checkpoint of this run, if any;
         returns its host state (step, evals) or None for a fresh run."""
-        if not self.resuming:
+        t = self.trainer
+        if not t.resuming:
             return None
-        log = print if self.rank == 0 else lambda _: None
-        path = self.config.checkpoint.load_path.rstrip("/")
+        notice = log.info if t.rank == 0 else lambda _: None
+        path = t.config.checkpoint.load_path.rstrip("/")
         if path:
             match = re.fullmatch(r"step-(\d+)", os.path.basename(path))
             if not match or not os.path.exists(os.path.join(path, ".metadata")):
                 raise ValueError(f"checkpoint.load_path '{path}' is not a complete titanrl step-N checkpoint folder")
             # A corrupt or refused load_path raises CheckpointCorrupt, a user error: one line, exit 2.
-            host = self.checkpointer.load(path, *self.checkpoint_parts(), log=log)
+            host = t.checkpointer.load(path, *self.parts(), log=notice)
         else:
             # Damaged checkpoints are skipped with one line each; none loadable is CheckpointCorrupt.
-            restored = self.checkpointer.load_latest(*self.checkpoint_parts(), log=log)
+            restored = t.checkpointer.load_latest(*self.parts(), log=notice)
             if restored is None:
                 return None
             host = restored[1]
-            path = self.checkpointer.step_dir(restored[0])
-        self.lr_scheduler.load_state_dict(host["scheduler"])
-        self.recipe.loader.load_state_dict(host["loader"])
-        self.recipe.load_state_dict(host.get("recipe", {}))
+            path = t.checkpointer.step_dir(restored[0])
+        t.lr_scheduler.load_state_dict(host["scheduler"])
+        t.recipe.loader.load_state_dict(host["loader"])
+        t.recipe.load_state_dict(host.get("recipe", {}))
         torch.set_rng_state(host["torch_rng"])
         random.setstate(host["py_rng"])
-        if self.rank == 0:
-            print(f"resumed from {path} (step {host['step']})", flush=True)
+        if t.rank == 0:
+            log.info(f"resumed from {path} (step {host['step']})")
         return host

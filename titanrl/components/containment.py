@@ -33,6 +33,10 @@ import subprocess
 import sys
 import time
 
+from titanrl.components.console import get_logger
+
+log = get_logger(__name__)
+
 PIDS_MAX = 1024
 """Processes and threads a worker's cgroup may hold (a fork bomb stops there)."""
 OOM_EXIT_CODE = 222
@@ -161,7 +165,7 @@ def announce(kind: str) -> None:
     """Say once per process and kind ('reward', 'environment') how its workers are contained."""
     if kind not in _ANNOUNCED:
         _ANNOUNCED.add(kind)
-        print(f"{kind} workers contained by {probe()}", flush=True)
+        log.info(f"{kind} workers contained by {probe()}")
 
 
 def join_cgroups(cgroups: dict[str, str]) -> None:

@@ -2,6 +2,7 @@
 config, join the process group, size the model, own the dump folder, stop on preemption signals,
 shut down, report user errors."""
 
+import contextlib
 import ctypes
 import fcntl
 import gc
@@ -12,7 +13,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import torch
@@ -21,9 +23,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from titanrl.components.checkpoint import CheckpointManager
-from titanrl.components.checkpoint_errors import free_bytes
+from titanrl.components.checkpoint_errors import CheckpointSaveError, free_bytes
 from titanrl.components.checkpoint_integrity import CheckpointCorrupt, verify_checkpoint
 from titanrl.components.compile_cache import use_compile_cache
+from titanrl.components.console import get_logger
 from titanrl.config import JobConfig, help_text, load_config, to_toml
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.distributed import ParallelDims, device_type, init_distributed, set_determinism
@@ -32,6 +35,8 @@ from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import read_hf_config
 from titanrl.models.lora import add_lora, is_lora_key
 from titanrl.models.model import Transformer
+
+log = get_logger(__name__)
 
 
 def parse_args(argv: list[str] | None) -> JobConfig | None:
@@ -113,11 +118,7 @@ class StopSignals:
     def _handle(self, signum: int, frame: object) -> None:
         del frame
         if not self.received:
-            print(
-                f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.warning(f"titanrl: {signal.Signals(signum).name} received; stopping after this step with a checkpoint")
         self.received = self.received or signum
 
     def agreed(self) -> int:
@@ -145,7 +146,7 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     rank, world_size = init_distributed(single_process_group=config.training.mixed_precision_param != "float32")
     set_determinism(config.job.seed, config.job.deterministic)
     if rank == 0 and config.job.print_config:
-        print(to_toml(config))
+        log.info(to_toml(config))
     p = config.parallelism
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep, p.cp)
     return rank, dims, local_device()
@@ -177,36 +178,68 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+USER_ERRORS = (ValueError, CheckpointSaveError, FloatingPointError)
+"""What a user acts on, with a message naming the cause and the fix: bad config, data, paths or
+degrees (ValueError, `CheckpointCorrupt` among them), a checkpoint that cannot be written (disk
+full, no permission), a non-finite update under training.on_nonfinite = 'stop'."""
+
+ERROR_LOG = "errors.log"
+"""The file under job.dump_folder where a run's user error leaves its traceback."""
+
+
 def run(main: Callable[[], object]) -> None:
-    """Run an entry point; a user error (config, data, degrees) exits with code 2 and its message,
-    which names the cause and the fix, instead of a traceback. Then free what the run left in
+    """Run an entry point; a user error (`USER_ERRORS`: config, data, degrees, a checkpoint that
+    cannot be saved ...) exits with code 2 and its message, which names the cause and the fix,
+    instead of a traceback. Then free what the run left in
     reference cycles: its model (FSDP state holding process groups) stays alive after `main`
     returns until a garbage collection (62 modules on the 2-rank SFT job) - else the
     interpreter's unordered teardown at exit destroys the groups, and a rank of a finished run
     was seen to abort there ("terminate called without an active exception", gloo, rare)."""
     try:
         main()
-    except ValueError as e:
+    except USER_ERRORS as e:
         report_user_error(e)
         sys.exit(2)
     gc.collect()
+
+
+@contextlib.contextmanager
+def errors_logged(folder: str) -> Iterator[None]:
+    """Around a run's steps: a user error raised inside leaves its traceback in
+    `<folder>/errors.log` (appended, headed by the rank and time), and its one-line report
+    (`report_user_error`) names that file."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        path = os.path.join(folder, ERROR_LOG)
+        header = f"rank {os.environ.get('RANK', '0')}, {time.strftime('%Y-%m-%d %H:%M:%S')}:\n"
+        try:
+            with open(path, "a") as f:
+                f.write(header + "".join(traceback.format_exception(e)) + "\n")
+            e.titanrl_log = path  # type: ignore[attr-defined]  # read by report_user_error
+        except OSError:
+            pass  # the folder cannot take it (the disk that is full): the line alone names the cause
+        raise
 
 
 ERROR_DIR_ENV = "TITANRL_ERROR_DIR"
 """Set by `titanrl run`: the folder where a rank leaves its user error for the launcher to print."""
 
 
-def report_user_error(error: ValueError) -> None:
-    """The one line `titanrl: error: <message>` on stderr. Under `titanrl run` the rank writes it
+def report_user_error(error: BaseException) -> None:
+    """The one line `titanrl: error: <message>` on stderr (with the traceback's file when
+    `errors_logged` wrote one). Under `titanrl run` the rank writes it
     to `$TITANRL_ERROR_DIR/rank<N>.txt` instead and the launcher prints the failed rank's line
     once: every rank of a job usually fails the same way, and N ranks printed N copies."""
     line = "titanrl: error: " + " ".join(str(error).splitlines())
+    if getattr(error, "titanrl_log", None):
+        line += f" (traceback in {error.titanrl_log})"  # type: ignore[attr-defined]
     folder = os.environ.get(ERROR_DIR_ENV)
     if folder and os.path.isdir(folder):
         with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}.txt"), "w") as f:
             f.write(line + "\n")
         return
-    print(line, file=sys.stderr, flush=True)
+    log.error(line)
 
 
 # ---- pre-flight of the checkpoint a run resumes from (`titanrl run`, before any rank starts) ----

@@ -12,7 +12,10 @@ from typing import Any
 
 import torch
 
+from titanrl.components.console import get_logger
 from titanrl.config.job_config import JobConfig
+
+log = get_logger(__name__)
 
 
 class MetricsLogger:
@@ -69,7 +72,7 @@ class MetricsLogger:
             for k, label in labels.items()
             if k in record
         ]
-        print(f"step {step:>4} | " + " | ".join(parts), flush=True)
+        log.info(f"step {step:>4} | " + " | ".join(parts))
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -16,7 +16,6 @@ import json
 import os
 import pickle
 import resource
-import sys
 import warnings
 from collections.abc import Iterator
 
@@ -24,7 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from titanrl.components.console import get_logger
 from titanrl.config.sections import Profiling
+
+log = get_logger(__name__)
 
 # Allocation events kept by `torch.cuda.memory._record_memory_history` (a ring buffer).
 MEMORY_HISTORY_MAX_ENTRIES = 100_000
@@ -145,11 +147,9 @@ def maybe_enable_memory_snapshot(
         yield snapshot
     except torch.OutOfMemoryError:
         path = snapshot.dump(snapshot.last_step + 1, "_oom")
-        print(
+        log.error(
             f"titanrl: rank {snapshot.rank} ran out of memory in step {snapshot.last_step + 1}; "
-            f"memory snapshot written to {path}",
-            file=sys.stderr,
-            flush=True,
+            f"memory snapshot written to {path}"
         )
         raise
     finally:

@@ -2,8 +2,12 @@
 placement, the optimizer, data, checkpoints and metrics. A docstring under every field; each
 section checks its own fields in `validate()`."""
 
+import difflib
 from dataclasses import dataclass
 from typing import Literal
+
+BUILTIN_RECIPES = ("rl", "sft", "dpo", "reward_model")
+"""The recipes that ship with titanrl (`titanrl/recipes/`), by `job.recipe` name."""
 
 
 @dataclass
@@ -11,10 +15,14 @@ class Job:
     config_file: str = ""
     """TOML file with the job configuration; values given on the command line override it."""
 
-    recipe: Literal["rl", "sft", "dpo", "reward_model"] = "rl"
+    recipe: str = "rl"
     """What the job trains (one file each under `titanrl/recipes/`): 'rl' (GRPO family, PPO: see
     [algorithm]), 'sft' on worked solutions, 'dpo' and 'reward_model' (Bradley-Terry score head)
-    on {prompt, chosen, rejected} pairs."""
+    on {prompt, chosen, rejected} pairs. Or a recipe forked out of the tree (`titanrl cp rl
+    my_rl.py`): a `Recipe` subclass as 'package.module:Class', 'path/to/file.py:Class' or
+    'path/to/file.py' (its one subclass); a relative path is looked up in the current directory,
+    then beside the config file. Settings that need job.recipe = 'rl' ([[eval]] suites,
+    [distillation], rollout.mode = 'one_step') need the built-in name."""
 
     dump_folder: str = "./outputs"
     """Folder for everything the run writes: metrics, checkpoints, exported models."""
@@ -36,6 +44,14 @@ class Job:
     than this ends the process with a message naming the rank and phase; 0 disables it."""
 
     def validate(self) -> None:
+        if self.recipe not in BUILTIN_RECIPES and ":" not in self.recipe and not self.recipe.endswith(".py"):
+            close = difflib.get_close_matches(self.recipe, BUILTIN_RECIPES, n=1, cutoff=0.6)
+            raise ValueError(
+                f"Invalid value {self.recipe!r} for 'job.recipe': expected one of "
+                + ", ".join(repr(r) for r in BUILTIN_RECIPES)
+                + ", or a Recipe subclass as 'package.module:Class' or 'path/to/file.py[:Class]'."
+                + (f" Did you mean '{close[0]}'?" if close else "")
+            )
         if self.phase_timeout_s < 0:
             raise ValueError(f"[job] phase_timeout_s must be >= 0 (0 = off), got {self.phase_timeout_s}")
         if self.seed < 0:

@@ -12,12 +12,15 @@ it. Their cost is the tokenizer's, paid once per rank, at the same time.
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from titanrl.components.console import get_logger
 from titanrl.config.sections import Data
 from titanrl.data.formats import sample_where
 from titanrl.data.prompts import is_rank0, listed
 from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import Tokenizer
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
@@ -99,10 +102,9 @@ def fit_rows(
         )
     total = len(train or []) + len(held_out)
     if is_rank0():
-        print(
+        log.info(
             f"dropped {len(over)} of {total} rows whose {what} is over {max_tokens} tokens ({limit}): "
-            f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)",
-            flush=True,
+            f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)"
         )
     named = ((train, kept[0], "training rows"), (held_out, kept[1], "held-out rows (data.num_eval_samples)"))
     for rows, left, name in named:

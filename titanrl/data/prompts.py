@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING
 
 import torchdata.nodes as tn
 
+from titanrl.components.console import get_logger
 from titanrl.data.formats import RowSchema, read_jsonl_objects, read_rows  # noqa: F401 (read_jsonl_objects: re-export)
 from titanrl.data.provenance import ProvenanceLoader, hashed_rows, new_source, sources_in
 from titanrl.data.tasks import Sample, Task
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config.sections import Data
@@ -119,10 +122,9 @@ def load_samples(
             continue
         samples.append(sample)
     if dropped and is_rank0():
-        print(
+        log.info(
             f"{path}: dropped {len(dropped)} of {total} rows whose prompt is longer than data.max_prompt_chars "
-            f"({max_prompt_chars} characters): {listed(dropped, 'characters')}",
-            flush=True,
+            f"({max_prompt_chars} characters): {listed(dropped, 'characters')}"
         )
     if not samples:
         extra = f" left after dropping {len(dropped)} over data.max_prompt_chars" if dropped else ""

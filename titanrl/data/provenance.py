@@ -21,6 +21,10 @@ from typing import Any
 
 import torchdata.nodes as tn
 
+from titanrl.components.console import get_logger
+
+log = get_logger(__name__)
+
 SOURCES_KEY = "data_sources"
 """The loader state's entry with the identities of its data files."""
 
@@ -109,7 +113,7 @@ def check_sources(saved: list[dict] | None, current: list[DataSource], notify: b
     """Raise ValueError if the checkpoint's data files (`saved`: their identities; None for a
     checkpoint saved before they were recorded) are not the rows this run reads (`current`),
     unless data.allow_changed; `notify`: print the one-line notices (rank 0)."""
-    say = (lambda text: print(f"titanrl: notice: {text}", flush=True)) if notify else (lambda text: None)
+    say = (lambda text: log.info(f"titanrl: notice: {text}")) if notify else (lambda text: None)
     if saved is None:
         if current:
             say(

@@ -32,8 +32,11 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from titanrl.components.console import get_logger
 from titanrl.envs.builtin import PythonSandboxEnv
 from titanrl.envs.pool import resolve_env, validate_step
+
+log = get_logger(__name__)
 
 TOKEN_ENV = "TITANRL_ENV_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -246,12 +249,11 @@ def serve(name: str, sock: socket.socket, token: str | None, kwargs: dict | None
 
     jail = probe_jail() if issubclass(resolve_env(name), PythonSandboxEnv) else None
     host, port = sock.getsockname()[:2]
-    print(
+    log.info(
         f"titanrl serve-env: '{name}' on http://{host}:{port} "
         f"({'token required' if token else 'no token: loopback only'}"
         + (f"; sandbox: no network {jail['no_network']}, user nobody {jail['nobody']}" if jail else "")
-        + ")",
-        flush=True,
+        + ")"
     )
     app = build_app(name, kwargs, token, jail)
     config = uvicorn.Config(app, log_level="warning", ws_ping_interval=None, timeout_keep_alive=30)
@@ -273,7 +275,7 @@ def serve_main(argv: list[str]) -> int:
         check_bind(args.host, token)
         sock = bind(args.host, args.port)
     except (ValueError, OSError) as e:
-        print(f"titanrl: error: {e}", file=sys.stderr, flush=True)
+        log.error(f"titanrl: error: {e}")
         return 2
     serve(args.name, sock, token)
     return 0

@@ -4,7 +4,8 @@ A recipe is built by the `Trainer` (`titanrl/trainer.py`) after the Trainer's sh
 (mesh, tokenizer, model, optimizer, lr schedule, checkpointer, metrics) and builds what it needs
 on top (data loader, generator, rewards, reference, critic ...). The Trainer's loop calls
 `prepare()` once on a fresh run, `step()` every step, and `evaluate()` at the eval interval.
-Fork a recipe file to experiment; register a new one in `recipes/__init__.py`.
+Fork a recipe to experiment: `titanrl cp rl my_rl.py` copies one with its config, and
+`job.recipe = "my_rl.py"` (or 'package.module:Class') trains the copy (`recipes/__init__.py`).
 """
 
 from __future__ import annotations

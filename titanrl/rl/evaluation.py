@@ -15,13 +15,13 @@ and eval/s/<source>/pass@j, mean@k, prompts for each value of the rows' `data_so
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from titanrl.components.console import STDERR, get_logger
 from titanrl.components.plugins import load_object
 from titanrl.config.eval_sections import EvalSuite
 from titanrl.data.encode import PromptEncoder, fit_rows, prompt_room
@@ -32,6 +32,8 @@ from titanrl.generator import Generator, SamplingParams
 from titanrl.rewards.math_verify import gsm8k_verifier, math_verifier
 from titanrl.rewards.pass_at_k import pass_at_k, pass_ks
 from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from titanrl.config import JobConfig
@@ -194,7 +196,7 @@ def progress_report(name: str, total: int, every_s: float) -> Callable[[list], N
         now = time.monotonic()
         if now - last >= every_s or done == total:
             last = now
-            print(f"eval '{name}': {done}/{total} samples finished on rank 0 ({now - start:.0f} s)", file=sys.stderr)
+            log.info(f"eval '{name}': {done}/{total} samples finished on rank 0 ({now - start:.0f} s)", extra=STDERR)
 
     return report
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from titanrl.components.console import get_logger
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.formats import RowSample
 from titanrl.data.tasks import Sample
@@ -26,6 +27,8 @@ from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
 from titanrl.rl.groups import RolloutCounts, Rollouts
 from titanrl.rl.rollouts import RolloutCollector
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -200,10 +203,9 @@ class PartialRolloutCollector(RolloutCollector):
         # Another layout: the groups are another data shard's, or TP peers would disagree.
         if state["layout"] != _layout(self.host.dims):
             if self.host.rank == 0:
-                print(
+                log.info(
                     f"partial rollouts: the groups in flight were saved with another parallel layout "
-                    f"({state['layout']}, now {_layout(self.host.dims)}): dropped",
-                    flush=True,
+                    f"({state['layout']}, now {_layout(self.host.dims)}): dropped"
                 )
             return
         self.in_flight, self.drawn = [_group(g) for g in state["in_flight"]], state["drawn"]
