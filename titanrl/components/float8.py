@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrl.config.adapt_sections import Float8 as Float8Config
+from titanrl.models.model import Transformer
 
 if TYPE_CHECKING:
     from torchao.float8 import Float8LinearConfig
@@ -53,7 +54,7 @@ def float8_linear_config(config: Float8Config) -> "Float8LinearConfig":
     )
 
 
-def _skip_reason(fqn: str, module: nn.Module, config: Float8Config) -> str:
+def _skip_reason(fqn: str, module: nn.Linear, config: Float8Config) -> str:
     """Why the block linear `fqn` stays in high precision ('' when it is converted)."""
     if any(name in fqn for name in config.filter_fqns):
         return "filter_fqns"
@@ -143,7 +144,7 @@ def precompute_float8_scales(model: nn.Module, config: Float8Config) -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def reshard_float8_blocks_after_forward(model: nn.Module) -> None:
+def reshard_float8_blocks_after_forward(model: Transformer) -> None:
     """Make every FSDP2 block of a float8-all-gather `model` reshard after its forward.
 
     Its unsharded weights are float8 tensors that checkpointing and weight copies cannot read
@@ -153,7 +154,7 @@ def reshard_float8_blocks_after_forward(model: nn.Module) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for block in model.layers.values():
+    for block in model.blocks():
         if isinstance(block, FSDPModule):
             block.set_reshard_after_forward(True)
 

@@ -6,6 +6,7 @@ critic or reward model has a one-label scalar head (`num_labels = 1`, HF's
 """
 
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -79,12 +80,14 @@ def load_full_state_dict(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     if has_lora(model):
         missing = {k for k in get_model_state_dict(model) if not is_lora_key(k)} - set(sd)
         assert not missing, f"state dict lacks {sorted(missing)[:5]}"
-    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=not has_lora(model)))
+    options = StateDictOptions(full_state_dict=True, strict=not has_lora(model))
+    set_model_state_dict(model, sd, options=options)  # type: ignore[arg-type]  # the stub's dict is invariant
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded state dict of a (parallelized) model, on every rank."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return cast(dict[str, torch.Tensor], sd)  # a model's values are tensors (ValueType also covers optimizers')
 
 
 def build_reference(
@@ -103,7 +106,8 @@ def copy_weights(dst: nn.Module, src: nn.Module, skip: tuple[str, ...] = ()) -> 
     a LoRA `src` gives its merged weights W + (alpha / r) B A (`policy_state_dict`)."""
     if has_lora(src):
         sd = {k: v for k, v in policy_state_dict(src).items() if k not in skip}
-        set_model_state_dict(dst, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(dst, sd, options=options)  # type: ignore[arg-type]  # the stub's dict is invariant
         return
     src_params = dict(src.named_parameters())
     for name, param in dst.named_parameters():

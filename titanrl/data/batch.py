@@ -32,9 +32,10 @@ def build_sequence_batch(
         mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = 1.0
         if gen_logprobs is not None:
             gen_lp_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(gen_logprobs[i])
-        if completion_masks is not None and completion_masks[i] is not None:
-            assert len(completion_masks[i]) == len(c), "one mask entry per completion token"
-            mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(completion_masks[i], dtype=mask_BT.dtype)
+        completion_mask = completion_masks[i] if completion_masks is not None else None
+        if completion_mask is not None:
+            assert len(completion_mask) == len(c), "one mask entry per completion token"
+            mask_BT[i, len(p) - 1 : len(p) + len(c) - 1] = torch.tensor(completion_mask, dtype=mask_BT.dtype)
     return TensorDict(
         {"tokens": tokens_BT, "loss_mask": mask_BT, "gen_logprobs": gen_lp_BT, "length": torch.tensor(lengths)},
         batch_size=[B],

@@ -106,9 +106,12 @@ def fit_rows(
             f"dropped {len(over)} of {total} rows whose {what} is over {max_tokens} tokens ({limit}): "
             f"{listed(over, 'tokens')}; {fix} (data.on_long_prompt='error' stops on them instead)"
         )
-    named = ((train, kept[0], "training rows"), (held_out, kept[1], "held-out rows (data.num_eval_samples)"))
-    for rows, left, name in named:
-        if rows and not left:
+    named: tuple[tuple[list[Row] | None, list[Row], str], ...] = (
+        (train, kept[0], "training rows"),
+        (held_out, kept[1], "held-out rows (data.num_eval_samples)"),
+    )
+    for given, left, name in named:
+        if given and not left:
             raise ValueError(
                 f"no {name} are left after dropping the {len(over)} whose {what} is over "
                 f"{max_tokens} tokens ({limit}); {fix}"
@@ -176,7 +179,7 @@ def fit_demonstrations(
     """SFT on a data file: every row's encoded prompt + solution + eos fits the context."""
     if not config.data.path:
         return train, held_out
-    return fit_rows(
+    kept, kept_held_out = fit_rows(
         train,
         held_out,
         lambda s: demonstration_size(encode, s),
@@ -186,6 +189,8 @@ def fit_demonstrations(
         f"model.max_seq_len {max_seq_len}",
         "shorten or filter these rows or raise model.max_seq_len",
     )
+    assert kept is not None, "fit_rows keeps a list for a list"
+    return kept, kept_held_out
 
 
 def fit_pairs(
@@ -205,7 +210,7 @@ def fit_pairs(
         answers = max(len(tokenizer.encode(pair.chosen)), len(tokenizer.encode(pair.rejected)))
         return len(encode(pair.prompt)) + answers + 1
 
-    return fit_rows(
+    kept, kept_held_out = fit_rows(
         train,
         held_out,
         size,
@@ -215,3 +220,5 @@ def fit_pairs(
         f"model.max_seq_len {max_seq_len}",
         "shorten or filter these rows or raise model.max_seq_len",
     )
+    assert kept is not None, "fit_rows keeps a list for a list"
+    return kept, kept_held_out

@@ -303,7 +303,7 @@ class RowSample(Sample):
     """The file it was read from (`titanrl.data.provenance`), recorded in checkpoints."""
 
 
-def sample_where(sample: Sample, index: int) -> str:
+def sample_where(sample: object, index: int) -> str:
     """Where a sample is: its file and line or row, or `sample {index}` for one not read from a file."""
     return getattr(sample, "where", "") or f"sample {index}"
 

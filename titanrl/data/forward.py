@@ -145,7 +145,7 @@ def forward_logprobs(
     # Routes, replayed or not, tell the MoE layers which tokens are padding.
     routes_LTK = replay_routes_LTK(batch["routes"], layout, replay_routes) if "routes" in batch.keys() else None
     if layout is None:
-        backend = ExactCausalAttention() if invariant else None
+        backend: AttentionBackend | None = ExactCausalAttention() if invariant else None
         with batch_invariant_mode() if invariant else contextlib.nullcontext():
             return model.logprobs(
                 tokens_BT[:, :-1],
@@ -179,8 +179,8 @@ def forward_values(critic: Transformer, batch: TensorDict, packing: str = "off")
     tokens_BT = batch["tokens"]
     layout = layout_of(batch, packing)
     if getattr(critic, "cp_mesh", None) is not None:
-        plan, backend, inputs_RS, positions_RS = _cp_rows(critic, tokens_BT[:, :-1], layout)
-        out_RL1 = critic(plan.shard(inputs_RS), plan.shard(positions_RS), backend)
+        plan, cp_backend, inputs_RS, positions_RS = _cp_rows(critic, tokens_BT[:, :-1], layout)
+        out_RL1 = critic(plan.shard(inputs_RS), plan.shard(positions_RS), cp_backend)
         values_RS = plan.unshard(out_RL1[..., 0].float())
         return values_RS if layout is None else layout.unpack(values_RS)
     if layout is None:
@@ -204,6 +204,7 @@ def _cp_rows(
         inputs_RS = layout.pack(inputs_BT)
         positions_RS, doc_RS = layout.positions_RS.to(inputs_BT.device), layout.doc_RS.to(inputs_BT.device)
     mesh = model.cp_mesh
+    assert mesh is not None, "called under context parallelism only"
     plan = shard_plan(inputs_RS.shape[1], mesh.size(), mesh.get_local_rank(), mesh.get_group())
     check_same_rows(inputs_RS, plan)
     return plan, CPAttention(plan, doc_RS), inputs_RS, positions_RS
@@ -231,7 +232,7 @@ def _cp_logprobs(
         mask_BT=plan.shard(mask_RS),
         positions_BT=plan.shard(positions_RS),
     )
-    out = [plan.unshard(x) if x is not None else None for x in (logprobs_RL, entropy_RL)]
+    logprobs, entropy = plan.unshard(logprobs_RL), plan.unshard(entropy_RL) if entropy_RL is not None else None
     if layout is not None:
-        out = [layout.unpack(x) if x is not None else None for x in out]
-    return out[0], out[1]
+        logprobs, entropy = layout.unpack(logprobs), layout.unpack(entropy) if entropy is not None else None
+    return logprobs, entropy

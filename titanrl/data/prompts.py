@@ -106,7 +106,8 @@ def load_samples(
     if on_long_prompt not in ("drop", "error"):
         raise ValueError(f"on_long_prompt must be 'drop' or 'error', got {on_long_prompt!r}")
     schema = RowSchema(prompt_key, answer_key, solution_key)
-    samples, dropped, total = [], [], 0
+    samples: list[Sample] = []
+    dropped, total = [], 0
     source = new_source(path, allow_changed)
     for where, row in hashed_rows(read_rows(path), source):
         total += 1

@@ -49,8 +49,13 @@ class ExpertParallel(ParallelStyle):
         self.index_N: torch.Tensor | None = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # torch's stub has input_fn / output_fn return None; they return the new inputs / outputs.
         return distribute_module(
-            module, device_mesh, partition_fn=_shard_experts, input_fn=self._dispatch, output_fn=self._combine
+            module,
+            device_mesh,
+            partition_fn=_shard_experts,
+            input_fn=self._dispatch,  # type: ignore[arg-type]
+            output_fn=self._combine,  # type: ignore[arg-type]
         )
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +74,10 @@ class ExpertParallel(ParallelStyle):
         return x_ND[self.index_N], recv_RL.sum(0)
 
     def _combine(self, module: nn.Module, y_ND: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        inverse_N = torch.empty_like(self.index_N)
-        inverse_N[self.index_N] = torch.arange(self.index_N.numel(), device=self.index_N.device)
+        index_N = self.index_N
+        assert index_N is not None, "set by the forward's dispatch"
+        inverse_N = torch.empty_like(index_N)
+        inverse_N[index_N] = torch.arange(index_N.numel(), device=index_N.device)
         return all_to_all(y_ND[inverse_N], self.in_splits, self.out_splits, mesh.get_group())
 
 

@@ -77,7 +77,7 @@ def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"[parallelism] ep ({ep}) must divide the number of experts ({num_experts}); choose another ep degree"
         )
-    for block in model.layers.values():
+    for block in model.blocks():
         if block.moe is not None:
             parallelize_module(block.moe.experts, ep_mesh, ExpertParallel())
 
@@ -99,7 +99,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
             f"hidden_dim ({args.hidden_dim}) and vocab_size ({args.vocab_size}); choose another tp degree"
         )
     residual = Shard(1) if sequence_parallel else Replicate()
-    root_plan = {
+    root_plan: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=residual, use_local_output=not sequence_parallel
         ),
@@ -121,7 +121,7 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # Both styles shard the shared matrix on dim 0 (vocab); re-tie to one DTensor.
         model.output.weight = model.tok_embeddings.weight
 
-    for block in model.layers.values():
+    for block in model.blocks():
         block_plan = _block_tp_plan(args, residual, sequence_parallel, block.moe_enabled)
         plan = {
             path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
@@ -265,7 +265,7 @@ def apply_fsdp(
     whatever the token split between ranks.
     """
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    blocks = list(model.layers.values())
+    blocks = model.blocks()
     for i, block in enumerate(blocks):
         if reshard_after_forward == "default":
             # The last block's params are needed again right away in backward.
@@ -294,6 +294,7 @@ def apply_fsdp(
 def _expert_placement(param: nn.Parameter, fsdp_size: int) -> Shard:
     """FSDP2 shards this rank's experts on the expert dim when there are enough of them, else
     on the hidden dim (TorchTitan's rule): no padded, empty shards."""
+    assert isinstance(param, DTensor), "the experts are ep-sharded DTensors"
     return Shard(0) if param.to_local().shape[0] % fsdp_size == 0 else Shard(1)
 
 
@@ -311,7 +312,7 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, norm_type: 
             groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p)
     norms = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)

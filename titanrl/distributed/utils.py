@@ -55,7 +55,7 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 
 def all_reduce_values(
-    values: list[float], group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.SUM
+    values: list[float], group: dist.ProcessGroup | None, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> list[float]:
     """Reduce a few host numbers (metrics, counts) over `group` in float64; None = one process."""
     t = torch.tensor(values, dtype=torch.float64)

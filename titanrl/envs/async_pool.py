@@ -6,6 +6,7 @@ many episodes are in flight while the generator decodes."""
 import asyncio
 import queue
 import threading
+from abc import ABC, abstractmethod
 from typing import Any
 
 from titanrl.envs.pool import EnvResult
@@ -14,7 +15,7 @@ _DRAIN_S = 5.0
 """How long closing a pool waits for its loop's remaining tasks once cancelled."""
 
 
-class AsyncEnvPool:
+class AsyncEnvPool(ABC):
     """Subclasses define the coroutines `_reset(episode, sample)`, `_step(episode, text)`,
     `_close(episode)` and `_close_all()`, each putting its result on `self._results`, and
     `poll_backstop_s`: the longest `poll(block=True)` may wait (every call has its own deadline,
@@ -28,6 +29,18 @@ class AsyncEnvPool:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=thread_name, daemon=True)
         self._thread.start()
+
+    @abstractmethod
+    async def _reset(self, episode: int, sample: dict) -> None: ...
+
+    @abstractmethod
+    async def _step(self, episode: int, text: str) -> None: ...
+
+    @abstractmethod
+    async def _close(self, episode: int) -> None: ...
+
+    @abstractmethod
+    async def _close_all(self) -> None: ...
 
     def _submit(self, coro: Any) -> None:
         self._in_flight += 1

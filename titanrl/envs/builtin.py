@@ -20,6 +20,7 @@ import ast
 import random
 import subprocess
 import sys
+from typing import Any
 
 from titanrl.data.task import Sample, Task, safe_arithmetic
 from titanrl.data.tasks import TASKS
@@ -277,7 +278,8 @@ class GuessNumberTask(Task):
 
     def make(self, rng: random.Random) -> Sample:
         secret = rng.randint(1, 16)
-        demo, low, high = [], 1, 16
+        demo: list[list[Any]] = []  # [text, the model wrote it] pairs, JSON lists in the metadata
+        low, high = 1, 16
         while True:
             guess = (low + high) // 2
             demo.append([f"{TOOL_OPEN}{guess}{TOOL_CLOSE}", True])

@@ -229,6 +229,7 @@ class EnvPool:
             if block and not self._ready and self._pending:
                 wait_s = max(0.0, min(d for _, d in self._pending.values()) - time.monotonic())
             for conn in wait(list(conns), timeout=wait_s):
+                assert isinstance(conn, Connection), "wait() returns the ready objects it was given"
                 try:
                     while True:  # drain: several episodes' results may be queued on one worker
                         self._receive(conns[conn], *conn.recv())

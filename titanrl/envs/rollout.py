@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanrl.data.encode import PromptEncoder
+from titanrl.envs.base import StepResult
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.tool_calls import PYTHON_TAG, resolve_tool_format
 from titanrl.models.chat_template import ChatTemplate
@@ -215,12 +216,13 @@ class MultiTurnRollout:
         while len(first) < len(self._ids):
             for r in self.pool.poll(block=True):
                 key = self._keys[r.episode]
+                assert r.value is None or isinstance(r.value, str), "a reset's result is its first observation"
                 first[key] = r.value
                 if r.error is not None:
                     self._fail(key, r.error)
         prompts = []
         for i in range(len(samples)):
-            texts = {first[(i, j)] for j in range(group_size) if first[(i, j)] is not None}
+            texts = {obs for j in range(group_size) if (obs := first[(i, j)]) is not None}
             if len(texts) > 1:
                 raise ValueError(
                     f"the environment's first observation differs between the {group_size} samples of prompt "
@@ -229,7 +231,11 @@ class MultiTurnRollout:
             text = texts.pop() if texts else samples[i]["prompt"]
             keys = [(i, j) for j in range(group_size)]
             tools = self._episode_tools(keys)
-            prompts.append(self.chat.start(keys, text, tools) if self.chat is not None else encode(text))
+            if self.chat is not None:
+                prompts.append(self.chat.start(keys, text, tools))
+            else:
+                assert encode is not None
+                prompts.append(encode(text))
             for key in keys:
                 self._lengths[key] = 0  # completion tokens (model + environment) so far
         return prompts
@@ -278,6 +284,7 @@ class MultiTurnRollout:
                 out.append((key, None))
                 continue
             step = r.value
+            assert isinstance(step, StepResult), "a step's result is a validated StepResult"
             results = step.info.get("tool_results")
             if results is not None and not (isinstance(results, list) and all(isinstance(x, str) for x in results)):
                 self._fail(key, "invalid: info['tool_results'] must be a list of str")

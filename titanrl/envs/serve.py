@@ -106,6 +106,7 @@ def make_jail(jail: dict[str, bool]):
             os._exit(126)  # refuse to run the code with network access it was promised not to have
         if jail["nobody"]:
             user = _nobody()
+            assert user is not None, "jail['nobody'] is set only where the user exists"
             os.setgroups([])
             os.setgid(user.pw_gid)
             os.setuid(user.pw_uid)
@@ -196,6 +197,7 @@ def build_app(name: str, kwargs: dict | None = None, token: str | None = None, j
     @app.post("/reset")
     async def reset(request: dict | None = None) -> dict:
         reply = await asyncio.to_thread(Session(cls, kwargs, jail).handle, {"type": "reset", "data": request or {}})
+        assert reply is not None, "a reset is answered with an observation"
         return reply["data"]
 
     @app.post("/step")
@@ -204,6 +206,7 @@ def build_app(name: str, kwargs: dict | None = None, token: str | None = None, j
             raise HTTPException(422, "the body must be {'action': {'text': ...}}")
         session = Session(cls, kwargs, jail)
         reply = await asyncio.to_thread(session.handle, {"type": "step", "data": request["action"]})
+        assert reply is not None, "a step is answered with an observation"
         return reply["data"]
 
     @app.websocket("/ws")

@@ -5,6 +5,7 @@ rollouts (`VerifiersEnvPool`, `[env] verifiers`)."""
 
 import os
 import socket
+import subprocess
 import sys
 from multiprocessing.connection import Connection
 
@@ -23,7 +24,8 @@ class LocalServers:
 
     def __init__(self, name: str, kwargs: dict, count: int, token: str | None, startup_timeout_s: float) -> None:
         announce("environment server")
-        self.procs, self.urls = [], []
+        self.procs: list[subprocess.Popen] = []
+        self.urls: list[str] = []
         try:
             for _ in range(count):
                 self._start(name, kwargs, token, startup_timeout_s)

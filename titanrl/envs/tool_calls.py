@@ -88,7 +88,8 @@ def checked_call(call: object, content: str, index: int, args_keys: Sequence[str
 def tagged(text: str, open_tag: str, close_tag: str) -> list[str]:
     """The contents of every `open_tag ... close_tag` of `text`, in order; a tag left open (the
     turn cut off) or a stray close tag is a ToolCallError."""
-    contents, pos = [], 0
+    contents: list[str] = []
+    pos = 0
     while True:
         start, stray = text.find(open_tag, pos), text.find(close_tag, pos)
         if start < 0 and stray < 0:
@@ -112,7 +113,7 @@ def parse_hermes(text: str) -> list[ToolCall]:
 
 
 def parse_tag(text: str) -> list[ToolCall]:
-    calls = []
+    calls: list[ToolCall] = []
     for i, content in enumerate(tagged(text, TOOL_OPEN, TOOL_CLOSE)):
         if content.strip().startswith("{"):
             calls.append(json_call(content.strip(), i + 1))
@@ -121,12 +122,19 @@ def parse_tag(text: str) -> list[ToolCall]:
     return calls
 
 
+def _separator_end(text: str, pos: int) -> int:
+    match = _SEPARATOR.match(text, pos)
+    assert match is not None, "the separator pattern matches the empty string"
+    return match.end()
+
+
 def parse_llama3(text: str) -> list[ToolCall]:
     tag = text.find(PYTHON_TAG)
     body = text[tag + len(PYTHON_TAG) :] if tag >= 0 else text
     if tag < 0 and not body.lstrip().startswith("{"):
         return []
-    decoder, calls, pos = json.JSONDecoder(), [], _SEPARATOR.match(body).end()
+    decoder, pos = json.JSONDecoder(), _separator_end(body, 0)
+    calls: list[ToolCall] = []
     while pos < len(body):
         index = len(calls) + 1
         if body[pos] != "{":
@@ -137,7 +145,7 @@ def parse_llama3(text: str) -> list[ToolCall]:
             cut = " (the call is incomplete: cut off at the turn's token limit?)" if unclosed(body[pos:]) else ""
             raise ToolCallError(f"tool call {index}: invalid JSON ({e.msg}){cut}") from None
         calls.append(checked_call(call, body[pos:end], index, ("parameters", "arguments")))
-        pos = _SEPARATOR.match(body, end).end()
+        pos = _separator_end(body, end)
     if not calls:
         raise ToolCallError(f"{PYTHON_TAG} without a tool call after it")
     return calls

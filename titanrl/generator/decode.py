@@ -14,19 +14,33 @@ one compiled region per power-of-two batch bucket (CUDA graphs on GPU).
 
 import array
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
-from torch import nn
 
 from titanrl.generator.paged_attention import AttentionKind, PagedBatch, logical_page_index, paged_attention
 from titanrl.generator.sampling import SamplingParams, sample_tokens, sampled_logprobs
 from titanrl.models.batch_invariant import batch_invariant_mode
+from titanrl.models.model import Transformer
 from titanrl.models.moe import MoE
+
+DecodeStepOutput = tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+]
+"""`decode_step`'s tokens, positions, live, tokens left, logprobs, stopped, live count, routes or None."""
 
 
 def decode_step(
-    model: nn.Module,
+    model: Transformer,
     k_cache: list[torch.Tensor],
     v_cache: list[torch.Tensor],
     params: SamplingParams,
@@ -41,7 +55,7 @@ def decode_step(
     scratch: int,
     attention: AttentionKind,
     record_routes: bool = False,
-) -> tuple[torch.Tensor, ...]:
+) -> DecodeStepOutput:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step, how many rows are
     still live (0-d, the host's one read per step) and, with `record_routes`, each MoE layer's
@@ -84,7 +98,9 @@ def batch_bucket(n: int) -> int:
     return max(MIN_BUCKET, 1 << (n - 1).bit_length())
 
 
-def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tuple[nn.Module, object]:
+def compile_decode(
+    model: Transformer, backend: str, device: torch.device
+) -> tuple[Transformer, Callable[..., DecodeStepOutput]]:
     """The compiled model (one-step decode) and decode step, static shapes per batch bucket (the
     block tables' width is marked dynamic). On CUDA, CUDA graphs (`reduce-overhead`'s option).
     Guards on modules are skipped: the generator's modules never change type or structure
@@ -99,7 +115,8 @@ def compile_decode(model: nn.Module, backend: str, device: torch.device) -> tupl
     if backend == "inductor":
         # No stride checks of the step's matmul / view outputs on every call (Python per step).
         options["size_asserts"] = False
-    return model_fn, torch.compile(decode_step, backend=backend, options=options, dynamic=False)
+    # The compiled module (an OptimizedModule) forwards every attribute to `model`.
+    return cast(Transformer, model_fn), torch.compile(decode_step, backend=backend, options=options, dynamic=False)
 
 
 def static_kv_for_cuda_graphs(k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
@@ -194,7 +211,11 @@ def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.devi
 
 
 def _collect(
-    out_tokens: list, out_logprobs: list, out_stopped: list, live_N: torch.Tensor, out_routes: list
+    out_tokens: tuple[torch.Tensor, ...],
+    out_logprobs: tuple[torch.Tensor, ...],
+    out_stopped: tuple[torch.Tensor, ...],
+    live_N: torch.Tensor,
+    out_routes: tuple[torch.Tensor, ...],
 ) -> DecodeOutput:
     """The pass's per-step outputs read back once, each row cut after its stop token."""
     N = len(live_N)
@@ -221,8 +242,8 @@ def _collect(
 
 
 def run_decode_pass(
-    step_fn,
-    model: nn.Module,
+    step_fn: Callable[..., DecodeStepOutput],
+    model: Transformer,
     k_cache: list[torch.Tensor],
     v_cache: list[torch.Tensor],
     params: SamplingParams,
@@ -270,13 +291,13 @@ def run_decode_pass(
             record_routes,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
-            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK = (
-                t if t is None else t.clone()
-                for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK)
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
+                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N)
             )
+            routes_LNK = routes_LNK if routes_LNK is None else routes_LNK.clone()
         outs.append((tokens_N, logprobs_N, stopped_N, routes_LNK))
-        num_live = int(num_live)  # the one host read per step
-        if num_live == 0 or 4 * num_live <= 3 * N or (end_when_any_stops and num_live < N):
+        live = int(num_live)  # the one host read per step
+        if live == 0 or 4 * live <= 3 * N or (end_when_any_stops and live < N):
             break
     out_tokens, out_logprobs, out_stopped, out_routes = zip(*outs)
-    return _collect(out_tokens, out_logprobs, out_stopped, live_N[:N], out_routes if record_routes else [])
+    return _collect(out_tokens, out_logprobs, out_stopped, live_N[:N], out_routes if record_routes else ())

@@ -25,7 +25,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import gather_kv, write_kv
@@ -218,7 +218,7 @@ class FlexPagedAttention:
             R = q_SQHD.shape[2] // Hkv
             self.block_mask = page_block_mask(self.batch, R, B, P, pad_to_pool=k_pages.device.type == "cpu")
         # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
-        options = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
+        options: FlexKernelOptions | None = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
         k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
         v_1GLD = v_pages.view(1, P * B, Hkv, D).transpose(1, 2)
         if torch.compiler.is_compiling():

@@ -24,6 +24,7 @@ it only when `generator.quantize` is not 'none'.
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchao.quantization import (
     Float8DynamicActivationFloat8WeightConfig,
     Int8WeightOnlyConfig,
@@ -112,6 +113,7 @@ class WeightQuantizer:
         quantize_(holder, self.config)
         new = holder.weight
         assert type(new) is type(dst), f"re-quantised to {type(new).__name__}, the generator holds {type(dst).__name__}"
+        assert is_traceable_wrapper_subclass(dst), "a quantised weight is a tensor subclass of inner tensors"
         names, _ = dst.__tensor_flatten__()
         for name in names:
             getattr(dst, name).copy_(getattr(new, name))

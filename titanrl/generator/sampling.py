@@ -129,6 +129,7 @@ def sample_tokens(
     """
     if params.temperature == 0:
         return first_argmax(logits_NV)
+    assert key_N is not None and counter_N is not None, "a draw needs the rows' random streams"
     probs_NV = _filtered_logits(logits_NV, params).softmax(-1)
     cdf_NV = probs_NV.cumsum(-1, dtype=torch.float64)
     u_N = counter_uniform(key_N, counter_N)

@@ -3,12 +3,22 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 import torch
 
 from titanrl.generator.sampling import SamplingParams
 from titanrl.models.tokenizer import Tokenizer
+
+FinishReason = Literal["stop", "length", "paused"]
+
+
+def _completion_reason(reason: str | None) -> FinishReason:
+    """A finished sample's reason without the multi-turn 'done:' mark."""
+    assert reason is not None, "a finished sample has a finish reason"
+    reason = reason.removeprefix("done:")
+    assert reason in ("stop", "length", "paused"), reason
+    return cast(FinishReason, reason)
 
 
 @dataclass
@@ -17,7 +27,7 @@ class Completion:
     sample_index: int
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length", "paused"]
+    finish_reason: FinishReason
     """'paused': generation was paused (`pause_when`) before the sample finished; pass it back
     as a `ResumedSample` to continue it (a sample of a group never started has no tokens)."""
     text: str | None = None
@@ -165,7 +175,7 @@ class Seq:
             sample_index=self.sample_index,
             token_ids=ids,
             logprobs=self.logprobs,
-            finish_reason=self.finish_reason.removeprefix("done:"),
+            finish_reason=_completion_reason(self.finish_reason),
             text=tokenizer.decode(ids) if tokenizer is not None else None,
             top_logprobs=self.top_logprobs if self.params.num_top_logprobs else None,
             model_mask=(self.model_mask + [1] * (len(ids) - len(self.model_mask))) if self.model_mask else None,

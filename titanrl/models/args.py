@@ -19,11 +19,15 @@ class RopeScaling:
     """Context length the model was pre-trained with."""
 
 
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe"]
+"""The architecture families titanrl implements."""
+
+
 @dataclass
 class TransformerModelArgs:
     """Shape of a decoder-only transformer of the Llama-3 / Qwen2 / Qwen3 / Qwen3-MoE families."""
 
-    family: Literal["llama3", "qwen2", "qwen3", "qwen3_moe"] = "llama3"
+    family: Family = "llama3"
     """Architecture family; decides the HF model_type on export."""
 
     dim: int = 256

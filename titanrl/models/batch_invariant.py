@@ -141,6 +141,7 @@ def attend_exact_batched(
         block_pv = torch.matmul(p_SGRC.to(dtype), v_SGLD[:, :, start : start + KEY_BLOCK]).float()
         denom_SGR1 = block_sum if denom_SGR1 is None else denom_SGR1 + block_sum
         acc_SGRD = block_pv if acc_SGRD is None else acc_SGRD + block_pv
+    assert acc_SGRD is not None and denom_SGR1 is not None, "there is at least one key block"
     out_SGRD = (acc_SGRD / denom_SGR1).to(dtype)[:, :, :R]
     return out_SGRD.reshape(S, Hkv, Q, n_rep, D).permute(0, 2, 1, 3, 4).reshape(S, Q, H, D)
 

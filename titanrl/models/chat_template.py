@@ -341,7 +341,7 @@ def _encode_with_offsets(tokenizer: Tokenizer, text: str) -> tuple[list[int], li
     """(ids, character span of each token), or (ids, None) for a tokenizer that has no offsets."""
     if isinstance(tokenizer, HFTokenizer):
         encoding = tokenizer._tok.encode(text, add_special_tokens=False)  # the ids HFTokenizer.encode returns
-        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+        return list(encoding.ids), [(start, end) for start, end in encoding.offsets]
     if isinstance(tokenizer, ByteTokenizer):
         offsets = [(i, i + 1) for i, ch in enumerate(text) for _ in ch.encode("utf-8")]
         return tokenizer.encode(text), offsets

@@ -12,25 +12,25 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 
-from titanrl.models.args import RopeScaling, TransformerModelArgs
+from titanrl.models.args import Family, RopeScaling, TransformerModelArgs
 from titanrl.models.lora import is_lora_key, lora_modules, merge_lora_state_dict
+from titanrl.models.model import Transformer
 
 if TYPE_CHECKING:
     from titanrl.config.job_config import JobConfig
 
 # family -> (HF model_type, HF architecture)
-_HF_FAMILIES = {
+_HF_FAMILIES: dict[Family, tuple[str, str]] = {
     "llama3": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
@@ -349,7 +349,14 @@ def read_hf_config(folder: str) -> TransformerModelArgs:
         return args_from_hf_config(json.load(f))
 
 
-def load_hf_weights(model: nn.Module, folder: str) -> None:
+def _full_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's whole state dict on the CPU (collective): a model's values are all tensors
+    (`ValueType`, its annotation, also covers optimizer states)."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor], sd)
+
+
+def load_hf_weights(model: Transformer, folder: str) -> None:
     """Load HF safetensors into `model`, which may be plain, FSDP2-sharded and/or TP-sharded.
 
     Every rank reads the files (a shared filesystem is assumed) and keeps only its shard.
@@ -363,11 +370,12 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
             f"HF checkpoint '{folder}' does not match the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]} (is config.json from the same model?)"
         )
-    set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, strict=expected == keys))
+    options = StateDictOptions(full_state_dict=True, strict=expected == keys)
+    set_model_state_dict(model, sd, options=options)  # type: ignore[arg-type]  # the stub's dict is invariant
 
 
 def export_hf(
-    model: nn.Module,
+    model: Transformer,
     folder: str,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = 5 * 2**30,
@@ -378,7 +386,7 @@ def export_hf(
 
     Collective: every rank must call it.
     """
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = _full_state_dict(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank != 0:
         return
@@ -391,12 +399,12 @@ def export_hf(
 
 
 def export_peft_adapter(
-    model: nn.Module, folder: str, rank: int, alpha: float, dropout: float, base_model: str = ""
+    model: Transformer, folder: str, rank: int, alpha: float, dropout: float, base_model: str = ""
 ) -> None:
     """Write `model`'s LoRA adapters as a PEFT adapter folder (`adapter_config.json` +
     `adapter_model.safetensors`, PEFT's key layout) that `peft.PeftModel.from_pretrained` loads
     onto the HF export of the base model. Collective: every rank must call it."""
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = _full_state_dict(model)
     rank_id = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank_id != 0:
         return
@@ -431,7 +439,7 @@ def export_peft_adapter(
         json.dump(config, f, indent=2)
 
 
-def export_lora(model: nn.Module, config: JobConfig) -> None:
+def export_lora(model: Transformer, config: JobConfig) -> None:
     """`<dump_folder>/peft_adapter` for `model.hf_checkpoint` as the base, or, for a model trained
     from scratch, also its base weights in `<dump_folder>/hf_base`. Collective."""
     base = config.model.hf_checkpoint

@@ -62,6 +62,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             logprobs_C, entropy_C = logprobs_and_entropy(F.linear(h_CD, weight_VD), t_C, with_entropy)
             logprobs.append(logprobs_C)
             if with_entropy:
+                assert entropy_C is not None
                 entropies.append(entropy_C)
         ctx.save_for_backward(h_ND, weight_VD, targets_N)
         ctx.chunk = chunk
@@ -138,7 +139,7 @@ def _select_rows(
 
 
 def _scatter_rows(
-    logprobs_N: torch.Tensor, entropy_N: torch.Tensor | None, mask_BT: torch.Tensor | None, BT: tuple[int, int]
+    logprobs_N: torch.Tensor, entropy_N: torch.Tensor | None, mask_BT: torch.Tensor | None, BT: torch.Size
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The rows of `_select_rows` back to [B, T], 0 where the mask is 0."""
     B, T = BT

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from titanrl.config.adapt_sections import LORA_TARGETS, lora_target
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
+from titanrl.models.model import Transformer
 
 # titanrl projection -> module inside a block
 _TARGETS = {
@@ -93,7 +94,7 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
 
 
-def add_lora(model: nn.Module, config: LoRAConfig) -> int:
+def add_lora(model: Transformer, config: LoRAConfig) -> int:
     """Replace the target projections of every block of `model` (a `Transformer`, before
     parallelization) by `LoRALinear`s; returns how many were adapted."""
     targets = [_TARGETS[name] for name in resolve_targets(config.target_modules)]
@@ -165,9 +166,9 @@ def initial_lora_state_dict(model: nn.Module, seed: int) -> dict[str, torch.Tens
 
 def init_lora(model: nn.Module, seed: int) -> None:
     """Set the adapters of a materialised (possibly FSDP2 / TP-sharded) model to their initial values."""
-    set_model_state_dict(
-        model, initial_lora_state_dict(model, seed), options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+    sd = initial_lora_state_dict(model, seed)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, sd, options=options)  # type: ignore[arg-type]  # the stub's dict is invariant
 
 
 def merge_lora_state_dict(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,11 +7,12 @@ weights load without permutation.
 """
 
 import math
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
@@ -57,6 +58,11 @@ def apply_rope(
     q = q_BTHD * cos + _rotate_half(q_BTHD) * sin
     k = k_BTHD * cos + _rotate_half(k_BTHD) * sin
     return q, k
+
+
+def _of_last_forward(value: torch.Tensor | None) -> torch.Tensor:
+    assert value is not None, "an MoE layer's routes and aux loss exist after a forward"
+    return value
 
 
 class AttentionBackend(Protocol):
@@ -110,6 +116,7 @@ class Attention(nn.Module):
         k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
+            assert self.k_norm is not None, "qk_norm makes both norms"
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rope(q, k, rope_BTD2)
@@ -165,6 +172,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
+        self.moe: MoE | None
+        self.feed_forward: FeedForward | None
         if self.moe_enabled:
             shared = args.moe_hidden_dim * args.moe_shared_experts
             self.moe = MoE(args, FeedForward(args.dim, shared) if shared else None)
@@ -186,6 +195,7 @@ class TransformerBlock(nn.Module):
         h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2, backend)
         if self.moe is not None:
             return h + self.moe(self.ffn_norm(h), routes_TK)
+        assert self.feed_forward is not None, "a block without moe has a feed_forward"
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, buffer_device: torch.device) -> None:
@@ -195,11 +205,17 @@ class TransformerBlock(nn.Module):
         if self.moe is not None:
             self.moe.init_weights(self.weight_init_std, buffer_device)
         else:
+            assert self.feed_forward is not None, "a block without moe has a feed_forward"
             self.feed_forward.init_weights(self.weight_init_std)
 
 
 class Transformer(nn.Module):
     """Build on the meta device, parallelize, `to_empty(device=...)`, then `init_weights()`."""
+
+    rope_cache: torch.Tensor
+    """[max_seq_len, 2 * head_dim] cos | sin (a non-persistent buffer)."""
+    cp_mesh: DeviceMesh | None = None
+    """The context-parallel group (`titanrl.distributed.parallelize`); None without context parallelism."""
 
     def __init__(self, args: TransformerModelArgs):
         super().__init__()
@@ -222,7 +238,7 @@ class Transformer(nn.Module):
             self.rope_cache = precompute_rope_cache(self.args)
         # A tied matrix is also the output projection, so it gets the small std of a linear layer.
         nn.init.normal_(self.tok_embeddings.weight, std=0.02 if self.args.ties_output else 1.0)
-        for block in self.layers.values():
+        for block in self.blocks():
             block.init_weights(buffer_device)
         self.norm.reset_parameters()
         if not self.args.ties_output:
@@ -241,18 +257,23 @@ class Transformer(nn.Module):
         paged KV cache); `routes_LTK` as in `hidden_states`."""
         return self.output(self.hidden_states(tokens_BT, positions_BT, backend, routes_LTK))
 
+    def blocks(self) -> list[TransformerBlock]:
+        """The blocks in layer order. One wrapped by activation checkpointing or compile forwards
+        the block's attributes: it is used as the block."""
+        return [cast(TransformerBlock, block) for block in self.layers.values()]
+
     def moe_layers(self) -> list[MoE]:
         """The MoE feed-forwards in layer order (empty for a dense model)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def moe_routes(self) -> torch.Tensor:
         """The experts the last forward used, [MoE layers, B * T, top_k]: what `routes_LTK` takes."""
-        return torch.stack([m.routes_TK for m in self.moe_layers()])
+        return torch.stack([_of_last_forward(m.routes_TK) for m in self.moe_layers()])
 
     def moe_aux_loss(self) -> torch.Tensor:
         """The last forward's load-balancing loss, the mean over MoE layers of each layer's
         `moe.load_balancing_loss` (differentiable; the trainer scales it by its coefficient)."""
-        return torch.stack([m.aux_loss for m in self.moe_layers()]).mean()
+        return torch.stack([_of_last_forward(m.aux_loss) for m in self.moe_layers()]).mean()
 
     def logprobs(
         self,

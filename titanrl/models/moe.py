@@ -24,6 +24,8 @@ What later work reads after a forward, per MoE layer (`MoE` attributes):
   that the bias update and load metrics use do not change.
 """
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,7 +104,8 @@ class GroupedExperts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """w1, w2, w3 of the experts this rank holds (all of them without expert parallelism)."""
-        return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        return w1, w2, w3
 
     def forward_grouped(self, x_SD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self.local_weights()
@@ -173,10 +176,18 @@ class AuxLossGrad(torch.autograd.Function):
         return grad_out, torch.full_like(aux, ctx.coeff), None
 
 
+class SharedExperts(Protocol):
+    """What MoE needs of its shared experts (the model's dense SwiGLU, `FeedForward`)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def init_weights(self, init_std: float) -> None: ...
+
+
 class MoE(nn.Module):
     """Routed experts (+ shared experts) replacing a block's dense feed-forward."""
 
-    def __init__(self, args: TransformerModelArgs, shared_experts: nn.Module | None = None):
+    def __init__(self, args: TransformerModelArgs, shared_experts: SharedExperts | None = None):
         super().__init__()
         self.num_experts = args.moe_num_experts
         self.top_k = args.moe_top_k

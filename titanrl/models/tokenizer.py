@@ -7,9 +7,11 @@ from typing import Protocol
 
 class Tokenizer(Protocol):
     vocab_size: int
-    bos_id: int | None
     eos_id: int
     pad_id: int
+
+    @property
+    def bos_id(self) -> int | None: ...  # read-only here: a tokenizer that always has one is a Tokenizer
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 

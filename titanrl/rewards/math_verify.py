@@ -279,7 +279,8 @@ def latex_to_expr(s: str) -> str:
 def _parse(s: str) -> ast.expr | None:
     """The answer as a tree of numbers, variables, pi, oo, + - * / ** and calls of _FUNCS (implicit
     products made explicit) by `ast.parse` of our own tokens (never evaluated); None if not math."""
-    expr, tokens, i = latex_to_expr(s).rstrip(), [], 0
+    expr, i = latex_to_expr(s).rstrip(), 0
+    tokens: list[str] = []
     while i < len(expr):
         m, last = _TOKEN.match(expr, i), tokens[-1] if tokens else "+"
         if m and m.group(2) and len(m.group(2)) > 1 and m.group(2) not in _NAMES.values():
@@ -288,6 +289,7 @@ def _parse(s: str) -> ast.expr | None:
         tok = m and (m.group(1) or m.group(2) or m.group(3))
         if not tok or (last in _FUNCS and tok != "("):
             return None  # not math, or a function without its argument
+        assert m is not None  # tok is one of m's groups
         if (
             (last == ")" or last[0].isalnum() or last[0] == ".")
             and last not in _FUNCS
@@ -310,6 +312,7 @@ def _value(node: ast.expr, env: dict[str, float], sp: Any = None) -> Any:
     power too large to compute exactly: sympy only sees trees that pass), or with `sp` a sympy one."""
     try:
         if isinstance(node, ast.Constant):
+            assert isinstance(node.value, (int, float)), "_TOKEN's constants are numbers"
             return sp.Rational(str(node.value)) if sp else complex(node.value)
         if isinstance(node, ast.Name) and node.id in ("pi", "oo"):
             return getattr(sp, node.id) if sp else complex(math.pi if node.id == "pi" else math.inf)
@@ -319,7 +322,9 @@ def _value(node: ast.expr, env: dict[str, float], sp: Any = None) -> Any:
             x = _value(node.operand, env, sp)
             return -x if isinstance(node.op, ast.USub) else x
         if isinstance(node, ast.Call):
+            assert isinstance(node.func, ast.Name), "_parse inserts '*' before a '(' that follows no function"
             return getattr(sp or cmath, node.func.id)(_value(node.args[0], env, sp))
+        assert isinstance(node, ast.BinOp), "_ALLOWED's other expressions are handled above"
         a, b = _value(node.left, env, sp), _value(node.right, env, sp)
         if (
             isinstance(node.op, ast.Pow)
@@ -360,7 +365,8 @@ def _scalar_equal(a: str, b: str, sp: Any) -> bool:
 
 def _split_top(s: str, sep: str) -> list[str] | None:
     """`s` split at the top-level `sep`s; None if a bracket closes that `s` did not open."""
-    parts, depth, start, i = [], 0, 0, 0
+    parts: list[str] = []
+    depth, start, i = 0, 0, 0
     while i < len(s) and depth >= 0:
         depth += (s[i] in "([{") - (s[i] in ")]}")
         if depth == 0 and s.startswith(sep, i):
@@ -373,9 +379,10 @@ def _sequence(s: str) -> tuple[str, list[str]] | None:
     """('()' / '[)' / ... for a tuple or interval, 'set' for a set or bare list; its elements)."""
     if s.startswith("\\{") and s.endswith("\\}") and (inner := _split_top(s[2:-2], ",")):
         return "set", inner
-    if s[:1] in ("(", "[") and s[-1:] in (")", "]") and len(inner := _split_top(s[1:-1], ",") or []) > 1:
-        return s[0] + s[-1], inner
-    return ("set", parts) if len(parts := _split_top(s, ",") or []) > 1 else None
+    if s[:1] in ("(", "[") and s[-1:] in (")", "]") and len(items := _split_top(s[1:-1], ",") or []) > 1:
+        return s[0] + s[-1], items
+    parts = _split_top(s, ",") or []
+    return ("set", parts) if len(parts) > 1 else None
 
 
 def _equal(a: str, b: str, sp: Any) -> bool:

@@ -14,6 +14,7 @@ child of a keeper that kills everything the worker started, `setsid` children an
 included, when the worker ends, is killed, or the trainer dies.
 """
 
+import ctypes
 import math
 import os
 import pickle
@@ -21,6 +22,7 @@ import selectors
 import signal
 import struct
 import sys
+from typing import Any
 
 from titanrl.components.containment import OOM_EXIT_CODE, spawn_contained, stop_contained
 from titanrl.components.workers import init_worker
@@ -49,9 +51,9 @@ def frame(obj: object) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
-def split_frames(buffer: bytearray) -> list[object]:
+def split_frames(buffer: bytearray) -> list[Any]:
     """Remove every complete frame from the front of `buffer`; return them unpickled."""
-    out = []
+    out: list[Any] = []
     while len(buffer) >= _HEADER.size:
         (size,) = _HEADER.unpack_from(buffer)
         if len(buffer) < _HEADER.size + size:
@@ -72,13 +74,13 @@ def _read_exact(fd: int, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def read_frame(fd: int) -> object:
+def read_frame(fd: int) -> Any:
     """The next frame from a blocking `fd`; EOFError when the writer closed it."""
     (size,) = _HEADER.unpack(_read_exact(fd, _HEADER.size))
     return pickle.loads(_read_exact(fd, size))
 
 
-def _score(fn: object, mode: str, args: tuple) -> tuple[str, float, bool, str]:
+def _score(fn: Any, mode: str, args: tuple) -> tuple[str, float, bool, str]:
     """Call the user's function on one sample: (kind, reward, correct, detail)."""
     if mode == "task":  # a titanrl Task's verifier: args = (completion, answer, metadata)
         score = fn.score(*args)
@@ -111,7 +113,7 @@ def _describe(e: BaseException) -> str:
     return text[-DETAIL_CHARS:]
 
 
-def _flush_output(libc: object) -> None:
+def _flush_output(libc: ctypes.CDLL | None) -> None:
     # Everything the call printed must be in the pipe before its result is sent: the trainer
     # attributes what it drained then to this sample. libc's buffer holds printf from C code.
     for stream in (sys.stdout, sys.stderr):
@@ -137,9 +139,8 @@ def reward_worker_main(request_fd: int, result_fd: int) -> None:
     import faulthandler
 
     faulthandler.enable()  # a segfault's traceback goes to stderr, which the trainer captures
+    libc: ctypes.CDLL | None
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None)
     except OSError:
         libc = None
