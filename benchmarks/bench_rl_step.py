@@ -89,8 +89,8 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from benchmarks.shapes import debug_shape
     from titanrl.data.tasks import Reverse
-    from titanrl.models.args import TransformerModelArgs
     from titanrl.models.hf import export_hf
     from titanrl.models.model import Transformer
 
@@ -115,18 +115,7 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
             f,
         )
     # The debug flavor's shape (Qwen3, 4 layers, dim 256) with this vocabulary.
-    args = TransformerModelArgs(
-        family="qwen3",
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=768,
-        vocab_size=64,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=256,
-    )
+    args = debug_shape(vocab_size=64, max_seq_len=256)
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()

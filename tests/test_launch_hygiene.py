@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
+from helpers.checkpoint_runs import BASE, assert_same_weights, ok, same, steps
 from helpers.launch import REPO_ROOT, run_cmd
-from test_checkpoint import BASE, _assert_same_weights, _ok, _same, _steps
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 
@@ -175,15 +175,15 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bit_exactly(tmp_path, uninterru
     stopped = json.load(open(tmp_path / "stopped.json"))["step"]
     assert f"stopped by SIGTERM after step {stopped}" in err and stopped in (2, 3), err
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-3"][: stopped - 1]
-    resumed = _ok(run_cmd(cmd, _env("slow_generate:3:1"), timeout_s=300))
+    resumed = ok(run_cmd(cmd, _env("slow_generate:3:1"), timeout_s=300))
     assert "resumed from" in resumed.stdout and f"step-{stopped}" in resumed.stdout
     (step3,) = [r for r in _metrics_rows(tmp_path) if r.get("step") == 3 and "reward_mean" in r]
     assert step3["straggler_rank"] == 1 and step3["straggler_phase"] == "generate"
     assert step3["straggler_excess_s"] > 1.5
     rl_steps = [r["step"] for r in _metrics_rows(tmp_path) if r.get("phase") == "rl" and "reward_mean" in r]
     assert rl_steps == [1, 2, 3, 4]
-    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
-    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    same(steps(tmp_path), steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    assert_same_weights(tmp_path, uninterrupted_two_ranks)
 
 
 @pytest.mark.multirank
@@ -203,12 +203,12 @@ def test_torchrun_max_restarts_resumes_like_uninterrupted(tmp_path, uninterrupte
         f"--job.dump_folder={tmp_path}",
         "--parallelism.dp_shard=2",
     ]
-    out = _ok(run_cmd(cmd, _env("step:3:1"), timeout_s=600))
+    out = ok(run_cmd(cmd, _env("step:3:1"), timeout_s=600))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
     rl_steps = [r["step"] for r in _metrics_rows(tmp_path) if r.get("phase") == "rl" and "reward_mean" in r]
     assert rl_steps == [1, 2, 3, 4]
-    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
-    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    same(steps(tmp_path), steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    assert_same_weights(tmp_path, uninterrupted_two_ranks)
 
 
 def test_killed_launcher_leaves_no_process_the_reward_code_started(tmp_path):
@@ -228,7 +228,7 @@ def test_killed_launcher_leaves_no_process_the_reward_code_started(tmp_path):
         "--data.num_eval_samples=2",
     ]
     try:
-        _ok(run_cmd(_titanrl(*args, f"--job.dump_folder={tmp_path / 'ends'}", "--training.steps=1"), env, 300))
+        ok(run_cmd(_titanrl(*args, f"--job.dump_folder={tmp_path / 'ends'}", "--training.steps=1"), env, 300))
         assert _spawned_alive(pid_dir, expect=0, timeout_s=10) == 0
         for name in os.listdir(pid_dir):
             os.remove(pid_dir / name)

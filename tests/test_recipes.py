@@ -12,19 +12,11 @@ import sys
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 
-SMALL = [
-    "--training.steps=3",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+SMALL = smoke_run_args(config=None, max_new_tokens=None)
 # Algorithm-specific metrics each recipe must log.
 RECIPES = {
     "ppo": ["value_loss", "value_clip_frac", "critic_grad_norm"],
@@ -165,7 +157,12 @@ def test_dapo_dynamic_sampling_on_two_ranks(tmp_path):
 
 def test_ppo_critic_resumes_exactly(tmp_path):
     """PPO run stopped after step 2, same command re-run -> resumes; every step's policy and critic numbers (value loss, critic grad norm) are bit-identical to an uninterrupted run"""
-    extra = [*SMALL[1:], "--checkpoint.enable=true", "--checkpoint.interval=2", "--critic.warmup_steps=1"]
+    extra = [
+        *smoke_run_args(config=None, steps=None, max_new_tokens=None),
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--critic.warmup_steps=1",
+    ]
     full, parts = tmp_path / "full", tmp_path / "parts"
     _train("ppo_reverse_debug", full, [*extra, "--training.steps=4"])
     _train("ppo_reverse_debug", parts, [*extra, "--training.steps=2"])

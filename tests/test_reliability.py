@@ -11,20 +11,10 @@ import sys
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import smoke_run_args
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    f"--job.config_file={CONFIG}",
-    "--sft_warmup.steps=2",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-    "--training.steps=3",
-]
+SMALL = smoke_run_args(sft_steps=2)
 
 
 def _run(folder, extra=(), fault=None, nproc=1):
@@ -94,17 +84,16 @@ def test_bad_input_fails_at_start_with_a_clear_message(tmp_path, args, message):
 
 # ---- through `titanrl run`: resuming from a checkpoint that does not fit, user code that fails at import ----
 
-RESUME = [
-    "--sft_warmup.steps=0",
-    "--training.batch_size=4",
-    "--algorithm.group_size=2",
-    "--generator.max_new_tokens=4",
-    "--data.num_eval_samples=4",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+RESUME = smoke_run_args(
     "--checkpoint.enable=true",
     "--checkpoint.interval=1",
-]
+    config=None,
+    steps=None,
+    sft_steps=0,
+    group_size=2,
+    max_new_tokens=4,
+    eval_samples=4,
+)
 WORDS = ["ab", "abc", "bca", "cab", "ba", "cb", "abd", "dba", "bad", "dab", "adb", "bda"]
 
 

@@ -8,21 +8,12 @@ import sys
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    "--training.steps=3",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+SMALL = smoke_run_args()
 
 
 def _metrics(folder) -> list[dict]:
@@ -35,7 +26,6 @@ def _run_single(folder, extra=()):
         sys.executable,
         "-m",
         "titanrl.train",
-        f"--job.config_file={CONFIG}",
         *SMALL,
         f"--job.dump_folder={folder}",
         *extra,
@@ -47,7 +37,7 @@ def _run_single(folder, extra=()):
 
 def _train_in_process(folder, extra=()) -> list[dict]:
     """The same job as `_run_single`, in this process (no interpreter start-up): its metrics."""
-    train.main([f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={folder}", *extra])
+    train.main([*SMALL, f"--job.dump_folder={folder}", *extra])
     return _metrics(folder)
 
 
@@ -106,7 +96,7 @@ def test_single_rank_run_logs_every_metric(single_rank):
 @pytest.mark.parametrize("layout", [["--parallelism.dp_shard=2"], ["--parallelism.tp=2", "--parallelism.dp_shard=1"]])
 def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
     _, ref = single_rank
-    args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
+    args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,

@@ -12,6 +12,7 @@ import weakref
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm, validate_algorithm
@@ -23,17 +24,7 @@ from titanrl.train import build_trainer
 from titanrl.trainer import Trainer
 
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
-RL_SMALL = [
-    f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml",
-    "--training.steps=2",
-    "--sft_warmup.steps=0",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=4",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+RL_SMALL = smoke_run_args(config=f"{CONFIGS}/grpo_reverse_debug.toml", steps=2, sft_steps=0, eval_samples=4)
 OFFLINE_SMALL = [
     "--training.steps=4",
     "--training.batch_size=8",
