@@ -217,7 +217,7 @@ def setup_trl(venv: str) -> None:
     subprocess.run([pip, "install", "trl"], check=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv and exit")
     p.add_argument("--venv", default=DEFAULT_VENV)
@@ -231,7 +231,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--skip-compiled", action="store_true")
     p.add_argument("--out", default="")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.setup_trl:
         setup_trl(a.venv)
         return
