@@ -53,24 +53,24 @@ def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterr
     assert not [d for d in os.listdir(tmp_path / "checkpoint") if d.startswith(".tmp")]
 
 
-def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
-    """Latest checkpoint truncated -> reported in one line as corrupt (its size differs from the manifest), the previous one is used, the run ends bit-identical"""
-    ok(run(tmp_path, 4))
-    step4 = tmp_path / "checkpoint" / "step-4"
-    shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
-    shard.write_bytes(shard.read_bytes()[:100])  # truncate
-    out = ok(run(tmp_path, 4))
-    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
-    assert len(notices) == 1 and f"step-4 is corrupt: {shard.name} has 100 bytes" in notices[0], out.stdout
-    assert "resumed from" in out.stdout and "step-2" in out.stdout
-    assert_same_weights(tmp_path, uninterrupted)
-
-
 def _copy_run(src, dst):
     """A copy of a finished run's dump folder (checkpoints step-2 and step-4), without its export."""
     shutil.copytree(src, dst)
     shutil.rmtree(dst / "hf")
     return dst
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
+    """Latest checkpoint truncated -> reported in one line as corrupt (its size differs from the manifest), the previous one is used, the run ends bit-identical"""
+    folder = _copy_run(uninterrupted, tmp_path / "run")  # the same 4-step run's checkpoints
+    step4 = folder / "checkpoint" / "step-4"
+    shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncate
+    out = ok(run(folder, 4))
+    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
+    assert len(notices) == 1 and f"step-4 is corrupt: {shard.name} has 100 bytes" in notices[0], out.stdout
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    assert_same_weights(folder, uninterrupted)
 
 
 @pytest.mark.parametrize("kind", ["shard", "metadata", "host"])

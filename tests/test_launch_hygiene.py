@@ -11,7 +11,7 @@ import time
 
 import pytest
 from helpers.checkpoint_runs import BASE, assert_same_weights, ok, same, steps
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, cli_in_process, run_cmd
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 
@@ -83,13 +83,16 @@ def _alive(pid: int) -> bool:
         (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
     ],
 )
-def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message):
+def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message, capsys):
     """Config typo, impossible degrees, missing data file, non-UTF-8 data, unimportable reward function or missing distillation teacher, launched with `titanrl run` -> exit 2 and one line on stderr before any rank starts (plain torchrun added its 33-line ChildFailedError block and exit 1)"""
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(b'{"prompt": "rev:ab=", "answer": "ba"}\n{"prompt": "caf\xe9", "answer": "x"}\n')
     args = [a.format(latin1=latin1) for a in args]
     cmd = _titanrl(*args) if args[0] == "--nproc" else _titanrl(DEBUG, *args)
-    proc = run_cmd(cmd, _env(), timeout_s=120)
+    if args[0].startswith("--training."):  # a fresh launcher process: nothing else reaches stderr
+        proc = run_cmd(cmd, _env(), timeout_s=120)
+    else:  # the launcher's pre-flight in this process (an interpreter start-up is seconds)
+        proc = cli_in_process(cmd[3:], capsys)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("titanrl: error:") and message in lines[0], proc.stderr
