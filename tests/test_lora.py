@@ -6,11 +6,10 @@ FSDP2 ranks and on tp=2 matching one rank."""
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from helpers.tiny import smoke_run_args, tiny_model, tiny_qwen2_args
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -316,16 +315,7 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(one_rank_lora, 
 )
 def test_two_rank_lora_matches_one_rank(tmp_path, one_rank_lora, layout):
     args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "titanrl.train",
-        *args,
-    ]
+    cmd = train_cmd([*args], 2)
     proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = _metrics(tmp_path), _metrics(one_rank_lora)

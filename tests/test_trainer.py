@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from helpers.tiny import smoke_run_args
 
 from titanrl import train
@@ -224,20 +224,16 @@ def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
         "TITANRL_TEST_PLUGIN_LOG": str(tmp_path / "plugin"),
         "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "titanrl.train",
-        *RL_SMALL,
-        f"--job.dump_folder={tmp_path}",
-        "--algorithm.name=helpers.plugin_algorithms:MaxBaseline",
-        "--algorithm.max_baseline.margin=0.25",
-        "--parallelism.dp_shard=2",
-    ]
+    cmd = train_cmd(
+        [
+            *RL_SMALL,
+            f"--job.dump_folder={tmp_path}",
+            "--algorithm.name=helpers.plugin_algorithms:MaxBaseline",
+            "--algorithm.max_baseline.margin=0.25",
+            "--parallelism.dp_shard=2",
+        ],
+        2,
+    )
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
