@@ -39,6 +39,36 @@ def _earlier_run(path: str) -> dict:
     return {"commit": commit, **{k: v for k, v in results.items() if k != "earlier_runs"}}
 
 
+def measure(base: list[str], variants: list[str], steps: int, reps: int) -> dict[str, list[dict]]:
+    """Each variant's per-step phase seconds: `reps` fresh trainers per variant, their steps
+    alternating; the first step of each trainer dropped."""
+    rows = {v: [] for v in variants}
+    for rep in range(reps):
+        trainers = {}
+        for v in variants:
+            dump = os.path.join("/tmp", f"bench_bitwise_{os.getpid()}_{rep}_{v}")
+            trainers[v] = build_trainer(
+                load_config(
+                    [*base, f"--job.dump_folder={dump}", f"--generator.batch_invariant={str(v != 'normal').lower()}"]
+                )
+            )
+        loaders = {v: iter(t.recipe.loader) for v, t in trainers.items()}
+        for step in range(1, steps + 1):
+            for v, t in trainers.items():
+                wall, m = timed_call(functools.partial(t.recipe.step, loaders[v], step))
+                if v != "normal" and m["gen_logprob_diff"] != 0.0:
+                    raise AssertionError(f"{v}: generator and trainer logprobs differ ({m['gen_logprob_diff']})")
+                row = {ph: m.get(f"time_{ph}", 0.0) for ph in PHASES}
+                row.update(step=step, wall=wall, gen_logprob_diff=m["gen_logprob_diff"], response_len=m["response_len"])
+                times = " ".join(f"{k} {row[k]:.3f}" for k in ["generate", "train", "wall"])
+                print(f"rep {rep} step {step} {v:22s} {times}", flush=True)
+                if step > 1:
+                    rows[v].append(row)
+        for t in trainers.values():
+            t.close()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4, help="RL steps per variant (the first is dropped)")
@@ -58,30 +88,7 @@ def main() -> None:
         "--job.print_config=false",
         *a.extra,
     ]
-    rows = {v: [] for v in variants}
-    for rep in range(a.reps):
-        trainers = {}
-        for v in variants:
-            dump = os.path.join("/tmp", f"bench_bitwise_{os.getpid()}_{rep}_{v}")
-            trainers[v] = build_trainer(
-                load_config(
-                    [*base, f"--job.dump_folder={dump}", f"--generator.batch_invariant={str(v != 'normal').lower()}"]
-                )
-            )
-        loaders = {v: iter(t.recipe.loader) for v, t in trainers.items()}
-        for step in range(1, a.steps + 1):
-            for v, t in trainers.items():
-                wall, m = timed_call(functools.partial(t.recipe.step, loaders[v], step))
-                if v != "normal" and m["gen_logprob_diff"] != 0.0:
-                    raise AssertionError(f"{v}: generator and trainer logprobs differ ({m['gen_logprob_diff']})")
-                row = {ph: m.get(f"time_{ph}", 0.0) for ph in PHASES}
-                row.update(step=step, wall=wall, gen_logprob_diff=m["gen_logprob_diff"], response_len=m["response_len"])
-                times = " ".join(f"{k} {row[k]:.3f}" for k in ["generate", "train", "wall"])
-                print(f"rep {rep} step {step} {v:22s} {times}", flush=True)
-                if step > 1:
-                    rows[v].append(row)
-        for t in trainers.values():
-            t.close()
+    rows = measure(base, variants, a.steps, a.reps)
     # Load from other processes only adds time: the minimum is the least disturbed step.
     summary = {v: {k: statistics.median(r[k] for r in rs) for k in [*PHASES, "wall"]} for v, rs in rows.items()}
     minimum = {v: {k: min(r[k] for r in rs) for k in [*PHASES, "wall"]} for v, rs in rows.items()}

@@ -31,22 +31,12 @@ NEW_TOKENS = 24
 
 def worker() -> dict:
     """One process's generations; prints and returns its compile seconds (cache from the env)."""
+    from benchmarks.shapes import debug_shape
     from titanrl.config.rl_sections import Generator as GeneratorConfig
     from titanrl.generator import Generator, SamplingParams
-    from titanrl.models import Transformer, TransformerModelArgs
+    from titanrl.models import Transformer
 
-    args = TransformerModelArgs(  # the debug flavor's shape, as in bench_generate.py
-        family="qwen3",
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=768,
-        vocab_size=264,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=512,
-    )
+    args = debug_shape()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = Transformer(args).to(device)

@@ -33,52 +33,13 @@ import tempfile
 import torch
 
 from benchmarks.harness import decode_seconds, timed_call, timeit_each, write_json
+from benchmarks.shapes import NEGLIGIBLE, TINY, debug_shape
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 from titanrl.models.hf import export_hf, read_hf_config
 
-MODELS = {
-    # The debug flavor's shape (3.2M params): matmul-bound on 2 CPU cores.
-    "debug": TransformerModelArgs(
-        family="qwen3",
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=768,
-        vocab_size=264,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=512,
-    ),
-    # Negligible compute (1 layer, width 32): what is left of a decode step is framework overhead.
-    "negligible": TransformerModelArgs(
-        family="qwen3",
-        dim=32,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        hidden_dim=64,
-        vocab_size=264,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=512,
-    ),
-    # A tiny model (0.1M params): per-step framework overhead dominates.
-    "tiny": TransformerModelArgs(
-        family="qwen3",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=128,
-        vocab_size=264,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=512,
-    ),
-}
+MODELS = {"debug": debug_shape(), "negligible": NEGLIGIBLE, "tiny": TINY}
 DOC_TABLES = [
     ("Milliseconds per decode step, negligible model, 1 thread (framework overhead)", ["overhead", "rows"], None),
     ("GRPO-shaped batches: seconds, tokens/s and speed-up over HF", ["batch"], None),

@@ -61,16 +61,16 @@ import os
 import platform
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
 from benchmarks.bench_moe import active_params
-from benchmarks.gpu_generator import attention_rows, compile_worker, long_tail_batch, prefill_rows, warm_compile
-from benchmarks.harness import REPO_ROOT, command_line, environment, timed_call, timeit, write_json
+from benchmarks.gpu_generator import attention_rows, generator_sections
+from benchmarks.gpu_workers import on_sigterm, rl_step_section, time_decode, vllm_section, worker_main
+from benchmarks.harness import command_line, environment, timeit, write_json
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
@@ -80,12 +80,8 @@ from titanrl.models.model import Transformer
 
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 VLLM_MODEL = "qwen2.5-0.5b"  # compared with vLLM, and the RL step's shape on a GPU
-VLLM_BATCH_SIZES = [1, 64, 256]
 # The `moe` section's model on a GPU: two Qwen3-30B-A3B layers (training state fits one device).
 MOE_MODEL = ("qwen3-30b-a3b-2l", dataclasses.replace(get_model_args("qwen3-30b-a3b"), n_layers=2))
-# Process groups of the running workers: bench_gpu.sh's `timeout` signals only its own process
-# group and a worker runs in a session of its own, so SIGTERM kills them here.
-ACTIVE_GROUPS: set[int] = set()
 DOC_TABLES = [
     ("Decode vs the bandwidth roofline", ["models", "*", "decode"], None),
     ("Decode attention alone: FlexAttention vs the in-place form", ["models", "*", "decode_attention"], None),
@@ -125,22 +121,6 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 def kv_bytes_per_token(args: TransformerModelArgs, dtype: torch.dtype) -> int:
     return 2 * args.n_layers * args.n_kv_heads * args.head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-def time_decode(run, batch: int, new_tokens: int, device: torch.device) -> tuple[dict, object]:
-    """Seconds of `run(new_tokens)` after one warm-up call and of `run(1)` (prefill + one token),
-    the decode rate from their difference, and what the timed `run(new_tokens)` returned. The
-    one measurement of titanrl's generator and of vLLM."""
-    run(new_tokens)  # warm-up (and compilation / graph capture of this batch bucket)
-    total, out = timed_call(functools.partial(run, new_tokens), device)
-    prefill, _ = timed_call(functools.partial(run, 1), device)  # prefill (+ one token), out of the decode time
-    decode_s = max(total - prefill, 1e-9)
-    return {
-        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-        "prefill_s": prefill,
-        "generate_s": total,
-        "tok_s": batch * new_tokens / total,
-    }, out
 
 
 def _generate(gen: Generator, prompts: list[list[int]], n: int):
@@ -247,73 +227,6 @@ def bench_sync(args: TransformerModelArgs, device: torch.device, dtype: torch.dt
     return {"sync_s": seconds, "generator_weight_bytes": nbytes, "bytes_per_s": nbytes / seconds}
 
 
-# --- Workers: the RL step and vLLM run as `bench_gpu.py --worker KIND` in their own process group.
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def on_sigterm(signum, frame) -> None:
-    for pgid in list(ACTIVE_GROUPS):
-        kill_group(pgid)
-    sys.exit(128 + signum)
-
-
-def tail(path: str, chars: int = 1500) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return f.read()[-chars:]
-    except OSError:
-        return ""
-
-
-def run_worker(kind: str, cfg: dict, workdir: str, timeout_s: float, cuda: bool) -> dict | str:
-    """`cfg` to a `--worker kind` process; its result dict, or a string saying why there is none.
-    Past `timeout_s` its whole process group (the trainer it launched, vLLM's engine) is killed.
-    Without `cuda` (a dry run) it sees no GPU, as the trainer would otherwise take one."""
-    cfg_path, log = os.path.join(workdir, f"{kind}_config.json"), os.path.join(workdir, f"{kind}.log")
-    result = os.path.join(workdir, f"{kind}_result.json")
-    with open(cfg_path, "w") as f:
-        json.dump({**cfg, "result": result}, f)
-    cmd = [sys.executable, "-m", "benchmarks.bench_gpu", "--worker", kind, "--worker-config", cfg_path]
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""}),
-    }
-    start = time.perf_counter()
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env, start_new_session=True
-        )
-        ACTIVE_GROUPS.add(proc.pid)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            kill_group(proc.pid)  # also what it left behind after a normal exit
-            proc.wait()
-            ACTIVE_GROUPS.discard(proc.pid)
-    if not os.path.exists(result):
-        if rc is None:
-            return f"skipped: over its time cap of {timeout_s:.0f} s; log tail: {tail(log, 600)}"
-        return f"failed: exit code {rc}; log tail: {tail(log)}"
-    with open(result) as f:
-        out = json.load(f)
-    if "error" in out:
-        return f"failed: {out['error']}"
-    out["wall_s"] = time.perf_counter() - start
-    return out
-
-
 def make_rl_assets(workdir: str, args: TransformerModelArgs, n_prompts: int) -> tuple[str, str]:
     """bench_rl_step's character tokenizer and reverse-task prompts, with a random model of shape
     `args` in bf16 as the HF folder (config.json + model.safetensors) that titanrl and vLLM load."""
@@ -331,173 +244,6 @@ def make_rl_assets(workdir: str, args: TransformerModelArgs, n_prompts: int) -> 
     with open(path, "w") as f:
         json.dump(cfg, f, indent=2)
     return folder, jsonl
-
-
-def rl_step_worker(cfg: dict) -> dict:
-    """A few GRPO steps of the recipe (bench_rl_step.run_titanrl), median seconds per phase."""
-    from benchmarks.bench_rl_step import run_titanrl
-
-    a = argparse.Namespace(
-        **{k: cfg[k] for k in ("steps", "batch_size", "group_size", "max_new_tokens", "lr", "threads")}
-    )
-    out = run_titanrl(a, cfg["model"], cfg["jsonl"], cfg["workdir"], compiled=cfg.get("compile", False))
-    return {"step_s": out["step_s"], "phases_s": out["phases_s"], "response_len": out["response_len"]}
-
-
-def _vllm_generate(llm, prompts: list[dict], n: int) -> int:
-    """vLLM's greedy generation of `n` tokens for every prompt (EOS ignored); tokens generated."""
-    from vllm import SamplingParams as VllmSamplingParams
-
-    params = VllmSamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-def vllm_worker(cfg: dict) -> dict:
-    """vLLM's decode rate on the HF folder, measured as titanrl's (time_decode)."""
-    import vllm
-    from vllm import LLM
-
-    start = time.perf_counter()
-    llm = LLM(
-        model=cfg["model"],
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        seed=0,
-        gpu_memory_utilization=cfg["gpu_memory_utilization"],
-        enforce_eager=cfg["enforce_eager"],
-        max_model_len=cfg["prompt_len"] + cfg["new_tokens"] + 16,
-        max_num_seqs=max(cfg["batch_sizes"]),
-        enable_prefix_caching=False,
-    )  # titanrl's decode runs without it; repeats would hit the cache
-    startup = time.perf_counter() - start
-    rows = []
-    g = torch.Generator().manual_seed(0)
-    for b in cfg["batch_sizes"]:
-        ids = torch.randint(0, cfg["vocab_size"], (b, cfg["prompt_len"]), generator=g).tolist()
-        prompts = [{"prompt_token_ids": p} for p in ids]  # a TokensPrompt
-        run = functools.partial(_vllm_generate, llm, prompts)
-        # generate() returns finished requests (host token ids): no device sync needed here.
-        timing, generated = time_decode(run, b, cfg["new_tokens"], torch.device("cpu"))
-        rows.append({"batch": b, **timing, "generated_tokens": generated})
-        print(f"  vllm decode batch {b}: {timing['decode_tok_s']:,.0f} tok/s", flush=True)
-    return {"version": vllm.__version__, "startup_s": startup, "rows": rows}
-
-
-def worker_main(kind: str, cfg_path: str) -> None:
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    try:
-        out = rl_step_worker(cfg) if kind == "rl_step" else vllm_worker(cfg)
-    except Exception as e:  # reported in the JSON, never fatal to the benchmark
-        out = {"error": f"{type(e).__name__}: {str(e)[-1500:]}"}
-    with open(cfg["result"] + ".tmp", "w") as f:
-        json.dump(out, f)
-    os.replace(cfg["result"] + ".tmp", cfg["result"])
-    # Now, without waiting on vLLM's shutdown (it can hang); the parent kills what is left.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def compare_with_vllm(titanrl_rows: list[dict], vllm_out: dict) -> list[dict]:
-    """titanrl's and vLLM's rows side by side at the batch sizes both ran, ratios titanrl / vLLM."""
-    ours = {r["batch"]: r for r in titanrl_rows}
-    rows = []
-    for v in vllm_out["rows"]:
-        t = ours.get(v["batch"])
-        if t is None:
-            continue
-        rows.append(
-            {
-                "batch": v["batch"],
-                "titanrl_decode_tok_s": t["decode_tok_s"],
-                "vllm_decode_tok_s": v["decode_tok_s"],
-                "titanrl_over_vllm_decode": t["decode_tok_s"] / v["decode_tok_s"],
-                "titanrl_tok_s": t["tok_s"],
-                "vllm_tok_s": v["tok_s"],
-                "titanrl_over_vllm": t["tok_s"] / v["tok_s"],
-                "titanrl_prefill_s": t["prefill_s"],
-                "vllm_prefill_s": v["prefill_s"],
-                "vllm_generated_tokens": v["generated_tokens"],
-            }
-        )
-    return rows
-
-
-def rl_step_section(
-    rl: dict, flavor: str, model_dir: str, jsonl: str, workdir: str, left, cuda: bool, a: argparse.Namespace
-) -> dict | str:
-    cap = min(a.rl_timeout, left() - 10)
-    if cap < 20:
-        return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
-    print(f"rl step ({flavor}, {rl['steps']} steps, cap {cap:.0f} s):", flush=True)
-    out = run_worker(
-        "rl_step",
-        {**rl, "model": model_dir, "jsonl": jsonl, "workdir": workdir, "compile": False if a.eager else None},
-        workdir,
-        cap,
-        cuda,
-    )
-    if not isinstance(out, dict):
-        print(f"  {out[:300]}", flush=True)
-        return out
-    print("  " + ", ".join(f"{k} {v:.3f} s" for k, v in out["phases_s"].items()), flush=True)
-    return {
-        "recipe": "train_configs/grpo_reverse_debug.toml",
-        "runner": "benchmarks/bench_rl_step.py:run_titanrl",
-        "model": f"{flavor} flavor's shape, random weights (bf16 HF folder), character tokenizer",
-        "device": "cuda" if cuda else "cpu",
-        **rl,
-        "steps_timed": rl["steps"] - 1,
-        **out,
-    }
-
-
-def vllm_section(
-    model_dir: str,
-    flavor: str,
-    shape: TransformerModelArgs,
-    titanrl_rows: list[dict],
-    prompt_len: int,
-    new_tokens: int,
-    workdir: str,
-    left,
-    cuda: bool,
-    a: argparse.Namespace,
-) -> dict | str:
-    if importlib.util.find_spec("vllm") is None:
-        return "not installed"
-    if not cuda:
-        return "skipped: --dry-run (CPU)"
-    if left() - 10 < a.vllm_min_s:
-        return f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget, needs {a.vllm_min_s:.0f}"
-    cap = min(a.vllm_timeout, left() - 10)
-    print(f"vllm ({flavor}, cap {cap:.0f} s):", flush=True)
-    cfg = {
-        "model": model_dir,
-        "vocab_size": shape.vocab_size,
-        "batch_sizes": VLLM_BATCH_SIZES,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
-        "enforce_eager": a.vllm_eager,
-    }
-    out = run_worker("vllm", cfg, workdir, cap, cuda)
-    if not isinstance(out, dict):
-        print(f"  {out[:300]}", flush=True)
-        return out
-    out = {
-        "model": f"{flavor} flavor's shape, random weights, bf16 (the folder the RL step loads)",
-        "enforce_eager": a.vllm_eager,
-        "titanrl_compile": not a.eager,
-        "gpu_memory_utilization": a.vllm_gpu_memory_utilization,
-        **out,
-        "vs_titanrl": compare_with_vllm(titanrl_rows, out),
-    }
-    for r in out["vs_titanrl"]:
-        print(f"  batch {r['batch']}: titanrl / vLLM decode {r['titanrl_over_vllm_decode']:.2f}x", flush=True)
-    return out
 
 
 def model_entry(
@@ -531,55 +277,7 @@ def model_entry(
     return entry
 
 
-def generator_sections(
-    name: str, args: TransformerModelArgs, device, dtype, gen_cfg: dict, compile: bool | None, left, a
-) -> dict:
-    """Prefill tokens/s at long prompts and a long-tail GRPO batch on one generator of `name`, then
-    the compile seconds of the decode section's first batches (`compile_batches`, in order) in a
-    new process over this run's compile cache (warm), each while the budget lasts."""
-    out: dict = {"model": name}
-    cuda = device.type == "cuda"
-    if left() < 60:
-        return {**out, "skipped": f"{left():.0f} s left of the {a.budget_s:.0f} s budget"}
-    print(f"generator sections ({name}):", flush=True)
-    prompts, group, max_new = gen_cfg["tail"]
-    config = GeneratorConfig(
-        block_size=16,
-        num_blocks=max(4 * gen_cfg["prefill_tokens"], prompts * group * 24) // 16,
-        max_num_seqs=prompts * group,
-        max_num_batched_tokens=gen_cfg["prefill_tokens"],
-        compile=compile,
-    )
-    gen = Generator(args, config, device, dtype=dtype)
-    lens, tokens = gen_cfg["prefill_lens"], gen_cfg["prefill_tokens"]
-    out["prefill"] = prefill_rows(gen, args.vocab_size, lens, tokens, device)
-    out["long_tail"] = (
-        long_tail_batch(gen, args.vocab_size, prompts, group, max_new, device) if left() > 60 else "skipped: budget"
-    )
-    gen.sleep()
-    del gen
-    if cuda:
-        torch.cuda.empty_cache()
-    worker = {
-        "flavor": name,
-        "dtype": str(dtype).removeprefix("torch."),
-        "generator": {**gen_cfg["decode"], "compile": False if a.dry_run else compile},
-        "batches": gen_cfg["compile_batches"],
-        "prompt_len": gen_cfg["prompt_len"],
-        "new_tokens": gen_cfg["new_tokens"],
-    }
-    cap = min(120.0, left() - 10)
-    if a.dry_run:  # the worker's code, in this process (a new one costs seconds of CI time)
-        out["warm_compile"] = {**compile_worker(worker), "dry_run": "uncompiled, in this process"}
-    elif cap > 20:
-        result = warm_compile(worker, cap, cuda)
-        out["warm_compile"] = result if isinstance(result, dict) else {"result": result}
-    else:
-        out["warm_compile"] = {"result": f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"}
-    return out
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, a few steps (CI)")
     p.add_argument("--out", default="benchmarks/bench_gpu.json")
@@ -609,59 +307,52 @@ def main() -> None:
     p.add_argument("--model-min-s", type=float, default=200.0, help="start another model only with this much left")
     p.add_argument("--worker", choices=["rl_step", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
-    a = p.parse_args()
-    if a.worker:
-        worker_main(a.worker, a.worker_config)
-        return
-    signal.signal(signal.SIGTERM, on_sigterm)
-    cuda = torch.cuda.is_available() and not a.dry_run
-    device = torch.device("cuda" if cuda else "cpu")
+    return p.parse_args()
+
+
+def run_sizes(a: argparse.Namespace) -> SimpleNamespace:
+    """The models and sizes of a run: a GPU's, or the dry run's (the debug model, on the CPU)."""
     if a.dry_run:
-        models = {"debug": get_model_args("debug")}
-        batch_sizes, prompt_len, new_tokens, dtype = [1, 4], 16, 8, torch.float32
-        train_shape, reps, bw_bytes, attention_context = (2, 32), 2, 32 * 2**20, 64
-        rl_flavor, rl = "debug", {"steps": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "threads": 1}
-        gen_cfg = {"prefill_lens": [32, 64], "prefill_tokens": 128, "tail": (2, 4, 32), "compile_batches": [1, 4]}
+        s = SimpleNamespace(models={"debug": get_model_args("debug")}, batch_sizes=[1, 4], prompt_len=16)
+        s.new_tokens, s.dtype, s.train_shape, s.reps, s.bw_bytes = 8, torch.float32, (2, 32), 2, 32 * 2**20
+        s.attention_context, s.rl_flavor = 64, "debug"
+        s.rl = {"steps": 2, "batch_size": 2, "group_size": 4, "max_new_tokens": 8, "threads": 1}
+        s.gen_cfg = {"prefill_lens": [32, 64], "prefill_tokens": 128, "tail": (2, 4, 32), "compile_batches": [1, 4]}
     else:
         models = {name: get_model_args(name) for name in a.models.split(",") if name}
-        batch_sizes, prompt_len, new_tokens, dtype = [1, 16, 64, 256], 128, 128, torch.bfloat16
-        train_shape, reps, bw_bytes, attention_context = (8, 1024), 5, 2**30, 1024
-        rl_flavor, rl = VLLM_MODEL, {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "threads": 4}
-        gen_cfg = {
+        s = SimpleNamespace(models=models, batch_sizes=[1, 16, 64, 256], prompt_len=128)
+        s.new_tokens, s.dtype, s.train_shape, s.reps, s.bw_bytes = 128, torch.bfloat16, (8, 1024), 5, 2**30
+        s.attention_context, s.rl_flavor = 1024, VLLM_MODEL
+        s.rl = {"steps": 3, "batch_size": 8, "group_size": 8, "max_new_tokens": 64, "threads": 4}
+        s.gen_cfg = {
             "prefill_lens": [2048, 8192],
             "prefill_tokens": 16384,
             "tail": (32, 8, 1024),
             "compile_batches": [1, 16],
         }
-    gen_cfg.update(decode=decode_config(max(batch_sizes), prompt_len, new_tokens, None), prompt_len=prompt_len)
-    gen_cfg["new_tokens"] = new_tokens
-    rl["lr"] = 1e-6
-    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if cuda else None
-    start = time.perf_counter()
+    s.gen_cfg.update(
+        decode=decode_config(max(s.batch_sizes), s.prompt_len, s.new_tokens, None), prompt_len=s.prompt_len
+    )
+    s.gen_cfg["new_tokens"] = s.new_tokens
+    s.rl["lr"] = 1e-6
+    return s
 
-    def left() -> float:
-        return a.budget_s - (time.perf_counter() - start)
 
-    bandwidth = copy_bandwidth(device, bw_bytes)
-    print(f"device {name}: copy bandwidth {bandwidth / 1e9:,.1f} GB/s", flush=True)
-    env = environment(device)  # taken now: the workers import the code as it is at the start
-    # bench_gpu.sh passes the command it was given (it adds --budget-s); else this module's own.
-    command = os.environ.get("BENCH_GPU_COMMAND") or command_line()
-    write_report = functools.partial(write_json, a.out, command=command, env=env)
-    report = {
+def new_report(a: argparse.Namespace, s: SimpleNamespace, bandwidth: float, peak: float | None) -> dict:
+    """The report before any section ran (each says "not run" until it does)."""
+    return {
         "benchmark": "single-device generator decode vs roofline, training MFU, weight sync, GRPO step phases, "
         "decode vs vLLM",
         "dry_run": a.dry_run,
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "peak_bf16_tflops": peak / 1e12 if peak else None,
         "config": {
-            "prompt_len": prompt_len,
-            "new_tokens": new_tokens,
-            "dtype": str(dtype),
+            "prompt_len": s.prompt_len,
+            "new_tokens": s.new_tokens,
+            "dtype": str(s.dtype),
             "generator_compile": "off (--eager)" if a.eager else "default (on for CUDA)",
-            "attention_context": attention_context,
-            "train_batch_seq": list(train_shape),
+            "attention_context": s.attention_context,
+            "train_batch_seq": list(s.train_shape),
             "budget_s": a.budget_s,
         },
         "models": {},
@@ -670,75 +361,114 @@ def main() -> None:
         "rl_step": "not run",
         "vllm": "not run",
     }
-    compile = False if a.eager else None  # None: the generator's default (compiled on CUDA)
-    measure = functools.partial(
-        model_entry,
-        device=device,
-        dtype=dtype,
-        batch_sizes=batch_sizes,
-        prompt_len=prompt_len,
-        new_tokens=new_tokens,
-        bandwidth=bandwidth,
-        compile=compile,
-        attention=(batch_sizes[:1] if a.dry_run else batch_sizes, attention_context, not a.dry_run),
-        train=(train_shape, peak, reps),
-    )
-    # The first model and the generator sections, then the other models and the RL step while the
-    # budget lasts (a cold start compiles the decode step for every batch bucket: minutes on a
-    # GPU; a second call with TORCHINDUCTOR_CACHE_DIR set to the first's folder runs warm).
-    first_name, *other_names = models
-    report["models"][first_name] = measure(first_name, models[first_name])
-    write_report({**report, "wall_s": time.perf_counter() - start})
-    report["generator"] = generator_sections(first_name, models[first_name], device, dtype, gen_cfg, compile, left, a)
-    if "warm_compile" in report["generator"]:
-        cold = [
-            r["compile_s"] for r in report["models"][first_name]["decode"] if r["batch"] in gen_cfg["compile_batches"]
-        ]
-        report["generator"]["warm_compile"]["cold_compile_s_in_this_process"] = sum(cold)
-    write_report({**report, "wall_s": time.perf_counter() - start})
 
+
+def free_device_memory(cuda: bool) -> None:
+    gc.collect()  # the workers need the GPU memory this process still holds or caches
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def model_sections(report: dict, measure, names: list[str], models: dict, left, a, cuda: bool, save) -> None:
+    """The MoE model's entry, then the models after the first, each while `--model-min-s` is left."""
+    moe_name, moe_args = ("debug-moe", get_model_args("debug-moe")) if a.dry_run else MOE_MODEL
+    for name in ["moe", *names]:
+        if left() < a.model_min_s:
+            entry = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
+        else:
+            entry = {"model": moe_name, **measure(moe_name, moe_args)} if name == "moe" else measure(name, models[name])
+        if name == "moe":
+            report["moe"] = entry
+        else:
+            report["models"][name] = entry
+        save()
+        free_device_memory(cuda)
+
+
+def worker_sections(report: dict, measure, s: SimpleNamespace, left, a, cuda: bool, save) -> None:
+    """The MoE model and the other models, then the RL step and vLLM on one HF folder."""
     workdir = tempfile.mkdtemp(prefix="bench_gpu_")
     try:
-        gc.collect()  # the workers need the GPU memory this process still holds or caches
-        if cuda:
-            torch.cuda.empty_cache()
-        shape = get_model_args(rl_flavor)
+        free_device_memory(cuda)
+        shape = get_model_args(s.rl_flavor)
         try:
-            model_dir, jsonl = make_rl_assets(workdir, shape, rl["batch_size"] * rl["steps"] + 1)
+            model_dir, jsonl = make_rl_assets(workdir, shape, s.rl["batch_size"] * s.rl["steps"] + 1)
         except Exception as e:  # e.g. no `tokenizers`: the sections below say so, the rest stands
             report["rl_step"] = f"failed: writing the model folder: {type(e).__name__}: {e}"
             report["vllm"] = "not installed" if importlib.util.find_spec("vllm") is None else report["rl_step"]
             model_dir = None
-        moe_name, moe_args = ("debug-moe", get_model_args("debug-moe")) if a.dry_run else MOE_MODEL
-        if left() < a.model_min_s:
-            report["moe"] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
-        else:
-            report["moe"] = {"model": moe_name, **measure(moe_name, moe_args)}
-        write_report({**report, "wall_s": time.perf_counter() - start})
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        for name in other_names:
-            if left() < a.model_min_s:
-                report["models"][name] = f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"
-            else:
-                report["models"][name] = measure(name, models[name])
-            write_report({**report, "wall_s": time.perf_counter() - start})
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+        model_sections(report, measure, list(s.models)[1:], s.models, left, a, cuda, save)
         if model_dir:
-            report["rl_step"] = rl_step_section(rl, rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
-            write_report({**report, "wall_s": time.perf_counter() - start})
-        if model_dir:
-            titanrl_rows = report["models"].get(rl_flavor, {}).get("decode", [])
+            report["rl_step"] = rl_step_section(s.rl, s.rl_flavor, model_dir, jsonl, workdir, left, cuda, a)
+            save()
+            titanrl_rows = report["models"].get(s.rl_flavor, {}).get("decode", [])
             report["vllm"] = vllm_section(
-                model_dir, rl_flavor, shape, titanrl_rows, prompt_len, new_tokens, workdir, left, cuda, a
+                model_dir, s.rl_flavor, shape, titanrl_rows, s.prompt_len, s.new_tokens, workdir, left, cuda, a
             )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def first_model_sections(report: dict, measure, s: SimpleNamespace, device, left, a, save) -> None:
+    """The first model's entry and the generator sections on it (a cold start compiles the decode
+    step for every batch bucket: minutes on a GPU; a second call with TORCHINDUCTOR_CACHE_DIR set
+    to the first's folder runs warm)."""
+    compile = False if a.eager else None  # None: the generator's default (compiled on CUDA)
+    first_name = next(iter(s.models))
+    report["models"][first_name] = measure(first_name, s.models[first_name])
+    save()
+    report["generator"] = generator_sections(
+        first_name, s.models[first_name], device, s.dtype, s.gen_cfg, compile, left, a
+    )
+    if "warm_compile" in report["generator"]:
+        decode = report["models"][first_name]["decode"]
+        cold = [r["compile_s"] for r in decode if r["batch"] in s.gen_cfg["compile_batches"]]
+        report["generator"]["warm_compile"]["cold_compile_s_in_this_process"] = sum(cold)
+    save()
+
+
+def main() -> None:
+    a = parse_args()
+    if a.worker:
+        worker_main(a.worker, a.worker_config)
+        return
+    signal.signal(signal.SIGTERM, on_sigterm)
+    cuda = torch.cuda.is_available() and not a.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    s = run_sizes(a)
+    name = torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine()
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None) if cuda else None
+    start = time.perf_counter()
+
+    def left() -> float:
+        return a.budget_s - (time.perf_counter() - start)
+
+    bandwidth = copy_bandwidth(device, s.bw_bytes)
+    print(f"device {name}: copy bandwidth {bandwidth / 1e9:,.1f} GB/s", flush=True)
+    env = environment(device)  # taken now: the workers import the code as it is at the start
+    # bench_gpu.sh passes the command it was given (it adds --budget-s); else this module's own.
+    command = os.environ.get("BENCH_GPU_COMMAND") or command_line()
+    report = new_report(a, s, bandwidth, peak)
+
+    def save() -> None:  # after each section: a run cut short keeps what it measured
+        write_json(a.out, {**report, "wall_s": time.perf_counter() - start}, command=command, env=env)
+
+    measure = functools.partial(
+        model_entry,
+        device=device,
+        dtype=s.dtype,
+        batch_sizes=s.batch_sizes,
+        prompt_len=s.prompt_len,
+        new_tokens=s.new_tokens,
+        bandwidth=bandwidth,
+        compile=False if a.eager else None,
+        attention=(s.batch_sizes[:1] if a.dry_run else s.batch_sizes, s.attention_context, not a.dry_run),
+        train=(s.train_shape, peak, s.reps),
+    )
+    first_model_sections(report, measure, s, device, left, a, save)
+    worker_sections(report, measure, s, left, a, cuda, save)
     report["wall_s"] = time.perf_counter() - start
-    write_report(report)
+    write_json(a.out, report, command=command, env=env)
     print(f"wrote {a.out} in {report['wall_s']:.0f} s", flush=True)
 
 

@@ -29,6 +29,7 @@ import sys
 import torch
 
 from benchmarks.harness import REPO_ROOT, decode_seconds, keep_earlier_sections, timed_call, write_json
+from benchmarks.shapes import debug_shape
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
@@ -37,22 +38,11 @@ from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 from titanrl.models.flavors import get_model_args
 from titanrl.models.lora import LoRALinear, add_lora
 
-BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_generate.py
-    family="qwen3",
-    dim=256,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=768,
-    vocab_size=264,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=512,
-)
+BENCH_MODEL = debug_shape()
 ONE_RANK = ParallelDims(1, 1, 1, 1)
 DOC_TABLES = [
     ("Generator decode tokens/s, runtime adapters vs merged, and weight-sync ms", ["generator", "rows"], None),

@@ -47,7 +47,7 @@ class FixedTurnsEnv(Environment):
         return ("", 1.0, True, {}) if self.seen >= self.turns else (OBSERVATION, 0.0, False, {})
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=4)
@@ -56,7 +56,40 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def make_report(a: argparse.Namespace, runs: dict[str, list[dict]], observation_tokens: int, model_tokens: int) -> dict:
+    """Medians of the runs and the multi-turn rollout's speed against single-turn and naive."""
+    summary = {
+        k: {
+            "median_model_tokens_per_s": statistics.median(r["model_tokens_per_s"] for r in v),
+            "prefill_tokens": v[0]["prefill_tokens"],
+        }
+        for k, v in runs.items()
+    }
+    ratios = {
+        "multi_turn_over_single_turn": summary["multi_turn"]["median_model_tokens_per_s"]
+        / summary["single_turn"]["median_model_tokens_per_s"],
+        "multi_turn_over_naive": summary["multi_turn"]["median_model_tokens_per_s"]
+        / summary["multi_turn_naive"]["median_model_tokens_per_s"],
+    }
+    return {
+        "benchmark": "multi-turn vs single-turn rollout throughput (paged generator, CPU)",
+        "config": vars(a)
+        | {
+            "model": "debug flavor, random weights",
+            "observation_tokens": observation_tokens,
+            "model_tokens_per_run": model_tokens,
+        },
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    a = parse_args()
     tok = ByteTokenizer()
     args = get_model_args("debug")
     gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=1024), torch.device("cpu"))  # no eos stop
@@ -107,31 +140,8 @@ def main() -> None:
                 )
     finally:
         pool.close()
-    summary = {
-        k: {
-            "median_model_tokens_per_s": statistics.median(r["model_tokens_per_s"] for r in v),
-            "prefill_tokens": v[0]["prefill_tokens"],
-        }
-        for k, v in runs.items()
-    }
-    ratios = {
-        "multi_turn_over_single_turn": summary["multi_turn"]["median_model_tokens_per_s"]
-        / summary["single_turn"]["median_model_tokens_per_s"],
-        "multi_turn_over_naive": summary["multi_turn"]["median_model_tokens_per_s"]
-        / summary["multi_turn_naive"]["median_model_tokens_per_s"],
-    }
-    report = {
-        "benchmark": "multi-turn vs single-turn rollout throughput (paged generator, CPU)",
-        "config": vars(a)
-        | {
-            "model": "debug flavor, random weights",
-            "observation_tokens": len(obs),
-            "model_tokens_per_run": model_tokens,
-        },
-        "summary": summary,
-        "ratios": ratios,
-        "runs": runs,
-    }
+    report = make_report(a, runs, len(obs), model_tokens)
+    summary, ratios = report["summary"], report["ratios"]
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
     if a.out:
         write_json(a.out, report)

@@ -26,6 +26,7 @@ import time
 import torch
 
 from benchmarks.harness import REPO_ROOT, write_json
+from benchmarks.shapes import D512X8
 from titanrl.algorithms import LossInputs, get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batch_plan, num_micro_batches, trim_padding
@@ -190,18 +191,7 @@ def main() -> None:
         debug, narrow_lengths(rng, cli.rows, cap), cli.budget, cli.reps
     )
     if cli.larger:
-        larger = TransformerModelArgs(
-            family="qwen3",
-            dim=512,
-            n_layers=8,
-            n_heads=8,
-            n_kv_heads=4,
-            hidden_dim=1536,
-            vocab_size=4096,
-            qk_norm=True,
-            tie_word_embeddings=True,
-            max_seq_len=256,
-        )
+        larger = D512X8
         report["results"][f"d512x8/long_tailed/micro_batch_tokens={cli.budget}"] = measure(
             larger, long_tailed_lengths(random.Random(1), cli.larger_rows, cap), cli.budget, cli.larger_reps
         )

@@ -26,25 +26,15 @@ import statistics
 import torch
 
 from benchmarks.harness import decode_seconds, keep_earlier_sections, write_json
+from benchmarks.shapes import debug_shape
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.quantize import WeightQuantizer
 from titanrl.generator.weight_sync import weight_bytes
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 from titanrl.models.flavors import get_model_args
 
-BENCH_MODEL = TransformerModelArgs(  # the debug flavor's shape, as in bench_generate.py
-    family="qwen3",
-    dim=256,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=768,
-    vocab_size=264,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=512,
-)
+BENCH_MODEL = debug_shape()
 VARIANTS = {"fp32": (torch.float32, "none"), "bf16": (torch.bfloat16, "none"), "int8": (torch.float32, "int8")}
 MISMATCH = ("gen_logprob_diff", "mismatch_kl", "mismatch_ratio_max", "is_dropped_frac")
 DOC_TABLES = [

@@ -39,42 +39,24 @@ import argparse
 import json
 import math
 import os
-import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
 from benchmarks.bench_rl_step import DEFAULT_VENV, setup_trl
-from benchmarks.harness import REPO_ROOT, environment, write_json
+from benchmarks.harness import REPO_ROOT, environment, run_measured, write_json
+from benchmarks.real_vocab_assets import (
+    INSTRUCTION,
+    SYSTEM_PROMPT,
+    VOCAB_SIZE,
+    make_problems,
+    titanrl_prompt_ids,
+    write_checkpoint,
+    write_prompts,
+    write_tokenizer,
+)
+from benchmarks.real_vocab_trl import run_trl
 
-VOCAB_SIZE = 151936
-QWEN_SPECIAL = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
-SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-# Qwen2's pre-tokenizer split (digits one by one), then byte-level.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# Qwen2.5's ChatML template without the tools branch: a default system prompt when none is given.
-CHATML = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- '<|im_start|>system\\n" + SYSTEM_PROMPT + "<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (message['role'] == 'system' and loop.first) %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-NAMES = ["Natalia", "Weng", "Betty", "Julie", "James", "Albert", "Mark", "Tina", "Randy", "Jasmine"]
-ITEMS = ["clips", "apples", "cupcakes", "pencils", "stickers", "marbles", "books", "cookies"]
 DOC_TABLES = [
     (
         "titanrl vs TRL, medians over repeats",
@@ -92,332 +74,12 @@ DOC_TABLES = [
     ("Peak and resident memory over the floor", ["*_over_floor|resident_*|peak_beyond_*"], None),
 ]
 
-TRL_SCRIPT = r'''
-import json, re, sys, time
-import torch
-import transformers, trl
-from datasets import Dataset
-from transformers import AutoTokenizer, TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
-
-cfg = json.loads(sys.argv[1])
-torch.manual_seed(0)
-rows = json.load(open(cfg["prompts"]))
-dataset = Dataset.from_list(rows)
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-def extract(text):
-    """The line after the last '####', else the last number (the gsm8k verifier's order)."""
-    if "####" in text:
-        return text.rsplit("####", 1)[1].strip().split("\n")[0].replace(",", "").strip()
-    numbers = NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else ""
-
-def same_number(a, b):
-    try:
-        return abs(float(a) - float(b)) <= 1e-6 * max(1.0, abs(float(b)))
-    except ValueError:
-        return False
-
-def reward(completions, answer, **kwargs):
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return [1.0 if same_number(extract(t), a) else 0.0 for t, a in zip(texts, answer)]
-
-def rss_gb():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 2**20
-
-class Timer(TrainerCallback):
-    def __init__(self):
-        self.steps, self.rss, self.start = [], [], None
-    def on_step_begin(self, args, state, control, **kw):
-        self.start = time.perf_counter()
-    def on_step_end(self, args, state, control, **kw):
-        self.steps.append(time.perf_counter() - self.start)
-        self.rss.append(rss_gb())
-
-n_completions = cfg["batch_size"] * cfg["group_size"]
-args = GRPOConfig(
-    output_dir=cfg["workdir"] + "/trl_out", per_device_train_batch_size=n_completions,
-    gradient_accumulation_steps=1, num_generations=cfg["group_size"],
-    max_completion_length=cfg["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=cfg["lr"],
-    beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", scale_rewards="group", max_steps=cfg["steps"],
-    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False, seed=0,
-    shuffle_dataset=False, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-    adam_beta1=0.9, adam_beta2=cfg["beta2"], adam_epsilon=1e-8, optim="adamw_torch_fused",
-    gradient_checkpointing=cfg["activation_checkpointing"], dataloader_num_workers=0, disable_tqdm=True,
-    model_init_kwargs={"dtype": "float32"},
-)
-tokenizer = AutoTokenizer.from_pretrained(cfg["model"])
-trainer = GRPOTrainer(model=cfg["model"], reward_funcs=reward, args=args, train_dataset=dataset,
-                      processing_class=tokenizer)
-rss_after_init = rss_gb()
-times = {"generate_score_s": [], "generate_s": [], "forward_s": []}
-lengths = {"response_len": [], "prompt_len": []}
-
-def timed(name, fn, on_out=None):
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        out = fn(*a, **kw)
-        times[name].append(time.perf_counter() - t0)
-        if on_out is not None:
-            on_out(out)
-        return out
-    return wrapper
-
-def record_lengths(out):
-    lengths["response_len"].append(out["completion_mask"].sum(1).float().mean().item())
-    lengths["prompt_len"].append(out["prompt_mask"].sum(1).float().mean().item())
-
-trainer._generate_and_score_completions = timed("generate_score_s", trainer._generate_and_score_completions,
-                                                record_lengths)
-trainer._generate = timed("generate_s", trainer._generate)
-trainer.compute_loss = timed("forward_s", trainer.compute_loss)
-timer = Timer()
-trainer.add_callback(timer)
-trainer.train()
-text = tokenizer.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
-first_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-n_params = sum(p.numel() for p in trainer.model.parameters())
-json.dump({"step_s": timer.steps, "rss_gb": timer.rss, "rss_after_init_gb": rss_after_init, **times, **lengths,
-           "first_prompt_ids": first_ids, "threads": torch.get_num_threads(), "params": n_params,
-           "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                        "torch": torch.__version__}}, open(cfg["result"], "w"))
-'''
-
-
-# ---- assets: problems, tokenizer, checkpoint ----
-
-
-def make_problems(n: int, seed: int) -> list[tuple[str, str]]:
-    """`n` GSM8K-like word problems (question, numeric answer), from a few templates."""
-    rng = random.Random(seed)
-    problems = []
-    for _ in range(n):
-        name, item = rng.choice(NAMES), rng.choice(ITEMS)
-        a, b, c = rng.randint(2, 60) * 2, rng.randint(2, 12), rng.randint(2, 15)
-        kind = rng.randrange(4)
-        if kind == 0:
-            q = (
-                f"{name} sold {item} to {a} of her friends in April, and then she sold half as many {item} in "
-                f"May. How many {item} did {name} sell altogether in April and May?"
-            )
-            ans = a + a // 2
-        elif kind == 1:
-            q = (
-                f"{name} has {a} {item}. She buys {b} more boxes with {c} {item} in each box. How many {item} "
-                f"does {name} have now?"
-            )
-            ans = a + b * c
-        elif kind == 2:
-            q = (
-                f"A store sells {item} for ${c} each. {name} buys {b} {item} and pays with a $200 bill. How much "
-                f"change does {name} get back?"
-            )
-            ans = 200 - b * c
-        else:
-            q = (
-                f"{name} reads {b} pages a day for {c} days, then {a} pages a day for the next {b} days. How many "
-                f"pages did {name} read in total?"
-            )
-            ans = b * c + a * b
-        problems.append((f"{q} {INSTRUCTION}", str(ans)))
-    return problems
-
-
-def train_bpe(corpus: list[str], vocab_size: int):
-    """A byte-level BPE with Qwen2's pre-tokenizer, trained on `corpus` (special tokens kept whole)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(QWEN_SPECIAL),
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return tok
-
-
-def write_tokenizer(folder: str, corpus: list[str], bpe_vocab: int) -> None:
-    """tokenizer.json in Qwen2.5's id layout, padded to VOCAB_SIZE ids, and tokenizer_config.json
-    with the ChatML template (eos <|im_end|>, pad <|endoftext|>, no bos)."""
-    spec = json.loads(train_bpe(corpus, bpe_vocab).to_str())
-    vocab = spec["model"]["vocab"]
-    for token in QWEN_SPECIAL:
-        del vocab[token]
-    vocab = {t: i for i, t in enumerate(sorted(vocab, key=vocab.get))}  # BPE tokens at 0..n-1
-    used = set(vocab.values()) | set(QWEN_SPECIAL.values())
-    vocab.update({f"<|reserved_{i}|>": i for i in range(VOCAB_SIZE) if i not in used})
-    vocab.update(QWEN_SPECIAL)
-    spec["model"]["vocab"] = vocab
-    spec["added_tokens"] = [
-        {
-            "id": i,
-            "content": t,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for t, i in QWEN_SPECIAL.items()
-    ]
-    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
-        json.dump(spec, f)
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": 32768,
-        "chat_template": CHATML,
-    }
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-
-
-def model_args(n_layers: int):
-    """Qwen2.5-0.5B's shape (the `qwen2.5-0.5b` flavor) with `n_layers` layers."""
-    from titanrl.models.flavors import get_model_args
-
-    args = get_model_args("qwen2.5-0.5b")
-    args.n_layers = n_layers
-    return args
-
-
-def write_checkpoint(folder: str, n_layers: int, seed: int) -> int:
-    """A random-weight HF checkpoint exported by titanrl, with Qwen2.5's special ids in config.json
-    and generation_config.json; returns the parameter count."""
-    import torch
-
-    from titanrl.models.hf import export_hf
-    from titanrl.models.model import Transformer
-
-    torch.manual_seed(seed)
-    model = Transformer(model_args(n_layers))
-    model.init_weights()
-    export_hf(model, folder)
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg.update(bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
-    with open(os.path.join(folder, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 151643, "pad_token_id": 151643, "eos_token_id": [151645, 151643]}, f)
-    return sum(p.numel() for p in model.parameters())
-
-
-def write_prompts(workdir: str, problems: list[tuple[str, str]]) -> tuple[str, str]:
-    """(titanrl's JSONL of text prompts, TRL's JSON of one-user-message conversations)."""
-    jsonl, trl_json = os.path.join(workdir, "prompts.jsonl"), os.path.join(workdir, "prompts.json")
-    with open(jsonl, "w") as f:
-        for q, a in problems:
-            f.write(json.dumps({"prompt": q, "answer": a}) + "\n")
-    with open(trl_json, "w") as f:
-        json.dump([{"prompt": [{"role": "user", "content": q}], "answer": a} for q, a in problems], f)
-    return jsonl, trl_json
-
-
-def titanrl_prompt_ids(folder: str, problems: list[tuple[str, str]]) -> list[list[int]]:
-    """The prompts as titanrl's trainer encodes them (ChatML, generation prompt)."""
-    from titanrl.data.encode import PromptEncoder
-    from titanrl.models.chat_template import ChatTemplate
-    from titanrl.models.tokenizer import HFTokenizer
-
-    encode = PromptEncoder(HFTokenizer(folder), ChatTemplate.from_folder(folder))
-    return [encode(q) for q, _ in problems]
-
-
-# ---- measuring a process ----
-
-
-def _rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("VmRSS")), 0)
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        children = [p for p, pp in parent_of.items() if pp in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-class RssSampler(threading.Thread):
-    """Samples the RSS of a process and of its whole tree every `interval_s` until stopped."""
-
-    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
-        super().__init__(daemon=True)
-        self.pid, self.interval_s = pid, interval_s
-        self.peak_main_kib = self.peak_tree_kib = self.peak_other_kib = 0
-        self.max_processes = 1
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            main = _rss_kib(self.pid)
-            others = [_rss_kib(p) for p in _descendants(self.pid)]
-            self.peak_main_kib = max(self.peak_main_kib, main)
-            self.peak_tree_kib = max(self.peak_tree_kib, main + sum(others))
-            self.peak_other_kib = max([self.peak_other_kib, *others])
-            self.max_processes = max(self.max_processes, 1 + len(others))
-            self.stopped.wait(self.interval_s)
-
-
-def run_measured(cmd: list[str], env: dict, log_path: str) -> dict:
-    """Run `cmd` to completion; its max RSS (os.wait4) and sampled RSS peaks, in GiB."""
-    began, load_before = time.perf_counter(), os.getloadavg()[0]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-        sampler = RssSampler(proc.pid)
-        sampler.start()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        sampler.stopped.set()
-        sampler.join()
-    if proc.returncode:
-        with open(log_path) as f:
-            raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}), log {log_path}:\n{f.read()[-3000:]}")
-    return {
-        "max_rss_gb": usage.ru_maxrss / 2**20,
-        "sampled_peak_rss_gb": sampler.peak_main_kib / 2**20,
-        "sampled_peak_tree_rss_gb": sampler.peak_tree_kib / 2**20,
-        "sampled_peak_child_rss_gb": sampler.peak_other_kib / 2**20,
-        "processes": sampler.max_processes,
-        "wall_s": time.perf_counter() - began,
-        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
-    }
-
 
 # ---- the two sides ----
 
 
-def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
-    dump = tempfile.mkdtemp(prefix=f"titanrl_{tag}_", dir=workdir)
+def titanrl_command(a, model: str, jsonl: str, dump: str) -> list[str]:
+    """`python -m titanrl.train` on the GSM8K recipe with the compared settings."""
     max_prompt = 160
     num_blocks = 2 * a.batch_size * a.group_size * math.ceil((max_prompt + a.max_new_tokens) / 16)
     model_opts = (
@@ -425,7 +87,7 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
         if a.flavor
         else [f"--model.hf_checkpoint={model}", f"--model.tokenizer={model}"]
     )
-    cmd = [
+    return [
         sys.executable,
         "-m",
         "titanrl.train",
@@ -464,6 +126,11 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
         "--job.print_config=false",
         *a.titanrl_override,
     ]
+
+
+def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
+    dump = tempfile.mkdtemp(prefix=f"titanrl_{tag}_", dir=workdir)
+    cmd = titanrl_command(a, model, jsonl, dump)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": REPO_ROOT, "TOKENIZERS_PARALLELISM": "false"}
     mem = run_measured(cmd, env, os.path.join(dump, "log.txt"))
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
@@ -481,54 +148,6 @@ def run_titanrl(a, model: str, jsonl: str, workdir: str, tag: str) -> dict:
         "reward_mean": statistics.mean(r["reward_mean"] for r in rows),
         "grad_norm": [r.get("grad_norm") for r in rows],
         "gen_logprob_diff": [r.get("gen_logprob_diff") for r in rows],
-        **mem,
-    }
-
-
-def run_trl(a, model: str, trl_json: str, workdir: str) -> dict:
-    result = os.path.join(workdir, f"trl_{time.monotonic_ns()}.json")
-    cfg = {
-        "model": model,
-        "prompts": trl_json,
-        "workdir": workdir,
-        "result": result,
-        "batch_size": a.batch_size,
-        "group_size": a.group_size,
-        "max_new_tokens": a.max_new_tokens,
-        "steps": a.steps,
-        "lr": a.lr,
-        "beta2": a.beta2,
-        "activation_checkpointing": a.activation_checkpointing,
-    }
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(a.threads),
-        "CUDA_VISIBLE_DEVICES": "",
-        "WANDB_DISABLED": "true",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    env.pop("PYTHONPATH", None)
-    mem = run_measured([a.trl_python, "-c", TRL_SCRIPT, json.dumps(cfg)], env, result + ".log")
-    out = json.load(open(result))
-    steps, gen_score = out["step_s"][1:], out["generate_score_s"][1:]
-    gen, fwd = out["generate_s"][1:], out["forward_s"][1:]
-    return {
-        "step_s": statistics.median(steps),
-        "phases_s": {
-            "generate": statistics.median(gen),
-            "reward+scoring": statistics.median(s - g for s, g in zip(gen_score, gen)),
-            "forward": statistics.median(fwd),
-            "backward+optimizer": statistics.median(s - gs - f for s, gs, f in zip(steps, gen_score, fwd)),
-        },
-        "rss_at_step_end_gb": out["rss_gb"],
-        "rss_after_init_gb": out["rss_after_init_gb"],
-        "response_len": statistics.mean(out["response_len"]),
-        "prompt_len": statistics.mean(out["prompt_len"]),
-        "first_prompt_ids": out["first_prompt_ids"],
-        "threads": out["threads"],
-        "params": out["params"],
-        "versions": out["versions"],
         **mem,
     }
 
@@ -658,22 +277,8 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-def main() -> None:
-    a = parse_args()
-    if a.setup_trl:
-        setup_trl(a.venv)
-        return
-    if not a.flavor:
-        a.trl_python = a.trl_python or os.path.join(a.venv, "bin", "python")
-        if not os.path.exists(a.trl_python):
-            raise SystemExit(f"no TRL venv at {a.venv}: run with --setup-trl first (or pass --trl-python)")
-    env = environment()  # the code the runs import (main may move while they run)
-    workdir = tempfile.mkdtemp(prefix="bench_real_vocab_")
-    folder = os.path.join(workdir, "model")
-    os.makedirs(folder)
-    problems = make_problems(max(256, a.batch_size * a.steps + 1), seed=0)
-    corpus = [SYSTEM_PROMPT, INSTRUCTION, *(q for q, _ in make_problems(2000, seed=1))]
-    write_tokenizer(folder, corpus, a.bpe_vocab)
+def run_config(a: argparse.Namespace) -> dict:
+    """The settings both sides run with, as the report records them."""
     optimizer = {
         "name": "AdamW, fused (titanrl's recipe; TRL's default adamw_torch_fused)",
         "lr": a.lr,
@@ -683,7 +288,7 @@ def main() -> None:
         "max_grad_norm": 1.0,
         "lr_schedule": "constant",
     }
-    config = {
+    return {
         "prompts_per_step": a.batch_size,
         "group_size": a.group_size,
         "max_new_tokens": a.max_new_tokens,
@@ -700,6 +305,25 @@ def main() -> None:
         "vocab_size": VOCAB_SIZE,
         "bpe_tokens": a.bpe_vocab,
     }
+
+
+def main() -> None:
+    a = parse_args()
+    if a.setup_trl:
+        setup_trl(a.venv)
+        return
+    if not a.flavor:
+        a.trl_python = a.trl_python or os.path.join(a.venv, "bin", "python")
+        if not os.path.exists(a.trl_python):
+            raise SystemExit(f"no TRL venv at {a.venv}: run with --setup-trl first (or pass --trl-python)")
+    env = environment()  # the code the runs import (main may move while they run)
+    workdir = tempfile.mkdtemp(prefix="bench_real_vocab_")
+    folder = os.path.join(workdir, "model")
+    os.makedirs(folder)
+    problems = make_problems(max(256, a.batch_size * a.steps + 1), seed=0)
+    corpus = [SYSTEM_PROMPT, INSTRUCTION, *(q for q, _ in make_problems(2000, seed=1))]
+    write_tokenizer(folder, corpus, a.bpe_vocab)
+    config = run_config(a)
     report = {
         "benchmark": (
             "GRPO at a real vocabulary: titanrl alone on a full flavor"

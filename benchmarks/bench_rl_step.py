@@ -89,8 +89,8 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from benchmarks.shapes import debug_shape
     from titanrl.data.tasks import Reverse
-    from titanrl.models.args import TransformerModelArgs
     from titanrl.models.hf import export_hf
     from titanrl.models.model import Transformer
 
@@ -115,18 +115,7 @@ def make_assets(workdir: str, n_prompts: int, seed: int) -> tuple[str, str]:
             f,
         )
     # The debug flavor's shape (Qwen3, 4 layers, dim 256) with this vocabulary.
-    args = TransformerModelArgs(
-        family="qwen3",
-        dim=256,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=768,
-        vocab_size=64,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=256,
-    )
+    args = debug_shape(vocab_size=64, max_seq_len=256)
     torch.manual_seed(seed)
     model = Transformer(args)
     model.init_weights()
@@ -228,7 +217,7 @@ def setup_trl(venv: str) -> None:
     subprocess.run([pip, "install", "trl"], check=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup-trl", action="store_true", help="create the TRL venv and exit")
     p.add_argument("--venv", default=DEFAULT_VENV)
@@ -242,7 +231,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--skip-compiled", action="store_true")
     p.add_argument("--out", default="")
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.setup_trl:
         setup_trl(a.venv)
         return

@@ -181,3 +181,51 @@ def warm_compile(cfg: dict, timeout_s: float, cuda: bool) -> dict | str:
 
 if __name__ == "__main__":  # warm_compile's worker process
     print(json.dumps(compile_worker(json.loads(sys.argv[1]))), flush=True)
+
+
+def generator_sections(
+    name: str, args: TransformerModelArgs, device, dtype, gen_cfg: dict, compile: bool | None, left, a
+) -> dict:
+    """Prefill tokens/s at long prompts and a long-tail GRPO batch on one generator of `name`, then
+    the compile seconds of the decode section's first batches (`compile_batches`, in order) in a
+    new process over this run's compile cache (warm), each while the budget lasts."""
+    out: dict = {"model": name}
+    cuda = device.type == "cuda"
+    if left() < 60:
+        return {**out, "skipped": f"{left():.0f} s left of the {a.budget_s:.0f} s budget"}
+    print(f"generator sections ({name}):", flush=True)
+    prompts, group, max_new = gen_cfg["tail"]
+    config = GeneratorConfig(
+        block_size=16,
+        num_blocks=max(4 * gen_cfg["prefill_tokens"], prompts * group * 24) // 16,
+        max_num_seqs=prompts * group,
+        max_num_batched_tokens=gen_cfg["prefill_tokens"],
+        compile=compile,
+    )
+    gen = Generator(args, config, device, dtype=dtype)
+    lens, tokens = gen_cfg["prefill_lens"], gen_cfg["prefill_tokens"]
+    out["prefill"] = prefill_rows(gen, args.vocab_size, lens, tokens, device)
+    out["long_tail"] = (
+        long_tail_batch(gen, args.vocab_size, prompts, group, max_new, device) if left() > 60 else "skipped: budget"
+    )
+    gen.sleep()
+    del gen
+    if cuda:
+        torch.cuda.empty_cache()
+    worker = {
+        "flavor": name,
+        "dtype": str(dtype).removeprefix("torch."),
+        "generator": {**gen_cfg["decode"], "compile": False if a.dry_run else compile},
+        "batches": gen_cfg["compile_batches"],
+        "prompt_len": gen_cfg["prompt_len"],
+        "new_tokens": gen_cfg["new_tokens"],
+    }
+    cap = min(120.0, left() - 10)
+    if a.dry_run:  # the worker's code, in this process (a new one costs seconds of CI time)
+        out["warm_compile"] = {**compile_worker(worker), "dry_run": "uncompiled, in this process"}
+    elif cap > 20:
+        result = warm_compile(worker, cap, cuda)
+        out["warm_compile"] = result if isinstance(result, dict) else {"result": result}
+    else:
+        out["warm_compile"] = {"result": f"skipped: {left():.0f} s left of the {a.budget_s:.0f} s budget"}
+    return out

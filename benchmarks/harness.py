@@ -1,4 +1,4 @@
-"""The benchmarks' shared harness: an environment record, timing, and one JSON shape.
+"""The benchmarks' shared harness: an environment record, timing, a process's peak memory, one JSON shape.
 
 Every benchmark runs from the repository root as a module, so that `titanrl` and `benchmarks`
 import without any sys.path edit:
@@ -22,6 +22,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -220,3 +221,77 @@ def keep_earlier_sections(path: str, rerun: Sequence[str], sections: Sequence[st
         return {}
     measured_at = earlier.get("earlier_sections", {})
     return {**kept, "earlier_sections": {k: measured_at.get(k, commit) for k in kept}}
+
+
+# ---- a process's peak memory ----
+
+
+def _rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("VmRSS")), 0)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        children = [p for p, pp in parent_of.items() if pp in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+class RssSampler(threading.Thread):
+    """Samples the RSS of a process and of its whole tree every `interval_s` until stopped."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.interval_s = pid, interval_s
+        self.peak_main_kib = self.peak_tree_kib = self.peak_other_kib = 0
+        self.max_processes = 1
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            main = _rss_kib(self.pid)
+            others = [_rss_kib(p) for p in _descendants(self.pid)]
+            self.peak_main_kib = max(self.peak_main_kib, main)
+            self.peak_tree_kib = max(self.peak_tree_kib, main + sum(others))
+            self.peak_other_kib = max([self.peak_other_kib, *others])
+            self.max_processes = max(self.max_processes, 1 + len(others))
+            self.stopped.wait(self.interval_s)
+
+
+def run_measured(cmd: list[str], env: dict, log_path: str) -> dict:
+    """Run `cmd` to completion; its max RSS (os.wait4) and sampled RSS peaks, in GiB."""
+    began, load_before = time.perf_counter(), os.getloadavg()[0]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        sampler = RssSampler(proc.pid)
+        sampler.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        sampler.stopped.set()
+        sampler.join()
+    if proc.returncode:
+        with open(log_path) as f:
+            raise RuntimeError(f"{cmd[:3]} failed ({proc.returncode}), log {log_path}:\n{f.read()[-3000:]}")
+    return {
+        "max_rss_gb": usage.ru_maxrss / 2**20,
+        "sampled_peak_rss_gb": sampler.peak_main_kib / 2**20,
+        "sampled_peak_tree_rss_gb": sampler.peak_tree_kib / 2**20,
+        "sampled_peak_child_rss_gb": sampler.peak_other_kib / 2**20,
+        "processes": sampler.max_processes,
+        "wall_s": time.perf_counter() - began,
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+    }

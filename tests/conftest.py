@@ -11,10 +11,10 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 @pytest.fixture(scope="session")
 def uninterrupted_two_ranks(tmp_path_factory):
-    """The 4-step 2-rank RL run of test_checkpoint.py's BASE config, never interrupted: the
+    """The 4-step 2-rank RL run of helpers/checkpoint_runs.py's BASE, never interrupted: the
     reference of every kill / restart / SIGTERM test (shared, it is ~20 s)."""
-    from test_checkpoint import _ok, _run
+    from helpers.checkpoint_runs import ok, run
 
     folder = tmp_path_factory.mktemp("full2")
-    _ok(_run(folder, 4, nproc=2))
+    ok(run(folder, 4, nproc=2))
     return folder

@@ -6,8 +6,8 @@ logprobs) is tested in test_generator.py, test_trainer.py and test_train.py."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tiny import tiny_model, tiny_model_args
 
-from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import (
     KEY_BLOCK,
     TILE_ROWS,
@@ -17,7 +17,7 @@ from titanrl.models.batch_invariant import (
     attend_exact_spans,
     batch_invariant_mode,
 )
-from titanrl.models.model import RMSNorm, Transformer
+from titanrl.models.model import RMSNorm
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (in, out) of the debug and Qwen2.5-0.5B layers, plus dimensions that are not multiples of 8.
@@ -147,21 +147,8 @@ def test_model_logits_of_a_sequence_do_not_depend_on_its_batch():
     """The whole model under the mode: a sequence's logits alone equal its logits in a right-padded
     batch of sequences of other lengths, and its last position's logits equal those of a decode
     step over its prefix (positions given, attention over the cache)."""
-    args = TransformerModelArgs(
-        family="qwen3",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=96,
-        vocab_size=50,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=128,
-    )
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    args = tiny_model_args(vocab_size=50, max_seq_len=128)
+    model = tiny_model(args, 0)
     tokens = torch.randint(0, 50, (5, 70))
 
     class Decode:

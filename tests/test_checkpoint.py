@@ -1,132 +1,56 @@
 """Checkpoints: exact resume, resharding 2 -> 1 ranks, kill -9 mid-step and mid-save, corruption."""
 
-import json
 import os
 import shutil
 import sys
 
 import pytest
 from helpers.checkpoint_faults import flip, kind_file, plant_code
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd
-from safetensors.torch import load_file
-
-CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-BASE = [
-    f"--job.config_file={CONFIG}",
-    "--sft_warmup.steps=3",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-    "--checkpoint.enable=true",
-    "--checkpoint.interval=2",
-    "--checkpoint.keep_latest_k=2",
-    "--checkpoint.export_hf=true",
-    "--optimizer.lr=1e-3",
-]
-COMPARED = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "lr"]
-
-
-def _run(folder, steps, nproc=1, fault=None, extra=()):
-    args = [*BASE, f"--training.steps={steps}", f"--job.dump_folder={folder}", *extra]
-    cmd = train_cmd([*args, "--parallelism.dp_shard=2"] if nproc > 1 else args, nproc)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TITANRL_FAULT", None)
-    if fault:
-        env["TITANRL_FAULT"] = fault
-    return run_cmd(cmd, env)
-
-
-def _ok(proc):
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _steps(folder) -> dict[int, dict]:
-    """Last record of each RL step (a step redone after a crash is logged again)."""
-    out = {}
-    for line in open(os.path.join(folder, "metrics.jsonl")):
-        r = json.loads(line)
-        if r.get("phase") == "rl" and "reward_mean" in r:
-            out[r["step"]] = r
-    return out
-
-
-def _same(a: dict[int, dict], b: dict[int, dict], steps):
-    for s in steps:
-        assert {k: a[s][k] for k in COMPARED} == {k: b[s][k] for k in COMPARED}, s
-
-
-def _weights(folder):
-    hf = os.path.join(folder, "hf", "model.safetensors")
-    return load_file(hf)
-
-
-def _assert_same_weights(a, b):
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert (wa[k] == wb[k]).all(), k
+from helpers.checkpoint_runs import BASE, assert_same_weights, ok, run, same, steps
+from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import DEBUG_CONFIG
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("full")
-    _ok(_run(folder, 4))
+    ok(run(folder, 4))
     return folder
 
 
 def test_exact_resume_after_stop(tmp_path, uninterrupted):
     """Run stopped after step 2, same command re-run -> resumes from step-2; every step's metrics and the final weights are bit-identical to an uninterrupted run"""
-    out = _ok(_run(tmp_path, 2))
+    out = ok(run(tmp_path, 2))
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2"]
-    out = _ok(_run(tmp_path, 4))
+    out = ok(run(tmp_path, 4))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    _same(_steps(tmp_path), _steps(uninterrupted), [1, 2, 3, 4])  # bit-exact on CPU
-    _assert_same_weights(tmp_path, uninterrupted)
+    same(steps(tmp_path), steps(uninterrupted), [1, 2, 3, 4])  # bit-exact on CPU
+    assert_same_weights(tmp_path, uninterrupted)
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-4"]  # keep_latest_k=2
 
 
 @pytest.mark.multirank
-def test_saved_on_two_ranks_resumes_on_one_with_identical_parameters(tmp_path):
+def test_saved_on_two_ranks_resumes_on_one_with_identical_parameters(tmp_path, uninterrupted_two_ranks):
     """Checkpoint saved on 2 ranks (FSDP2), resumed on 1 -> identical model parameters"""
-    two, one = tmp_path / "two", tmp_path / "one"
-    _ok(_run(two, 2, nproc=2))
-    os.makedirs(one)
-    os.symlink(two / "checkpoint", one / "checkpoint")
-    out = _ok(_run(one, 2))  # nothing left to train: loads step 2 and exports it
-    assert "resumed from" in out.stdout
-    _assert_same_weights(one, two)
+    two, one = uninterrupted_two_ranks, tmp_path / "one"
+    shutil.copytree(two / "checkpoint", one / "checkpoint")  # a copy: the 2-rank run is shared
+    out = ok(run(one, 4))  # nothing left to train: loads step 4 and exports it
+    assert "resumed from" in out.stdout and "step-4" in out.stdout
+    assert_same_weights(one, two)  # == the 2-rank run's own end-of-run export
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("fault", ["step:3:1", "checkpoint_save:4:1"])
 def test_kill_9_a_rank_then_rerun_finishes_like_uninterrupted(tmp_path, uninterrupted_two_ranks, fault):
     """kill -9 of rank 1 mid-step (after step 3's update) or mid-save (step-4 shards written, not renamed), then the same command again -> resumes from step-2; metrics and final weights bit-identical to an uninterrupted 2-rank run; no temporary folder left"""
-    crashed = _run(tmp_path, 4, nproc=2, fault=fault)
+    crashed = run(tmp_path, 4, nproc=2, fault=fault)
     assert crashed.returncode != 0
     assert "step-4" not in os.listdir(tmp_path / "checkpoint")
-    out = _ok(_run(tmp_path, 4, nproc=2))
+    out = ok(run(tmp_path, 4, nproc=2))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
-    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    same(steps(tmp_path), steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    assert_same_weights(tmp_path, uninterrupted_two_ranks)
     assert not [d for d in os.listdir(tmp_path / "checkpoint") if d.startswith(".tmp")]
-
-
-def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
-    """Latest checkpoint truncated -> reported in one line as corrupt (its size differs from the manifest), the previous one is used, the run ends bit-identical"""
-    _ok(_run(tmp_path, 4))
-    step4 = tmp_path / "checkpoint" / "step-4"
-    shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
-    shard.write_bytes(shard.read_bytes()[:100])  # truncate
-    out = _ok(_run(tmp_path, 4))
-    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
-    assert len(notices) == 1 and f"step-4 is corrupt: {shard.name} has 100 bytes" in notices[0], out.stdout
-    assert "resumed from" in out.stdout and "step-2" in out.stdout
-    _assert_same_weights(tmp_path, uninterrupted)
 
 
 def _copy_run(src, dst):
@@ -136,19 +60,32 @@ def _copy_run(src, dst):
     return dst
 
 
+def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted):
+    """Latest checkpoint truncated -> reported in one line as corrupt (its size differs from the manifest), the previous one is used, the run ends bit-identical"""
+    folder = _copy_run(uninterrupted, tmp_path / "run")  # the same 4-step run's checkpoints
+    step4 = folder / "checkpoint" / "step-4"
+    shard = next(p for p in step4.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # truncate
+    out = ok(run(folder, 4))
+    notices = [line for line in out.stdout.splitlines() if "step-4" in line]
+    assert len(notices) == 1 and f"step-4 is corrupt: {shard.name} has 100 bytes" in notices[0], out.stdout
+    assert "resumed from" in out.stdout and "step-2" in out.stdout
+    assert_same_weights(folder, uninterrupted)
+
+
 @pytest.mark.parametrize("kind", ["shard", "metadata", "host"])
 def test_bit_flip_in_latest_checkpoint_resumes_from_previous(tmp_path, uninterrupted, kind):
     """16 bytes flipped in a file of the latest checkpoint (a .distcp shard, .metadata or host state; size unchanged), same command again -> one line names the file and skips it (traceback in <dump>/checkpoint_errors.log); resumes from step-2 and ends with the same final weights as an uninterrupted run"""
     run = _copy_run(uninterrupted, tmp_path / "run")
     bad = kind_file(run / "checkpoint" / "step-4", kind)
     flip(bad)
-    out = _ok(_run(run, 4))
+    out = ok(run(run, 4))
     notices = [line for line in out.stdout.splitlines() if "step-4" in line]
     assert len(notices) == 1, out.stdout
     assert f"step-4 is corrupt: {os.path.basename(bad)} has CRC-32" in notices[0]
     assert "checkpoint_errors.log" in notices[0] and "Traceback" in (run / "checkpoint_errors.log").read_text()
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    _assert_same_weights(run, uninterrupted)
+    assert_same_weights(run, uninterrupted)
 
 
 def test_bit_flip_in_the_only_checkpoint_stops_with_one_line(tmp_path, uninterrupted):
@@ -156,7 +93,7 @@ def test_bit_flip_in_the_only_checkpoint_stops_with_one_line(tmp_path, uninterru
     run = _copy_run(uninterrupted, tmp_path / "run")
     shutil.rmtree(run / "checkpoint" / "step-2")
     flip(kind_file(run / "checkpoint" / "step-4", "shard"))
-    proc = _run(run, 6)
+    proc = run(run, 6)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -188,7 +125,7 @@ def test_load_path_with_host_state_that_would_run_code_is_refused(tmp_path, unin
     src = _copy_run(uninterrupted, tmp_path / "src")
     marker = tmp_path / "ran"
     plant_code(src / "checkpoint" / "step-4", str(marker))
-    proc = _run(tmp_path / "run", 4, extra=[f"--checkpoint.load_path={src / 'checkpoint' / 'step-4'}"])
+    proc = run(tmp_path / "run", 4, extra=[f"--checkpoint.load_path={src / 'checkpoint' / 'step-4'}"])
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is refused: host_rank0.pt is not plain data" in lines[0], proc.stderr
@@ -200,11 +137,11 @@ def test_bit_flip_on_two_ranks_resumes_from_previous(tmp_path, uninterrupted_two
     """2 ranks: bytes flipped in rank 1's shard of the latest checkpoint -> both ranks skip it (one line), resume from step-2 and end with the same final weights as an uninterrupted 2-rank run"""
     run = _copy_run(uninterrupted_two_ranks, tmp_path / "run")
     flip(run / "checkpoint" / "step-4" / "__1_0.distcp")
-    out = _ok(_run(run, 4, nproc=2))
+    out = ok(run(run, 4, nproc=2))
     notices = [line for line in out.stdout.splitlines() if "step-4 is corrupt" in line]
     assert len(notices) == 1 and "__1_0.distcp has CRC-32" in notices[0], out.stdout
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    _assert_same_weights(run, uninterrupted_two_ranks)
+    assert_same_weights(run, uninterrupted_two_ranks)
 
 
 def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted):
@@ -224,7 +161,7 @@ def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted)
         str(step4),
         "--out",
         str(out),
-        f"--job.config_file={CONFIG}",
+        f"--job.config_file={DEBUG_CONFIG}",
     ]
     proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -239,16 +176,16 @@ def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted)
     with torch.no_grad():
         diff = (hf(input_ids=tokens).logits - ours.eval()(tokens)).abs().max().item()
     assert diff < 1e-4
-    _assert_same_weights(tmp_path, uninterrupted)  # == the run's own end-of-run export
+    assert_same_weights(tmp_path, uninterrupted)  # == the run's own end-of-run export
 
 
 def test_load_path_branches_a_run_from_a_given_checkpoint(tmp_path, uninterrupted):
     """checkpoint.load_path = an older step folder, new dump folder -> continues from that step; same result as never stopping"""
-    out = _ok(_run(tmp_path, 4, extra=[f"--checkpoint.load_path={uninterrupted / 'checkpoint' / 'step-2'}"]))
+    out = ok(run(tmp_path, 4, extra=[f"--checkpoint.load_path={uninterrupted / 'checkpoint' / 'step-2'}"]))
     assert "resumed from" in out.stdout
-    _same(_steps(tmp_path), _steps(uninterrupted), [3, 4])
-    _assert_same_weights(tmp_path, uninterrupted)
-    bad = _run(tmp_path / "x", 4, extra=[f"--checkpoint.load_path={tmp_path}"])
+    same(steps(tmp_path), steps(uninterrupted), [3, 4])
+    assert_same_weights(tmp_path, uninterrupted)
+    bad = run(tmp_path / "x", 4, extra=[f"--checkpoint.load_path={tmp_path}"])
     assert bad.returncode == 2 and "is not a complete titanrl step-N checkpoint" in bad.stderr
 
 
@@ -266,17 +203,17 @@ def test_kill_9_with_paused_samples_in_flight_resumes_exactly(tmp_path):
     import torch
 
     full, crashed = tmp_path / "full", tmp_path / "crashed"
-    _ok(_run(full, 4, extra=PARTIAL))
-    assert _run(crashed, 4, fault="step:3:0", extra=PARTIAL).returncode != 0
+    ok(run(full, 4, extra=PARTIAL))
+    assert run(crashed, 4, fault="step:3:0", extra=PARTIAL).returncode != 0
     host = torch.load(crashed / "checkpoint" / "step-2" / "host_rank0.pt", weights_only=True)  # plain data
     samples = [s for g in host["recipe"]["in_flight"] for s in g["samples"]]
     paused = [s for s in samples if s["finish_reason"] is None and s["token_ids"]]
     assert paused, "the checkpoint holds no paused sample: the test would not exercise resuming them"
-    out = _ok(_run(crashed, 4, extra=PARTIAL))
+    out = ok(run(crashed, 4, extra=PARTIAL))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    a, b = _steps(crashed), _steps(full)
-    _same(a, b, [1, 2, 3, 4])
+    a, b = steps(crashed), steps(full)
+    same(a, b, [1, 2, 3, 4])
     for s in [1, 2, 3, 4]:
         assert {k: a[s][k] for k in PARTIAL_COMPARED} == {k: b[s][k] for k in PARTIAL_COMPARED}, s
     assert max(b[s]["stale_token_frac"] for s in [2, 3, 4]) > 0  # samples really continued across steps
-    _assert_same_weights(crashed, full)
+    assert_same_weights(crashed, full)

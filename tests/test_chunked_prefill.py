@@ -10,23 +10,13 @@ import dataclasses
 import pytest
 import torch
 from helpers.reference import greedy_reference
+from helpers.tiny import tiny_model, tiny_model_args
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=101,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=160,
-)
+ARGS = tiny_model_args(max_seq_len=160)
 CHUNK = 8
 # 1x, 1.5x, 2x and 4x the chunk, mixed with short prompts in one batch.
 LENGTHS = [8, 3, 12, 16, 5, 32, 2]
@@ -37,9 +27,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def model() -> Transformer:
-    torch.manual_seed(0)
-    m = Transformer(ARGS)
-    m.init_weights()
+    m = tiny_model(ARGS, 0)
     return m.eval()
 
 

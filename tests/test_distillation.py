@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import smoke_run_args, tiny_model
 from tensordict import TensorDict
 
 from titanrl.algorithms import ALGORITHMS, LossInputs
 from titanrl.config import load_config
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import TransformerModelArgs
 from titanrl.models.hf import export_hf
 from titanrl.rl import distillation
 from titanrl.rl.distillation import (
@@ -224,9 +225,7 @@ def _write_hf(folder, vocab_size=264, dim=64, n_layers=2, seed=0):
         tie_word_embeddings=True,
         max_seq_len=128,
     )
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, seed)
     export_hf(model, str(folder))
     return str(folder)
 
@@ -296,16 +295,14 @@ def test_only_algorithms_whose_loss_takes_per_token_advantages_are_accepted():
 
 # ---- short RL runs with a teacher ----
 
-SMALL = [
-    "--training.steps=2",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+SMALL = smoke_run_args(
     "--checkpoint.enable=false",
     "--generator.num_blocks=256",
-]
+    config=None,
+    steps=2,
+    sft_steps=None,
+    max_new_tokens=None,
+)
 
 
 @pytest.fixture(scope="module")

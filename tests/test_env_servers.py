@@ -15,6 +15,7 @@ from collections import deque
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl.envs.serve import make_jail, probe_jail
 from titanrl.envs.server_client import ServerEnvPool
@@ -290,20 +291,15 @@ def test_a_server_at_capacity_makes_a_reset_wait_then_name_it(servers):
 
 # ---- through the trainer: `titanrl run` starts the local servers and leaves none behind ----
 
-SMALL = [
-    "--training.steps=2",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+SMALL = smoke_run_args(
     "--generator.num_blocks=256",
     # A generous deadline: these runs test the protocol end to end, not deadlines (the hang test
     # does); on a loaded machine a first session of openenv's echo app can take seconds.
     "--env.timeout_s=120",
-]
+    config=None,
+    steps=2,
+    max_new_tokens=None,
+)
 
 
 def _server_pids(mark: str) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 from helpers import contained_envs
 from helpers.launch import REPO_ROOT
 from helpers.reference import greedy_reference
+from helpers.tiny import tiny_model, tiny_model_args
 from torch import nn
 
 from titanrl.components.containment import probe
@@ -21,20 +22,9 @@ from titanrl.envs.builtin import CalculatorEnv, CalculatorTask, GuessNumberEnv, 
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.tokenizer import ByteTokenizer
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=128,
-    vocab_size=264,
-    qk_norm=True,
-    max_seq_len=256,
-)
+ARGS = tiny_model_args(tie_word_embeddings=False, hidden_dim=128, vocab_size=264, max_seq_len=256)
 TOK = ByteTokenizer()
 
 
@@ -162,9 +152,7 @@ def _split_turns(completion, prompt):
 
 
 def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    model.init_weights()
+    model = tiny_model(ARGS, 0)
     model.eval()
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
@@ -194,9 +182,7 @@ def test_multi_turn_greedy_matches_full_recompute_without_re_prefill():
 
 def test_failing_environments_end_only_their_episode():
     """Environment raising in step or reset, hanging past its timeout, returning garbage or a NaN reward -> only that episode ends, with the failure reward and a recorded reason; the hung worker is replaced, the other episodes finish"""
-    torch.manual_seed(0)
-    model = Transformer(ARGS)
-    model.init_weights()
+    model = tiny_model(ARGS, 0)
     gen = Generator(ARGS, GeneratorConfig(block_size=4, num_blocks=256), torch.device("cpu"))
     gen.load_weights(model)
     faults = ["", "raise", "hang", "garbage", "nan", "reset_raise", ""]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl import cli
 from titanrl.config.eval_sections import EvalSuite
@@ -17,16 +18,15 @@ from titanrl.data.tasks import Sample
 from titanrl.rewards.math_verify import gsm8k_verifier
 
 BASE = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    "--training.steps=2",
-    "--sft_warmup.steps=0",
-    "--training.batch_size=4",
+SMALL = smoke_run_args(
+    "--checkpoint.enable=true", "--checkpoint.export_hf=true", config=None, steps=2, sft_steps=0, eval_samples=4
+)
+# The sampling keys of SMALL that `titanrl eval` takes too.
+EVAL_ARGS = [
     "--algorithm.group_size=4",
     "--generator.max_new_tokens=6",
     "--data.num_eval_samples=4",
     "--reward.num_workers=1",
-    "--checkpoint.enable=true",
-    "--checkpoint.export_hf=true",
 ]
 SUITES = """
 [[eval]]
@@ -178,7 +178,7 @@ def test_titanrl_eval_on_the_checkpoint_reproduces_the_last_evaluation(one_rank,
     folder, metrics = one_rank
     out = tmp_path / "eval.json"
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--checkpoint", str(folder / "checkpoint" / "step-2"), f"--out={out}", *SMALL[3:7]
+        str(folder / "job.toml"), "--checkpoint", str(folder / "checkpoint" / "step-2"), f"--out={out}", *EVAL_ARGS
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -193,7 +193,7 @@ def test_titanrl_eval_on_the_exported_hf_folder(one_rank, tmp_path):
     folder, metrics = one_rank
     out = tmp_path / "eval.json"
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--hf", str(folder / "hf"), f"--out={out}", *SMALL[3:7]
+        str(folder / "job.toml"), "--hf", str(folder / "hf"), f"--out={out}", *EVAL_ARGS
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -213,7 +213,7 @@ def test_two_ranks_give_the_numbers_of_one(one_rank, tmp_path):
     out = tmp_path / "eval2.json"
     ckpt = str(folder / "checkpoint" / "step-2")
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--checkpoint", ckpt, "--nproc", "2", f"--out={out}", *SMALL[3:7]
+        str(folder / "job.toml"), "--checkpoint", ckpt, "--nproc", "2", f"--out={out}", *EVAL_ARGS
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())

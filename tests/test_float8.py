@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_torchrun
+from helpers.tiny import tiny_model_args, tiny_qwen2_args
 from torch import nn
 
 from titanrl.components.float8 import (
@@ -35,17 +36,7 @@ BLOCK_LINEARS = [
     "feed_forward.w3",
 ]
 # Untied, so the output head is a Linear of its own that must stay in high precision.
-ARGS = TransformerModelArgs(
-    family="qwen2",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=128,
-    vocab_size=128,
-    qkv_bias=True,
-    max_seq_len=32,
-)
+ARGS = tiny_qwen2_args(hidden_dim=128, vocab_size=128, max_seq_len=32)
 # Relative error (Frobenius) of a float8 matmul vs float32: e4m3 keeps 3 mantissa bits (rounding
 # error <= 2^-4 per element), e5m2 gradients 2 bits; errors partly average out over K terms.
 FLOAT8_REL_TOL = 0.15
@@ -97,8 +88,8 @@ def _converted(config: Float8) -> Transformer:
 
 
 def test_dims_not_multiple_of_16_stay_high_precision(caplog):
-    args = TransformerModelArgs(
-        family="qwen3", dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=120, vocab_size=128, max_seq_len=32
+    args = tiny_model_args(
+        qk_norm=False, tie_word_embeddings=False, n_layers=1, hidden_dim=120, vocab_size=128, max_seq_len=32
     )
     model = _meta_model(args)
     with caplog.at_level("INFO", logger="titanrl.components.float8"):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 from helpers.reference import greedy_reference
+from helpers.tiny import tiny_model, tiny_model_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,24 +19,11 @@ from titanrl.generator.sequence import Seq
 from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.logprobs import token_logprobs
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=101,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=96,
-)
+ARGS = tiny_model_args()
 
 
 def _trainer_model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ARGS)
-    model.init_weights()
+    model = tiny_model(ARGS, seed)
     return model.eval()
 
 
@@ -208,9 +196,7 @@ def test_prefill_projects_only_the_sampled_rows_at_real_vocabulary():
         tie_word_embeddings=True,
         max_seq_len=160,
     )
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, 0)
     gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=64), torch.device("cpu"))
     gen.load_weights(model)
     rows = []

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd
-from test_checkpoint import BASE, _assert_same_weights, _ok, _same, _steps
+from helpers.checkpoint_runs import BASE, assert_same_weights, ok, same, steps
+from helpers.launch import REPO_ROOT, cli_in_process, run_cmd
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 
@@ -83,13 +83,16 @@ def _alive(pid: int) -> bool:
         (["--distillation.teacher_hf_checkpoint=/nonexistent_teacher"], "No config.json in '/nonexistent_teacher'"),
     ],
 )
-def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message):
+def test_launcher_user_error_is_one_line_and_exit_2(tmp_path, args, message, capsys):
     """Config typo, impossible degrees, missing data file, non-UTF-8 data, unimportable reward function or missing distillation teacher, launched with `titanrl run` -> exit 2 and one line on stderr before any rank starts (plain torchrun added its 33-line ChildFailedError block and exit 1)"""
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(b'{"prompt": "rev:ab=", "answer": "ba"}\n{"prompt": "caf\xe9", "answer": "x"}\n')
     args = [a.format(latin1=latin1) for a in args]
     cmd = _titanrl(*args) if args[0] == "--nproc" else _titanrl(DEBUG, *args)
-    proc = run_cmd(cmd, _env(), timeout_s=120)
+    if args[0].startswith("--training."):  # a fresh launcher process: nothing else reaches stderr
+        proc = run_cmd(cmd, _env(), timeout_s=120)
+    else:  # the launcher's pre-flight in this process (an interpreter start-up is seconds)
+        proc = cli_in_process(cmd[3:], capsys)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("titanrl: error:") and message in lines[0], proc.stderr
@@ -175,15 +178,15 @@ def test_sigterm_checkpoints_exits_0_and_resumes_bit_exactly(tmp_path, uninterru
     stopped = json.load(open(tmp_path / "stopped.json"))["step"]
     assert f"stopped by SIGTERM after step {stopped}" in err and stopped in (2, 3), err
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-3"][: stopped - 1]
-    resumed = _ok(run_cmd(cmd, _env("slow_generate:3:1"), timeout_s=300))
+    resumed = ok(run_cmd(cmd, _env("slow_generate:3:1"), timeout_s=300))
     assert "resumed from" in resumed.stdout and f"step-{stopped}" in resumed.stdout
     (step3,) = [r for r in _metrics_rows(tmp_path) if r.get("step") == 3 and "reward_mean" in r]
     assert step3["straggler_rank"] == 1 and step3["straggler_phase"] == "generate"
     assert step3["straggler_excess_s"] > 1.5
     rl_steps = [r["step"] for r in _metrics_rows(tmp_path) if r.get("phase") == "rl" and "reward_mean" in r]
     assert rl_steps == [1, 2, 3, 4]
-    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
-    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    same(steps(tmp_path), steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    assert_same_weights(tmp_path, uninterrupted_two_ranks)
 
 
 @pytest.mark.multirank
@@ -203,12 +206,12 @@ def test_torchrun_max_restarts_resumes_like_uninterrupted(tmp_path, uninterrupte
         f"--job.dump_folder={tmp_path}",
         "--parallelism.dp_shard=2",
     ]
-    out = _ok(run_cmd(cmd, _env("step:3:1"), timeout_s=600))
+    out = ok(run_cmd(cmd, _env("step:3:1"), timeout_s=600))
     assert "resumed from" in out.stdout and "step-2" in out.stdout
     rl_steps = [r["step"] for r in _metrics_rows(tmp_path) if r.get("phase") == "rl" and "reward_mean" in r]
     assert rl_steps == [1, 2, 3, 4]
-    _same(_steps(tmp_path), _steps(uninterrupted_two_ranks), [1, 2, 3, 4])
-    _assert_same_weights(tmp_path, uninterrupted_two_ranks)
+    same(steps(tmp_path), steps(uninterrupted_two_ranks), [1, 2, 3, 4])
+    assert_same_weights(tmp_path, uninterrupted_two_ranks)
 
 
 def test_killed_launcher_leaves_no_process_the_reward_code_started(tmp_path):
@@ -228,7 +231,7 @@ def test_killed_launcher_leaves_no_process_the_reward_code_started(tmp_path):
         "--data.num_eval_samples=2",
     ]
     try:
-        _ok(run_cmd(_titanrl(*args, f"--job.dump_folder={tmp_path / 'ends'}", "--training.steps=1"), env, 300))
+        ok(run_cmd(_titanrl(*args, f"--job.dump_folder={tmp_path / 'ends'}", "--training.steps=1"), env, 300))
         assert _spawned_alive(pid_dir, expect=0, timeout_s=10) == 0
         for name in os.listdir(pid_dir):
             os.remove(pid_dir / name)

@@ -8,6 +8,8 @@ import re
 from helpers.launch import REPO_ROOT
 
 PACKAGE = pathlib.Path(REPO_ROOT) / "titanrl"
+# The benchmarks keep the package's size rules: they are read and forked as often as its code.
+SIZE_RULED = [PACKAGE, pathlib.Path(REPO_ROOT) / "benchmarks"]
 
 
 def test_files_and_functions_stay_short():
@@ -15,7 +17,7 @@ def test_files_and_functions_stay_short():
     # line where a call does not fit in 120 characters), which grew files by ~15%. The cap is a
     # prompt to split a file where a second responsibility starts, never a reason to pack lines.
     too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for folder in SIZE_RULED for p in folder.rglob("*.py")):
         source = path.read_text()
         if source.count("\n") > 500:
             too_long.append(f"{path.relative_to(REPO_ROOT)}: {source.count(chr(10))} lines (max 500)")

@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 from helpers.launch import REPO_ROOT, run_torchrun
+from helpers.tiny import tiny_model
 
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import TransformerModelArgs
 from titanrl.models.logprobs import chunked_token_logprobs, token_logprobs
 
 
@@ -75,9 +76,7 @@ def test_model_logprobs_equal_logits_path_and_chunking_does_not_matter():
         tie_word_embeddings=True,
         max_seq_len=32,
     )
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, 0)
     tokens = torch.randint(0, 300, (3, 17))
     full = token_logprobs(model(tokens[:, :-1]), tokens[:, 1:])
     full.sum().backward()

@@ -4,30 +4,18 @@ off-policy training on disaggregated rollout and trainer ranks."""
 
 import pytest
 import torch
+from helpers.tiny import tiny_model, tiny_model_args
 
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.generator import Generator, ResumedSample, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 from titanrl.models.logprobs import token_logprobs
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=101,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=96,
-)
+ARGS = tiny_model_args()
 
 
 def _model(seed: int) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(ARGS)
-    model.init_weights()
+    model = tiny_model(ARGS, seed)
     return model.eval()
 
 
@@ -232,24 +220,9 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
 
 
 def _one_step_args(folder, *extra):
-    import os
+    from helpers.tiny import smoke_run_args
 
-    from helpers.launch import REPO_ROOT
-
-    return [
-        f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
-        "--sft_warmup.steps=3",
-        "--sft_warmup.batch_size=8",
-        "--training.batch_size=4",
-        "--algorithm.group_size=4",
-        "--generator.max_new_tokens=6",
-        "--data.num_eval_samples=8",
-        "--reward.num_workers=1",
-        "--metrics.eval_freq=0",
-        "--training.steps=4",
-        f"--job.dump_folder={folder}",
-        *extra,
-    ]
+    return smoke_run_args(f"--job.dump_folder={folder}", *extra, steps=4, sft_steps=3)
 
 
 def _rl_steps(folder) -> dict[int, dict]:
@@ -301,13 +274,11 @@ def test_one_step_on_2_plus_2_ranks_trains_one_version_behind(tmp_path):
     assert all(r["rollout_generate_s"] > 0 for r in steps.values())
 
 
-def test_one_step_world_must_split_in_two_halves(tmp_path):
-    import os
-
-    from helpers.launch import run_cmd, train_cmd
+def test_one_step_world_must_split_in_two_halves(tmp_path, capsys):
+    from helpers.launch import train_in_process
 
     args = _one_step_args(
         tmp_path, "--rollout.mode=one_step", "--rollout.rollout_ranks=2", "--algorithm.off_policy_correction=tis"
     )
-    proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = train_in_process(args, capsys)  # a user error before any step: this process will do
     assert proc.returncode == 2 and "needs 4 ranks (2 generate, 2 train), got 1" in proc.stderr

@@ -6,11 +6,11 @@ FSDP2 ranks and on tp=2 matching one rank."""
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import smoke_run_args, tiny_model, tiny_qwen2_args
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -20,7 +20,6 @@ from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig, load_config
 from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.distributed.parallel_dims import ParallelDims
-from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, export_peft_adapter, to_hf_state_dict
 from titanrl.models.lora import (
@@ -35,25 +34,13 @@ from titanrl.models.lora import (
 )
 from titanrl.models.model import Transformer
 
-ARGS = TransformerModelArgs(
-    family="qwen2",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=97,
-    max_seq_len=64,
-    qkv_bias=True,
-)
+ARGS = tiny_qwen2_args(vocab_size=97, max_seq_len=64)
 ALL = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
 
 def _lora_model(args=ARGS, targets=ALL, rank=4, alpha=8.0, seed=0, dtype=torch.float32) -> Transformer:
     """A plain 1-rank model with adapters whose B is random (non-zero), so they change the output."""
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, seed)
     add_lora(model, LoRAConfig(enable=True, rank=rank, alpha=alpha, target_modules=targets))
     init_lora(model, seed)
     with torch.no_grad():
@@ -248,22 +235,13 @@ def test_peft_export_reloads_in_peft_and_transformers(tmp_path):
 # ---- GRPO with LoRA: 1 rank, 2 FSDP2 ranks, tp=2 ----
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    "--training.steps=3",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+SMALL = smoke_run_args(
     "--checkpoint.export_hf=true",
     "--lora.enable=true",
     "--lora.rank=4",
     "--lora.target_modules=wq,wv,wo,w2",
     "--algorithm.kl_coef=0.05",
-]
+)
 
 
 def _metrics(folder) -> list[dict]:
@@ -277,7 +255,7 @@ CHECKPOINTS = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpo
 @pytest.fixture(scope="module")
 def one_rank_lora(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora1")
-    train.main([f"--job.config_file={CONFIG}", *SMALL, *CHECKPOINTS, f"--job.dump_folder={folder}"])
+    train.main([*SMALL, *CHECKPOINTS, f"--job.dump_folder={folder}"])
     return folder
 
 
@@ -310,7 +288,6 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(one_rank_lora, 
     # Resume from step-2 in a fresh folder: step 3 and the final adapters are the same bit for bit.
     train.main(
         [
-            f"--job.config_file={CONFIG}",
             *SMALL,
             *CHECKPOINTS,
             f"--job.dump_folder={tmp_path}",
@@ -337,17 +314,8 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(one_rank_lora, 
     ],
 )
 def test_two_rank_lora_matches_one_rank(tmp_path, one_rank_lora, layout):
-    args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "titanrl.train",
-        *args,
-    ]
+    args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
+    cmd = train_cmd([*args], 2)
     proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got, want = _metrics(tmp_path), _metrics(one_rank_lora)

@@ -5,28 +5,16 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.tiny import tiny_model, tiny_model_args
 
 from titanrl.distributed.parallelize import apply_ac, apply_compile
-from titanrl.models import Transformer, TransformerModelArgs, flavors, get_model_args
+from titanrl.models import Transformer, flavors, get_model_args
 
-TINY = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=101,
-    qk_norm=True,
-    tie_word_embeddings=False,
-    max_seq_len=64,
-)
+TINY = tiny_model_args(tie_word_embeddings=False, n_layers=3, max_seq_len=64)
 
 
 def _model(args=TINY, seed=0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, seed)
     return model
 
 

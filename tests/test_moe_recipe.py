@@ -10,22 +10,14 @@ import os
 
 import pytest
 from helpers.launch import REPO_ROOT
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 from titanrl.config.manager import load_config
 from titanrl.models import get_model_args
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_moe_reverse_debug.toml")
-SMALL = [
-    "--training.steps=2",
-    "--sft_warmup.steps=3",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=2",
-]
+SMALL = smoke_run_args("--metrics.eval_freq=2", config=CONFIG, steps=2, sft_steps=3, max_new_tokens=None)
 MOE_KEYS = ["moe_route_disagree", "moe_router_entropy", "moe_aux_loss", "moe_load_max_mean", "mismatch_kl"]
 
 
@@ -36,7 +28,7 @@ def runs(tmp_path_factory):
     for mode, extra in (("rollout", []), ("off", ["--moe.routing_replay=off"])):
         folder = tmp_path_factory.mktemp(mode)
         with contextlib.redirect_stdout(io.StringIO()):
-            train.main([f"--job.config_file={CONFIG}", f"--job.dump_folder={folder}", *SMALL, *extra])
+            train.main([*SMALL, f"--job.dump_folder={folder}", *extra])
         with open(os.path.join(folder, "metrics.jsonl")) as f:
             out[mode] = [json.loads(line) for line in f]
     return out

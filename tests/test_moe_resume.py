@@ -15,25 +15,20 @@ import shutil
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import MOE_DEBUG_CONFIG, smoke_run_args
 from safetensors.torch import load_file
 
-CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_moe_reverse_debug.toml")
-BASE = [
-    f"--job.config_file={CONFIG}",
-    "--training.steps=4",
-    "--sft_warmup.steps=2",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+BASE = smoke_run_args(
     "--checkpoint.enable=true",
     "--checkpoint.interval=2",
     "--checkpoint.keep_latest_k=0",
     "--checkpoint.export_hf=true",
     "--optimizer.lr=1e-3",
-]
+    config=MOE_DEBUG_CONFIG,
+    steps=4,
+    sft_steps=2,
+    max_new_tokens=None,
+)
 EP2 = ["--parallelism.dp_shard=2", "--parallelism.ep=2"]
 COMPARED = ["reward_mean", "response_len", "entropy", "grad_norm", "lr", "moe_aux_loss", "moe_route_disagree"]
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

@@ -13,24 +13,14 @@ import tempfile
 
 import pytest
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 from torch.distributed.run import get_args_parser
 
 from titanrl.cli import split_args
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 SLURM = os.path.join(REPO_ROOT, "scripts", "deploy", "multinode_trainer.slurm")
-SMALL = [
-    f"--job.config_file={CONFIG}",
-    "--training.steps=2",
-    "--sft_warmup.steps=2",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+SMALL = smoke_run_args(steps=2, sft_steps=2)
 
 
 def _free_port() -> int:

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 from helpers.launch import REPO_ROOT
+from helpers.tiny import smoke_run_args
 from torch.profiler import ProfilerAction
 
 from titanrl import train
@@ -17,16 +18,7 @@ from titanrl.config import load_config
 from titanrl.config.sections import Profiling
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-TINY = [
-    f"--job.config_file={CONFIG}",
-    "--sft_warmup.steps=0",
-    "--training.batch_size=2",
-    "--algorithm.group_size=2",
-    "--generator.max_new_tokens=4",
-    "--data.num_eval_samples=2",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+TINY = smoke_run_args(steps=None, sft_steps=0, batch_size=2, group_size=2, max_new_tokens=4, eval_samples=2)
 # The phases of an RL step as PhaseTimer names them, the Trainer's evaluation of the last step,
 # and the generator's own ranges.
 PHASES = {

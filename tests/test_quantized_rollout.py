@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers.launch import REPO_ROOT
 from helpers.reference import greedy_reference
+from helpers.tiny import tiny_model, tiny_model_args
 
 from titanrl.config import load_config
 from titanrl.config.rl_sections import Generator as GeneratorConfig
@@ -19,25 +20,12 @@ from titanrl.generator.quantize import BLOCK_PROJECTIONS, check_quantize_support
 from titanrl.generator.weight_sync import weight_bytes
 from titanrl.models import Transformer, TransformerModelArgs
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=96,
-    vocab_size=101,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=96,
-)
+ARGS = tiny_model_args()
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
 
 
 def _trainer_model(seed: int = 0, args: TransformerModelArgs = ARGS) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, seed)
     return model.eval()
 
 

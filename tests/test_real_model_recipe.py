@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers.tiny import tiny_model
 
 pytest.importorskip("jinja2")
 pytest.importorskip("tokenizers")
@@ -17,7 +18,7 @@ from helpers.launch import REPO_ROOT  # noqa: E402
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
 from titanrl.config import load_config  # noqa: E402
-from titanrl.models import Transformer, TransformerModelArgs  # noqa: E402
+from titanrl.models import TransformerModelArgs  # noqa: E402
 from titanrl.models.hf import export_hf  # noqa: E402
 from titanrl.train import build_trainer  # noqa: E402
 
@@ -67,9 +68,7 @@ def assets(tmp_path_factory):
         tie_word_embeddings=True,
         max_seq_len=512,
     )
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, 0)
     export_hf(model, str(root / "model"))
     # Qwen lists two stop tokens: <|im_end|> and <|endoftext|>.
     (root / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))

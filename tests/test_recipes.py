@@ -8,23 +8,14 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd, train_in_process
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 
-SMALL = [
-    "--training.steps=3",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+SMALL = smoke_run_args(config=None, max_new_tokens=None)
 # Algorithm-specific metrics each recipe must log.
 RECIPES = {
     "ppo": ["value_loss", "value_clip_frac", "critic_grad_norm"],
@@ -59,16 +50,7 @@ def _train(recipe, folder, extra=(), nproc=1):
         with contextlib.redirect_stdout(io.StringIO()) as out:
             train.main(args)
         return subprocess.CompletedProcess(args, 0, out.getvalue(), "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "titanrl.train",
-        *args,
-    ]
+    cmd = train_cmd([*args], nproc)
     proc = run_cmd(cmd, ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -165,7 +147,12 @@ def test_dapo_dynamic_sampling_on_two_ranks(tmp_path):
 
 def test_ppo_critic_resumes_exactly(tmp_path):
     """PPO run stopped after step 2, same command re-run -> resumes; every step's policy and critic numbers (value loss, critic grad norm) are bit-identical to an uninterrupted run"""
-    extra = [*SMALL[1:], "--checkpoint.enable=true", "--checkpoint.interval=2", "--critic.warmup_steps=1"]
+    extra = [
+        *smoke_run_args(config=None, steps=None, max_new_tokens=None),
+        "--checkpoint.enable=true",
+        "--checkpoint.interval=2",
+        "--critic.warmup_steps=1",
+    ]
     full, parts = tmp_path / "full", tmp_path / "parts"
     _train("ppo_reverse_debug", full, [*extra, "--training.steps=4"])
     _train("ppo_reverse_debug", parts, [*extra, "--training.steps=2"])
@@ -330,7 +317,7 @@ def test_offline_micro_batches_match_one_batch(tmp_path, sft_export, recipe):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a, b)
 
 
-def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
+def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export, capsys):
     """Preference JSONL row without 'rejected' (offline DPO) -> exit code 2 before anything is built, naming file:line and the field"""
     sft_rows = [{"prompt": f"rev:{w}=", "answer": w[::-1]} for w in ["abc", "hgfe", "ijjd", "bead", "cab", "fig"]]
     pairs = [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1]} for r in sft_rows]
@@ -353,16 +340,13 @@ def test_offline_recipes_read_jsonl_and_reject_bad_rows(tmp_path, sft_export):
     )
     assert len(_offline_evals(tmp_path / "dpo")) == 2
     (tmp_path / "bad.jsonl").write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "x", "chosen": "y"}) + "\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "titanrl.train",
+    args = [
         f"--job.config_file={_config('dpo_reverse_debug')}",
         *common,
         f"--data.path={tmp_path / 'bad.jsonl'}",
         f"--job.dump_folder={tmp_path / 'bad'}",
     ]
-    proc = run_cmd(cmd, ENV)
+    proc = train_in_process(args, capsys)  # a data error before any step: this process will do
     assert proc.returncode == 2 and "bad.jsonl:2: missing or empty 'rejected'" in proc.stderr, proc.stderr
 
 

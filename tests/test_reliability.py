@@ -10,21 +10,11 @@ import sys
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, cli_in_process, run_cmd, train_cmd, train_in_process
+from helpers.tiny import smoke_run_args
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    f"--job.config_file={CONFIG}",
-    "--sft_warmup.steps=2",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-    "--training.steps=3",
-]
+SMALL = smoke_run_args(sft_steps=2)
 
 
 def _run(folder, extra=(), fault=None, nproc=1):
@@ -84,9 +74,11 @@ def test_hung_phase_is_reported_by_the_watchdog(tmp_path):
         (["--checkpoint.interval=0"], "[checkpoint] interval must be >= 1"),
     ],
 )
-def test_bad_input_fails_at_start_with_a_clear_message(tmp_path, args, message):
+def test_bad_input_fails_at_start_with_a_clear_message(tmp_path, args, message, capsys):
     """Impossible degrees, missing model folder or data file, unknown flavor, prompt longer than the context, invalid value -> exit code 2 and a one-line message naming cause and fix"""
-    proc = _run(tmp_path, args)
+    # The rank's entry point in this process: it stops before training (a fresh rank's start-up
+    # with a user error is tested below, test_reward_module_failing_at_import_is_one_line).
+    proc = train_in_process([*SMALL, f"--job.dump_folder={tmp_path}", *args], capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -94,17 +86,16 @@ def test_bad_input_fails_at_start_with_a_clear_message(tmp_path, args, message):
 
 # ---- through `titanrl run`: resuming from a checkpoint that does not fit, user code that fails at import ----
 
-RESUME = [
-    "--sft_warmup.steps=0",
-    "--training.batch_size=4",
-    "--algorithm.group_size=2",
-    "--generator.max_new_tokens=4",
-    "--data.num_eval_samples=4",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
+RESUME = smoke_run_args(
     "--checkpoint.enable=true",
     "--checkpoint.interval=1",
-]
+    config=None,
+    steps=None,
+    sft_steps=0,
+    group_size=2,
+    max_new_tokens=4,
+    eval_samples=4,
+)
 WORDS = ["ab", "abc", "bca", "cab", "ba", "cb", "abd", "dba", "bad", "dab", "adb", "bda"]
 
 
@@ -146,7 +137,7 @@ def checkpointed(tmp_path_factory):
     return {"data": data, "run": run, "args": args}
 
 
-def test_checkpoint_of_another_model_shape_is_one_line(checkpointed):
+def test_checkpoint_of_another_model_shape_is_one_line(checkpointed, capsys):
     """checkpoint.load_path of a `debug` run loaded into `debug-large` (other shapes) -> exit 2 and one stderr line before any rank starts, naming the parameter and both shapes (was: rc 1 and a 51-line traceback)"""
     step = checkpointed["run"] / "checkpoint" / "step-2"
     args = [
@@ -155,7 +146,9 @@ def test_checkpoint_of_another_model_shape_is_one_line(checkpointed):
         "--model.flavor=debug-large",
         f"--checkpoint.load_path={step}",
     ]
-    proc = _titanrl_run([*args, f"--job.dump_folder={checkpointed['run'].parent / 'large'}"])
+    proc = cli_in_process(
+        ["run", "--nproc", "1", CONFIG, *args, f"--job.dump_folder={checkpointed['run'].parent / 'large'}"], capsys
+    )
     _one_error_line(
         proc, "'model.tok_embeddings.weight' is [264, 256] float32 in the checkpoint but [264, 384] float32"
     )
@@ -190,10 +183,12 @@ def test_changed_data_on_resume_stops_with_one_line(checkpointed, tmp_path):
         ("import sys\n\nsys.exit('no GPU here')\n", ":3", "SystemExit: no GPU here"),
     ],
 )
-def test_reward_module_failing_at_import_is_one_line(tmp_path, source, where, exception):
+def test_reward_module_failing_at_import_is_one_line(tmp_path, source, where, exception, capsys, monkeypatch):
     """Reward module with a SyntaxError, or raising ZeroDivisionError / SystemExit at import -> exit 2 and one stderr line with file:line and the exception (was: rc 1 and a 24-27-line traceback)"""
     (tmp_path / "my_reward.py").write_text(source)
-    proc = _titanrl_run([f"--job.dump_folder={tmp_path / 'run'}", "--reward.function=my_reward:reward"], [tmp_path])
+    monkeypatch.syspath_prepend(str(tmp_path))  # the launcher's pre-flight, in this process
+    args = [f"--job.dump_folder={tmp_path / 'run'}", "--reward.function=my_reward:reward"]
+    proc = cli_in_process(["run", "--nproc", "1", CONFIG, *args], capsys)
     _one_error_line(proc, f"{tmp_path / 'my_reward.py'}{where}: {exception}", "reward.function 'my_reward:reward'")
     if exception.startswith("ZeroDivisionError"):  # the same line from a rank started without the launcher
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)}

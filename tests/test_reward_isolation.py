@@ -16,6 +16,7 @@ import time
 import pytest
 from helpers import contained_fns, reward_fns
 from helpers.launch import REPO_ROOT, run_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl.components.containment import probe
 from titanrl.rewards.runner import OUTPUT_KEEP_BYTES, RewardItem, RewardOutputLog, RewardRunner
@@ -195,18 +196,13 @@ def test_reward_function_raising_system_exit_in_a_real_run(tmp_path):
         "--nproc_per_node=1",
         "-m",
         "titanrl.train",
-        f"--job.config_file={CONFIG}",
-        f"--job.dump_folder={tmp_path}",
-        "--reward.function=helpers.reward_fns:raises_system_exit",
-        "--sft_warmup.steps=2",
-        "--sft_warmup.batch_size=8",
-        "--training.batch_size=4",
-        "--algorithm.group_size=4",
-        "--generator.max_new_tokens=6",
-        "--data.num_eval_samples=8",
-        "--reward.num_workers=1",
-        "--metrics.eval_freq=0",
-        "--training.steps=2",
+        *smoke_run_args(
+            f"--job.dump_folder={tmp_path}",
+            "--reward.function=helpers.reward_fns:raises_system_exit",
+            config=CONFIG,
+            steps=2,
+            sft_steps=2,
+        ),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(REPO_ROOT, "tests")}
     env.pop("TITANRL_FAULT", None)

@@ -11,28 +11,15 @@ import sys
 import torch
 from helpers.launch import REPO_ROOT
 from helpers.reference import greedy_reference
+from helpers.tiny import tiny_model, tiny_model_args
 
-from titanrl.models import Transformer, TransformerModelArgs
 from titanrl.models.hf import export_hf
 from titanrl.models.tokenizer import ByteTokenizer
 
 
 def test_generate_cli_on_hf_folder(tmp_path):
-    args = TransformerModelArgs(
-        family="qwen3",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=96,
-        vocab_size=264,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=64,
-    )
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    args = tiny_model_args(vocab_size=264, max_seq_len=64)
+    model = tiny_model(args, 0)
     export_hf(model, str(tmp_path))
     cmd = [
         sys.executable,

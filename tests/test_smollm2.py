@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 from helpers.launch import REPO_ROOT
+from helpers.tiny import tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +171,7 @@ def test_short_answer_recipe_runs_at_smollm2_vocabulary(smollm2, tmp_path):
     import shutil
 
     from titanrl.config import load_config
-    from titanrl.models import Transformer, TransformerModelArgs
+    from titanrl.models import TransformerModelArgs
     from titanrl.models.hf import export_hf
     from titanrl.train import build_trainer
 
@@ -179,9 +180,7 @@ def test_short_answer_recipe_runs_at_smollm2_vocabulary(smollm2, tmp_path):
         family="llama3", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128, vocab_size=49152,
         rope_theta=1e5, tie_word_embeddings=True, max_seq_len=256,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = Transformer(args)
-    model.init_weights()
+    model = tiny_model(args, 0)
     export_hf(model, str(folder))
     for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"]:
         shutil.copy(os.path.join(smollm2, name), folder / name)

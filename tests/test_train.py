@@ -7,22 +7,13 @@ import os
 import sys
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd, train_in_process
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-SMALL = [
-    "--training.steps=3",
-    "--sft_warmup.steps=4",
-    "--sft_warmup.batch_size=8",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=8",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+SMALL = smoke_run_args()
 
 
 def _metrics(folder) -> list[dict]:
@@ -35,7 +26,6 @@ def _run_single(folder, extra=()):
         sys.executable,
         "-m",
         "titanrl.train",
-        f"--job.config_file={CONFIG}",
         *SMALL,
         f"--job.dump_folder={folder}",
         *extra,
@@ -47,8 +37,14 @@ def _run_single(folder, extra=()):
 
 def _train_in_process(folder, extra=()) -> list[dict]:
     """The same job as `_run_single`, in this process (no interpreter start-up): its metrics."""
-    train.main([f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={folder}", *extra])
+    train.main([*SMALL, f"--job.dump_folder={folder}", *extra])
     return _metrics(folder)
+
+
+def _stops_at_start(folder, extra, capsys):
+    """The job's rank entry point in this process, for a job that stops with a user error before
+    it trains (exit code 2 and one line; the same code path as `_run_single`'s process)."""
+    return train_in_process([*SMALL, f"--job.dump_folder={folder}", *extra], capsys)
 
 
 def _rl_steps(metrics):
@@ -109,18 +105,9 @@ TAIL = ("response_len_p50", "response_len_p90", "response_len_max")
 @pytest.mark.parametrize("layout", [["--parallelism.dp_shard=2"], ["--parallelism.tp=2", "--parallelism.dp_shard=1"]])
 def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
     _, ref = single_rank
-    args = [f"--job.config_file={CONFIG}", *SMALL, f"--job.dump_folder={tmp_path}", *layout]
+    args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "titanrl.train",
-        *args,
-    ]
+    cmd = train_cmd([*args], 2)
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = _rl_steps(_metrics(tmp_path))
@@ -176,36 +163,33 @@ def test_sft_warmup_micro_batches_match_one_batch(tmp_path):
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 
-def test_bad_data_row_fails_fast_with_the_line(tmp_path):
+def test_bad_data_row_fails_fast_with_the_line(tmp_path, capsys):
     """JSONL data row without 'prompt' -> fails before the model is built, naming file:line and the field"""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"answer": 3}\n')
-    proc = _run_single(tmp_path, [f"--data.path={data}"])
+    proc = _stops_at_start(tmp_path, [f"--data.path={data}"], capsys)
     assert proc.returncode != 0
     assert "prompts.jsonl:2: missing or empty 'prompt'" in proc.stderr
 
 
-def test_config_typo_fails_with_suggestion(tmp_path):
+def test_config_typo_fails_with_suggestion(tmp_path, capsys):
     """Config key typo -> fails naming the key and the closest valid one"""
-    proc = _run_single(tmp_path, ["--algorithm.group_sise=4"])
+    proc = _stops_at_start(tmp_path, ["--algorithm.group_sise=4"], capsys)
     assert proc.returncode != 0
     assert "Unknown config key 'algorithm.group_sise'" in proc.stderr and "Did you mean 'group_size'" in proc.stderr
 
 
 def test_failing_user_reward_function_is_isolated_and_counted(tmp_path):
     """User reward function raising, returning NaN or hanging inside a real run -> the run finishes; failures counted in reward_failures"""
-    proc = _run_single(
-        tmp_path, ["--reward.function=helpers.reward_fns:flaky", "--reward.timeout_s=2", "--reward.failure_reward=-1.0"]
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = _rl_steps(_metrics(tmp_path))
+    extra = ["--reward.function=helpers.reward_fns:flaky", "--reward.timeout_s=2", "--reward.failure_reward=-1.0"]
+    steps = _rl_steps(_train_in_process(tmp_path, extra))  # the run finishes: no exception
     assert len(steps) == 3
     assert sum(m["reward_failures"] for m in steps) > 0
     assert all(math.isfinite(m["reward_mean"]) for m in steps)
 
 
-def test_unimportable_reward_function_is_a_clear_error(tmp_path):
-    proc = _run_single(tmp_path, ["--reward.function=no_such_module:fn"])
+def test_unimportable_reward_function_is_a_clear_error(tmp_path, capsys):
+    proc = _stops_at_start(tmp_path, ["--reward.function=no_such_module:fn"], capsys)
     assert proc.returncode == 2
     assert "reward.function 'no_such_module:fn' cannot be imported" in proc.stderr
 
@@ -217,7 +201,7 @@ def test_batch_invariant_mode_gives_exactly_on_policy_logprobs(tmp_path):
     assert len(steps) == 3 and all(m["gen_logprob_diff"] == 0.0 for m in steps)
 
 
-def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path):
+def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path, capsys):
     """A user's JSONL prompts (GSM8K-style numeric answers): eval rows held out, SFT on 'solution', GRPO runs."""
     data = tmp_path / "prompts.jsonl"
     with open(data, "w") as f:
@@ -227,5 +211,5 @@ def test_jsonl_prompts_with_numeric_verifier_run_end_to_end(tmp_path):
     assert len(steps) == 3 and steps[-1]["eval_samples"] == 8
     few = tmp_path / "few.jsonl"
     few.write_text(data.read_text().splitlines()[0] + "\n")
-    proc = _run_single(tmp_path / "b", [f"--data.path={few}"])
+    proc = _stops_at_start(tmp_path / "b", [f"--data.path={few}"], capsys)
     assert proc.returncode == 2 and "not more than data.num_eval_samples" in proc.stderr

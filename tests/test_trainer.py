@@ -11,7 +11,8 @@ import weakref
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.tiny import smoke_run_args
 
 from titanrl import train
 from titanrl.algorithms import ALGORITHMS, AdvantageInputs, get_algorithm, validate_algorithm
@@ -23,17 +24,7 @@ from titanrl.train import build_trainer
 from titanrl.trainer import Trainer
 
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")
-RL_SMALL = [
-    f"--job.config_file={CONFIGS}/grpo_reverse_debug.toml",
-    "--training.steps=2",
-    "--sft_warmup.steps=0",
-    "--training.batch_size=4",
-    "--algorithm.group_size=4",
-    "--generator.max_new_tokens=6",
-    "--data.num_eval_samples=4",
-    "--reward.num_workers=1",
-    "--metrics.eval_freq=0",
-]
+RL_SMALL = smoke_run_args(config=f"{CONFIGS}/grpo_reverse_debug.toml", steps=2, sft_steps=0, eval_samples=4)
 OFFLINE_SMALL = [
     "--training.steps=4",
     "--training.batch_size=8",
@@ -233,20 +224,16 @@ def test_plugin_algorithm_trains_under_torchrun_on_two_ranks(tmp_path):
         "TITANRL_TEST_PLUGIN_LOG": str(tmp_path / "plugin"),
         "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]),
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "titanrl.train",
-        *RL_SMALL,
-        f"--job.dump_folder={tmp_path}",
-        "--algorithm.name=helpers.plugin_algorithms:MaxBaseline",
-        "--algorithm.max_baseline.margin=0.25",
-        "--parallelism.dp_shard=2",
-    ]
+    cmd = train_cmd(
+        [
+            *RL_SMALL,
+            f"--job.dump_folder={tmp_path}",
+            "--algorithm.name=helpers.plugin_algorithms:MaxBaseline",
+            "--algorithm.max_baseline.margin=0.25",
+            "--parallelism.dp_shard=2",
+        ],
+        2,
+    )
     proc = run_cmd(cmd, env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):

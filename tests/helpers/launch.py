@@ -47,3 +47,33 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
     if proc.returncode != 0:
         pytest.fail(f"torchrun {os.path.basename(script)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def _exit_code(call) -> int:
+    try:
+        return call()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+
+
+def cli_in_process(argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """`titanrl <argv>` in this process, its exit code and output as `run_cmd` returns them: for
+    what the launcher checks before any rank starts (an interpreter start-up is seconds)."""
+    from titanrl import cli
+
+    capsys.readouterr()  # only this command's output
+    code = _exit_code(lambda: cli.main(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["titanrl", *argv], code, out.out, out.err)
+
+
+def train_in_process(argv: list[str], capsys) -> subprocess.CompletedProcess:
+    """`python -m titanrl.train <argv>` in this process (its entry point: a user error exits 2 with
+    one line), as `run_cmd` returns it: for a job that stops before it trains."""
+    from titanrl import train
+    from titanrl.components import launch
+
+    capsys.readouterr()
+    code = _exit_code(lambda: launch.run(lambda: train.main(argv)) or 0)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["titanrl.train", *argv], code, out.out, out.err)

@@ -12,27 +12,17 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers.reference import greedy_reference
+from tests.helpers.tiny import tiny_model_args
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.generator import Generator, SamplingParams
-from titanrl.models import Transformer, TransformerModelArgs
+from titanrl.models import Transformer
 from titanrl.models.logprobs import token_logprobs
 
-ARGS = TransformerModelArgs(
-    family="qwen3",
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    hidden_dim=128,
-    vocab_size=128,
-    qk_norm=True,
-    tie_word_embeddings=True,
-    max_seq_len=64,
-)
+ARGS = tiny_model_args(hidden_dim=128, vocab_size=128, max_seq_len=64)
 LAYOUTS = {"fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "fsdp2_tp2": (1, 2, 2), "tp2_chunked": (1, 1, 2)}
 # Layouts whose prompts (3, 9 and 14 tokens) are prefilled in chunks of this many tokens.
 PREFILL_CHUNK = {"tp2_chunked": 4}

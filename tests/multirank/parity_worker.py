@@ -10,11 +10,11 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from tests.helpers.tiny import tiny_model_args, tiny_qwen2_args
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed import ParallelDims, clip_grad_norm_, init_distributed
-from titanrl.models.args import TransformerModelArgs
 from titanrl.models.logprobs import token_logprobs
 
 STEPS = 3
@@ -24,30 +24,9 @@ MAX_NORM = 0.5
 
 MODEL_ARGS = {
     # Qwen3-like: QK-norm, GQA, tied embeddings.
-    "qwen3": TransformerModelArgs(
-        family="qwen3",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=128,
-        vocab_size=128,
-        qk_norm=True,
-        tie_word_embeddings=True,
-        max_seq_len=32,
-    ),
+    "qwen3": tiny_model_args(hidden_dim=128, vocab_size=128, max_seq_len=32),
     # Qwen2-like: q/k/v biases, untied output.
-    "qwen2": TransformerModelArgs(
-        family="qwen2",
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        hidden_dim=128,
-        vocab_size=128,
-        qkv_bias=True,
-        max_seq_len=32,
-    ),
+    "qwen2": tiny_qwen2_args(hidden_dim=128, vocab_size=128, max_seq_len=32),
 }
 
 # name -> (dp_replicate, dp_shard, tp, overrides of JobConfig sections)

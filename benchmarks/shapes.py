@@ -1,0 +1,27 @@
+"""The model shapes the benchmarks share: written once here, so that "the debug flavor's shape"
+means the same model in every benchmark (pinned: a change of the flavor in titanrl/models does
+not silently change what the recorded numbers measured)."""
+
+from titanrl.models import TransformerModelArgs
+
+# Qwen3-like: QK-norm, grouped-query attention, tied embeddings, the byte tokenizer's 264 ids.
+_QWEN3 = dict(family="qwen3", qk_norm=True, tie_word_embeddings=True, vocab_size=264, max_seq_len=512)
+
+
+def qwen3_shape(**fields) -> TransformerModelArgs:
+    """A Qwen3-like shape (QK-norm, tied embeddings, 264 tokens, 512 positions) with `fields`."""
+    return TransformerModelArgs(**{**_QWEN3, **fields})
+
+
+def debug_shape(**overrides) -> TransformerModelArgs:
+    """The debug flavor's shape (4 layers of width 256, 4 query / 2 kv heads, a 768-wide MLP:
+    3.2M parameters, matmul-bound on 2 CPU cores); any field given replaces its value."""
+    return qwen3_shape(**{"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "hidden_dim": 768, **overrides})
+
+
+# Negligible compute (1 layer, width 32): what is left of a decode step is framework overhead.
+NEGLIGIBLE = qwen3_shape(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64)
+# A tiny model (0.1M parameters): per-step framework overhead dominates.
+TINY = qwen3_shape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
+# The debug shape 2x wider and deeper (dim 512, 8 layers) over a 4096-token vocabulary.
+D512X8 = qwen3_shape(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1536, vocab_size=4096, max_seq_len=256)
