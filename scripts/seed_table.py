@@ -15,7 +15,7 @@ and the torch version go to a JSON file (`--out`).
     python scripts/seed_table.py -- --training.steps=4             # overrides after -- go to every run
 
 Seeds change the model's initialisation, the prompts and the samples; on one machine a seed
-logs the same numbers at any `--parallel` (each run's thread count does not change them).
+logs the same numbers at any `--parallel` (1 or 2 threads per run gave identical metrics).
 """
 
 import argparse
