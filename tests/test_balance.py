@@ -1,5 +1,6 @@
-"""Token-balanced data parallelism (`titanrl/distributed/balance.py`): the plan. The exchange runs
-for real in test_train.py's 2-rank runs (groups move, the update still matches one rank)."""
+"""Token-balanced data parallelism (`titanrl/distributed/balance.py`): the plan. `balance_units`
+(the gather and the exchange) runs for real in test_train.py's 2-rank runs (groups move, the
+update and the response-length tail still match one rank)."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st

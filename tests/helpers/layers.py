@@ -1,5 +1,6 @@
 """The package's import graph between its units (subpackages and top-level modules), from every
-import statement: module level, inside functions, under `TYPE_CHECKING`."""
+import statement: module level, inside functions, under `TYPE_CHECKING`; and between its modules,
+from the imports that run when a module is imported (`module_edges`)."""
 
 import ast
 import pathlib

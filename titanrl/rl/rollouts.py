@@ -151,12 +151,12 @@ class RolloutCollector:
             rewards_N, rm_sum = scorer.total_rewards(share.prompts, share.completions, share.results)
             baseline = scorer.total_rewards(*share.greedy)[0].tolist() if share.greedy is not None else []
         counts = RolloutCounts(
-            share.gen_tokens,
-            share.env_turns,
-            sum(r.failed is not None for r in share.results) if self.envs is not None else 0,
-            rm_sum,
-            share.decode_steps,
-            share.compile_s,
+            gen_tokens=share.gen_tokens,
+            env_turns=share.env_turns,
+            env_failures=sum(r.failed is not None for r in share.results) if self.envs is not None else 0,
+            rm_score_sum=rm_sum,
+            decode_steps=share.decode_steps,
+            compile_s=share.compile_s,
         )
         return Rollouts(share.prompts, share.completions, share.results, rewards_N.tolist(), baseline, counts)
 
