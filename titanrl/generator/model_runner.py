@@ -111,7 +111,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
         positions `logits_at` ([len(logits_at), vocab])."""
-        model = self.model
+        model: nn.Module = self.model
         n = len(tokens)
         scratch = pool.num_blocks - 1
         if self.lockstep is not None:
@@ -133,8 +133,9 @@ class ModelRunner:
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
             if logits_at is None:
                 return model(tokens_1N, batch.positions_1N, backend)[0, :n]
-            h_ND = model.hidden_states(tokens_1N, batch.positions_1N, backend)[0]
-            return model.output(h_ND[logits_at])
+            assert model is self.model, "logits at chosen rows: a prefill, never the compiled decode step"
+            h_ND = self.model.hidden_states(tokens_1N, batch.positions_1N, backend)[0]
+            return self.model.output(h_ND[logits_at])
 
     def decode_pass(
         self,
