@@ -16,6 +16,7 @@ import random
 import re
 import signal
 import time
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,19 @@ from titanrl.models.tokenizer import build_tokenizer
 log = get_logger(__name__)
 
 
+class RecipeClass(Protocol):
+    """What the Trainer needs of a recipe class (`titanrl.recipes.base.Recipe`, which sits above
+    the Trainer in the layers): its data, its model, and an instance built on the Trainer."""
+
+    def load_data(self, config: JobConfig) -> Any: ...
+
+    def build_model(self, trainer: "Trainer") -> Any: ...
+
+    def __call__(self, trainer: "Trainer", data: Any) -> Any: ...
+
+
 class Trainer:
-    def __init__(self, config: JobConfig, recipe_cls: type) -> None:
+    def __init__(self, config: JobConfig, recipe_cls: RecipeClass) -> None:
         """`recipe_cls`: what the job trains, a `titanrl.recipes.base.Recipe` subclass
         (`titanrl.recipes.get_recipe(config.job.recipe)`). Recipes build on the Trainer, which
         sits below them in the layers, so the class is handed in rather than looked up here."""

@@ -15,7 +15,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import IO
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received = 0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():  # Python only allows it there
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
@@ -154,7 +154,9 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
 
 def local_device() -> torch.device:
     """This process's device: its torchrun LOCAL_RANK's GPU, else the CPU."""
-    return torch.device(device_type(), int(os.environ.get("LOCAL_RANK", 0)) if device_type() == "cuda" else None)
+    if device_type() == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(device_type())
 
 
 def model_args(config: JobConfig, vocab_size: int) -> TransformerModelArgs:
@@ -216,7 +218,7 @@ def errors_logged(folder: str) -> Iterator[None]:
         try:
             with open(path, "a") as f:
                 f.write(header + "".join(traceback.format_exception(e)) + "\n")
-            e.titanrl_log = path  # type: ignore[attr-defined]  # read by report_user_error
+            setattr(e, "titanrl_log", path)  # noqa: B010  # read by report_user_error
         except OSError:
             pass  # the folder cannot take it (the disk that is full): the line alone names the cause
         raise
@@ -295,7 +297,8 @@ def check_checkpoint_shapes(path: str, args: TransformerModelArgs, lora: LoRACon
         "to the checkpoint's model, or start a fresh run in another --job.dump_folder"
     )
     for key, tensor in expected.items():
-        was = _shape(saved[key].size, saved[key].properties.dtype) if key in saved else None
+        meta = saved.get(key)
+        was = _shape(meta.size, meta.properties.dtype) if isinstance(meta, TensorStorageMetadata) else None
         now = _shape(tensor.shape, tensor.dtype)
         if was is not None and was != now:
             raise ValueError(

@@ -17,9 +17,12 @@ values are bit-identical to adding each `.item()`.
 
 import dataclasses
 import math
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+S = TypeVar("S", bound="StepStats")
 
 
 def maximum(default: float = float("-inf")) -> float:
@@ -56,7 +59,7 @@ class StepStats:
         for name, value in zip(maxima, values[len(sums) :]):
             setattr(self, name, max(getattr(self, name), value))
 
-    def reduced(self, group: dist.ProcessGroup | None) -> "StepStats":
+    def reduced(self: S, group: dist.ProcessGroup | None) -> S:
         """Every field summed (or, for `maximum()` fields, maxed) over the ranks of `group`
         (after `flush`)."""
         self.flush()

@@ -323,7 +323,9 @@ def field_docs(section_cls: type) -> dict[str, str]:
         if dataclasses.is_dataclass(base):
             docs.update(field_docs(base))
     tree = ast.parse(inspect.getsource(section_cls))
-    body = tree.body[0].body
+    cls_def = tree.body[0]
+    assert isinstance(cls_def, ast.ClassDef)
+    body = cls_def.body
     for stmt, nxt in zip(body, body[1:]):
         if (
             isinstance(stmt, ast.AnnAssign)
@@ -342,7 +344,7 @@ def help_text() -> str:
     lines = ["titanrl options (TOML section.key; on the CLI: --section.key=value)", ""]
     for section_field in section_fields():
         section = getattr(config, section_field.name)
-        docs = field_docs(type(section))
+        docs = field_docs(type(section))  # type: ignore[arg-type]  # a class is hashable
         lines.append(f"[{section_field.name}]")
         for key, tp in section_types(type(section)).items():
             if key == "tables":

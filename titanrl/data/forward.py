@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from titanrl.data.packing import PackLayout, layout_of
 from titanrl.distributed.context_parallel import CPAttention, CPShard, check_same_rows, shard_plan
 from titanrl.models.batch_invariant import ExactCausalAttention, attend_exact_spans, batch_invariant_mode
+from titanrl.models.lora import AdaptersOff
 from titanrl.models.model import AttentionBackend, Transformer
 from titanrl.models.moe import PAD_ROUTE, ROUTER_ROUTE
 
@@ -126,7 +127,7 @@ def replay_routes_LTK(routes_BTLK: torch.Tensor, layout: PackLayout | None, repl
 
 
 def forward_logprobs(
-    model: Transformer,
+    model: Transformer | AdaptersOff,
     batch: TensorDict,
     invariant: bool,
     chunk_tokens: int,
@@ -140,7 +141,7 @@ def forward_logprobs(
     `replay_routes`: MoE layers use the experts in batch["routes"] (routing replay)."""
     tokens_BT, mask_BT = batch["tokens"], batch["loss_mask"]
     layout = layout_of(batch, packing)
-    if getattr(model, "cp_mesh", None) is not None:
+    if isinstance(model, Transformer) and model.cp_mesh is not None:
         return _cp_logprobs(model, tokens_BT, mask_BT, layout, chunk_tokens, with_entropy)
     # Routes, replayed or not, tell the MoE layers which tokens are padding.
     routes_LTK = replay_routes_LTK(batch["routes"], layout, replay_routes) if "routes" in batch.keys() else None

@@ -8,7 +8,7 @@ batch, so a run on N data-parallel ranks sees exactly the prompts of a 1-rank ru
 import os
 import random
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torchdata.nodes as tn
 
@@ -35,15 +35,18 @@ class TaskStream:
             yield self.task.make(rng)
 
 
-class DatasetStream:
-    """A fixed list of samples, reshuffled every epoch with a seed."""
+T = TypeVar("T")
 
-    def __init__(self, samples: list[Sample], seed: int) -> None:
+
+class DatasetStream(Generic[T]):
+    """A fixed list of samples (`Sample`s, or preference pairs), reshuffled every epoch with a seed."""
+
+    def __init__(self, samples: list[T], seed: int) -> None:
         if not samples:
             raise ValueError("the prompt dataset is empty; check data.path")
         self.samples, self.seed = samples, seed
 
-    def __iter__(self) -> Iterator[Sample]:
+    def __iter__(self) -> Iterator[T]:
         epoch = 0
         while True:
             order = list(range(len(self.samples)))

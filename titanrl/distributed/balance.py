@@ -30,7 +30,8 @@ def assign(costs_by_rank: list[list[int]]) -> list[list[tuple[int, int]]]:
     unmoved = [[(r, i) for i in range(len(costs))] for r, costs in enumerate(costs_by_rank)]
     if len(units) < world:
         return unmoved
-    load, plan = [0] * world, [[] for _ in range(world)]
+    load = [0] * world
+    plan: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for neg_cost, src, index in units:
         dest = min(range(world), key=lambda d: (load[d], d != src, d))
         plan[dest].append((src, index))

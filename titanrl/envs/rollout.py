@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanrl.data.encode import PromptEncoder
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.base import StepResult
 from titanrl.envs.pool import EnvPool, resolve_env
 from titanrl.envs.tool_calls import PYTHON_TAG, resolve_tool_format
@@ -165,7 +166,7 @@ class ChatTurns:
 class MultiTurnRollout:
     def __init__(
         self,
-        pool: EnvPool,
+        pool: EnvPool | AsyncEnvPool,
         tokenizer: Tokenizer,
         max_turns: int,
         max_total_tokens: int,

@@ -16,6 +16,7 @@ from torch import nn
 
 from titanrl.algorithms.dpo import dpo_loss
 from titanrl.components.model_builder import build_reference
+from titanrl.models.lora import AdaptersOff
 from titanrl.models.model import Transformer
 from titanrl.recipes.preference import PreferencePair, PreferenceRecipe
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
     from titanrl.trainer import Trainer
 
 
-def sequence_logprobs(model: Transformer, batch: TensorDict, chunk_tokens: int) -> torch.Tensor:
+def sequence_logprobs(model: Transformer | AdaptersOff, batch: TensorDict, chunk_tokens: int) -> torch.Tensor:
     """Sum of completion-token logprobs per row [B]."""
     tokens_BT = batch["tokens"]
     logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], chunk_tokens, mask_BT=batch["loss_mask"])

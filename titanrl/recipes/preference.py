@@ -54,6 +54,7 @@ class PreferenceRecipe(Recipe):
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[list[PreferencePair], list[PreferencePair]]:
         split = load_data(config, "preferences", ALL_TASKS)
+        assert split.train is not None, "preference pairs are rows, never a stream"
         return split.train, split.held_out
 
     def __init__(self, trainer: Trainer, data: tuple[list[PreferencePair], list[PreferencePair]]) -> None:
@@ -80,7 +81,7 @@ class PreferenceRecipe(Recipe):
         return {
             **{k: v / pairs for k, v in stats.items()},
             "grad_norm": grad_norm,
-            "lr": trainer.lr_scheduler.get_last_lr()[0],
+            "lr": float(trainer.lr_scheduler.get_last_lr()[0]),
             "micro_batches": n_micro,
         }
 

@@ -44,7 +44,7 @@ from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
-from titanrl.rewards.runner import RewardItem, RewardOutputLog
+from titanrl.rewards.runner import RewardOutputLog
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.evaluation import EvalSuites, load_suites
@@ -53,6 +53,7 @@ from titanrl.rl.moe_replay import MoEMonitor, routes_batch
 from titanrl.rl.one_step import RemoteRolloutCollector
 from titanrl.rl.partial import PartialRolloutCollector
 from titanrl.rl.rollouts import RolloutCollector
+from titanrl.rl.scoring import reward_item
 from titanrl.rl.stats import RLStats
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class RLRecipe(Recipe):
             cfg, trainer.model_args.max_seq_len, trainer.encode_prompt, *data[1:3]
         )
         self.suites = EvalSuites(trainer, trainer.model_args.max_seq_len, data[3])
-        self.console = {**self.console, **self.suites.console()}
+        self.console = {**type(self).console, **self.suites.console()}  # type: ignore[misc]  # per job
         self.algorithm = get_algorithm(cfg.algorithm.name)(cfg.algorithm)
         self.policy = trainer.model
         self.moe = MoEMonitor(self.policy)  # routing disagreement, expert loads, router entropy
@@ -159,7 +160,7 @@ class RLRecipe(Recipe):
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
         models = {"reference": self.reference, "critic": self.critic}
         return {k: m for k, m in models.items() if isinstance(m, nn.Module)}, (
-            {"critic": self.critic_optimizer} if self.critic is not None else {}
+            {"critic": self.critic_optimizer} if self.critic_optimizer is not None else {}
         )
 
     def state_dict(self) -> dict:
@@ -330,6 +331,7 @@ class RLRecipe(Recipe):
     def update_critic(self, minibatch: TensorDict, stats: RLStats, step: int) -> float:
         """One critic optimizer step on the clipped value loss toward the returns."""
         num_tokens = global_token_count(minibatch["loss_mask"], self.trainer.dp_group).item()
+        assert self.critic is not None and self.critic_optimizer is not None, "PPO's critic"
         self.critic_optimizer.zero_grad()
         for mb in micro_batches(minibatch, self.trainer):
             mask = mb["loss_mask"]
@@ -412,9 +414,7 @@ class RLRecipe(Recipe):
             completions, _ = self.generator.generate(
                 [self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine], params
             )
-            results = self.rewards(
-                [RewardItem(s.prompt, c.text, s.answer, s.metadata) for s, c in zip(mine, completions)]
-            )
+            results = self.rewards([reward_item(s, c) for s, c in zip(mine, completions)])
         suite_metrics, suite_results = self.suites.run(self.generator) if suites else ({}, [])
         self.generator.sleep()
         self.reward_log.write(results + suite_results)

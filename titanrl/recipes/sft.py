@@ -119,6 +119,7 @@ class SFTRecipe(Recipe):
     @classmethod
     def load_data(cls, config: JobConfig) -> tuple[list[Sample], list[Sample]]:
         split = load_data(config, "demonstrations", ALL_TASKS)
+        assert split.train is not None, "demonstrations are rows, never a stream"
         return split.train, split.held_out
 
     def __init__(self, trainer: Trainer, data: tuple[list[Sample], list[Sample]]) -> None:
@@ -134,7 +135,7 @@ class SFTRecipe(Recipe):
     def step(self, batches: Iterator, step: int) -> dict[str, float]:
         out = sft_step(self.trainer, self.trainer.model, self.trainer.optimizer, next(batches), step)
         self.trainer.lr_scheduler.step()
-        return {**out, "lr": self.trainer.lr_scheduler.get_last_lr()[0]}
+        return {**out, "lr": float(self.trainer.lr_scheduler.get_last_lr()[0])}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -83,7 +83,7 @@ def cp_split(dims: ParallelDims | Any) -> CPSplit | None:
 
 def merge_shares(shares: list[RolloutShare]) -> RolloutShare:
     """The shares of cp ranks 0 .. cp - 1 as one rollout: rank r's prompt j is prompt r + j * cp."""
-    greedy = interleave([s.greedy for s in shares]) if shares[0].greedy is not None else None
+    greedy = interleave([s.greedy for s in shares if s.greedy is not None]) if shares[0].greedy is not None else None
     return RolloutShare(
         *interleave([(s.prompts, s.completions, s.results) for s in shares]),
         greedy,

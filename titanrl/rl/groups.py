@@ -89,9 +89,15 @@ class Rollouts:
 
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
-        fields = ("prompts", "completions", "results", "rewards", "baseline_rewards")
         counts = sum((p.counts for p in parts), RolloutCounts())
-        return Rollouts(*(sum((getattr(p, f) for p in parts), []) for f in fields), counts)
+        return Rollouts(
+            [x for p in parts for x in p.prompts],
+            [x for p in parts for x in p.completions],
+            [x for p in parts for x in p.results],
+            [x for p in parts for x in p.rewards],
+            [x for p in parts for x in p.baseline_rewards],
+            counts,
+        )
 
     def turn_scores(self, verifier_weight: float) -> list[list[float]]:
         """Multi-turn: each episode's per-turn rewards (weighted), with whatever else its total

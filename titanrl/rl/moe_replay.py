@@ -34,6 +34,7 @@ def routes_batch(prompt_lens: list[int], completions: list[Completion], T: int) 
     _, L, K = completions[0].routes.shape
     routes_BTLK = torch.full((len(completions), T - 1, L, K), -1, dtype=torch.int16)
     for b, c in enumerate(completions):
+        assert c.routes is not None, "every completion of a MoE rollout records routes"
         assert len(c.routes) == prompt_lens[b] + len(c.token_ids) - 1, "one route row per fed token"
         routes_BTLK[b, : len(c.routes)] = c.routes
     return routes_BTLK
@@ -82,6 +83,7 @@ class MoEMonitor:
         probs_LNE = torch.stack([self._probs[i].double() for i in range(L)])
         entropy_LN = -(probs_LNE * probs_LNE.clamp_min(1e-30).log()).sum(-1)
         experts_LM = trainer_NLK.permute(1, 0, 2).reshape(L, N * K).long().clamp_min(0)
+        assert self.loads_LE is not None
         self.loads_LE.scatter_add_(1, experts_LM, valid_N.repeat_interleave(K).expand(L, -1).contiguous())
         aux = model.moe_aux_loss().detach().double().reshape(())
         self.sums += torch.stack(
@@ -102,6 +104,7 @@ class MoEMonitor:
         if self.sums is None:  # no forward saw routes on this rank: zeros, for its peers' all-reduce
             flat = torch.zeros(5 + L * E, dtype=torch.float64)
         else:
+            assert self.loads_LE is not None
             flat = torch.cat([self.sums, self.loads_LE.flatten()]).cpu()
         if dp_group is not None:
             dist.all_reduce(flat, group=dp_group)

@@ -92,7 +92,7 @@ def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
     group = dist.ProcessGroupGloo(
         dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world, timedelta(seconds=timeout_s)
     )
-    _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)
+    _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)  # type: ignore[arg-type]  # a gloo backend serves as the group
     if not _roles.rollout:  # LOCAL_RANK stays: it picks this process's own GPU
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(R)
     return _roles
@@ -223,11 +223,11 @@ class RolloutRankHost:
     (its collector runs no collective over dp ranks: each rollout rank feeds its own trainer rank)."""
 
     config: JobConfig
-    dims: _Shard
+    dims: Any  # a `_Shard`: the dp_rank / dp_size the collector reads
     tokenizer: Any
     encode_prompt: Any
     device: torch.device
-    dp_group: None = None
+    dp_group: dist.ProcessGroup | None = None  # never set: no collective over rollout ranks
     rank: int = dataclasses.field(default_factory=lambda: dist.get_rank() if dist.is_initialized() else 0)
 
 
@@ -276,9 +276,10 @@ class RolloutWorker:
             for step in range(start, cfg.training.steps + 1):
                 began = time.perf_counter()
                 if receives_weights(step, start, cfg.rollout.staleness):
-                    version = recv_weights(self.generator.model, r)
-                    if version is None:  # the trainer stopped early
+                    received = recv_weights(self.generator.model, r)
+                    if received is None:  # the trainer stopped early
                         break
+                    version = received
                     if self.generator.allocator is not None:  # cached prefixes hold old weights' K/V
                         self.generator.allocator.reset_prefix_cache()
                 idle += time.perf_counter() - began

@@ -25,10 +25,17 @@ from titanrl.data.formats import RowSample
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max, dp_sum
 from titanrl.generator import Completion, GenerationStats, ResumedSample
+from titanrl.generator.sequence import FinishReason
 from titanrl.rl.groups import RolloutCounts, Rollouts
 from titanrl.rl.rollouts import RolloutCollector
 
 log = get_logger(__name__)
+
+
+def finished(reason: FinishReason | None) -> FinishReason:
+    """The finish reason of a sample of a done group (every sample there has finished)."""
+    assert reason is not None, "a done group's samples have all finished"
+    return reason
 
 
 @dataclass
@@ -42,7 +49,7 @@ class SampleState:
     """Behaviour logprob of each token: under the weights that sampled it."""
     versions: list[int]
     """Weight version that sampled each token (training steps completed before it)."""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     """None while paused."""
 
 
@@ -146,7 +153,9 @@ class PartialRolloutCollector(RolloutCollector):
     def _rollouts(self, done: list[Group]) -> Rollouts:
         tokenizer = self.host.tokenizer
         completions = [
-            Completion(i, j, s.token_ids, s.logprobs, s.finish_reason, text=tokenizer.decode(s.token_ids), key=s.key)
+            Completion(
+                i, j, s.token_ids, s.logprobs, finished(s.finish_reason), text=tokenizer.decode(s.token_ids), key=s.key
+            )
             for i, g in enumerate(done)
             for j, s in enumerate(g.samples)
         ]

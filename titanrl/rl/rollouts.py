@@ -22,6 +22,7 @@ from titanrl.components.faults import fault_active
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.pool import EnvPool
 from titanrl.envs.rollout import MultiTurnRollout, ToolSetup, tool_setup
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
@@ -43,7 +44,7 @@ class RolloutCollector:
         host: RolloutHost,
         generator: Generator,
         rewards: RewardRunner,
-        envs: EnvPool | None,
+        envs: EnvPool | AsyncEnvPool | None,
         reward_model: Transformer | None,
         baseline_rollout: bool,
     ) -> None:
@@ -100,6 +101,7 @@ class RolloutCollector:
     ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
         env, tools = self.config.env, self.tool_calls
+        assert self.envs is not None, "multi-turn rollouts need an environment pool"
         turns = MultiTurnRollout(
             self.envs,
             self.host.tokenizer,
@@ -179,8 +181,9 @@ class RolloutCollector:
         )
         if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
             greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
-            *greedy_out, greedy_stats = self.generate(samples, greedy, prompt_ids)
-            share.greedy = tuple(greedy_out)
+            g_prompts, g_completions, g_results, greedy_stats = self.generate(samples, greedy, prompt_ids)
+            assert isinstance(g_results, list), "not streamed: scored with the completions"
+            share.greedy = (g_prompts, g_completions, g_results)
             share.gen_tokens += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
         return share, results
 
@@ -196,8 +199,10 @@ class RolloutCollector:
         quota = len(first.prompts)  # this rank's share of training.batch_size
         if not sampling.dynamic_sampling:
             return first, first
-        generated, kept, dropped = [first], [], []
-        latest = first
+        generated: list[Rollouts] = [first]
+        kept: list[Rollouts] = []
+        dropped: list[Rollouts] = []
+        latest: Rollouts | None = first
         for round_idx in range(1, sampling.max_sampling_rounds + 1):
             if latest is not None:  # sort the groups of this round's new rollout, once
                 for i, keep in enumerate(informative_groups(torch.tensor(latest.rewards), G).tolist()):

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 def reward_item(sample: Sample, c: Completion) -> RewardItem:
     """What the verifier scores: `c`, a completion of `sample`."""
+    assert c.text is not None, "completions are decoded before they are scored"
     return RewardItem(sample.prompt, c.text, sample.answer, sample.metadata)
 
 
@@ -106,6 +107,7 @@ class Scorer:
     def reward_model_scores(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """The reward model's score of each sequence [N], in micro-batches, in row order."""
         host = self.host
+        assert self.reward_model is not None
         batch = build_sequence_batch(prompts, completions, host.tokenizer.pad_id).to(host.device)
         scores_N = torch.zeros(len(prompts))
         lengths = batch["length"].tolist()

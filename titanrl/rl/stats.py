@@ -82,7 +82,7 @@ class RLStats(DistillStats, RewardStats, StepStats):
         if gathered is None:
             gathered = [generated.lengths()]
             if group is not None:
-                gathered = [None] * dist.get_world_size(group)
+                gathered = [[] for _ in range(dist.get_world_size(group))]
                 dist.all_gather_object(gathered, generated.lengths(), group=group)
         lengths_N = torch.tensor(sum(gathered, []), dtype=torch.float)
         q50, q90 = torch.quantile(lengths_N, torch.tensor([0.5, 0.9])).tolist()
