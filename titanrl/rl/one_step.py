@@ -92,7 +92,8 @@ def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
     group = dist.ProcessGroupGloo(
         dist.PrefixStore(f"titanrl/one_step_{attempt}", store), rank, world, timedelta(seconds=timeout_s)
     )
-    _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)  # type: ignore[arg-type]  # a gloo backend serves as the group
+    # A gloo backend serves as the group (torch's hints ask for a ProcessGroup).
+    _roles = Roles(rollout=rank < R, index=rank % R, num_pairs=R, group=group)  # type: ignore[arg-type]
     if not _roles.rollout:  # LOCAL_RANK stays: it picks this process's own GPU
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(R)
     return _roles
