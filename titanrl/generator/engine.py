@@ -36,6 +36,7 @@ from titanrl.generator.weight_sync import (
 )
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import load_hf_weights
+from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
 __all__ = ["Completion", "GenerationStats", "Generator", "PauseWhen", "ResumedSample", "TurnHandler"]
@@ -76,8 +77,8 @@ class Generator:
         self.eos_ids = frozenset(extra_eos_ids) | ({self.eos_id} if self.eos_id is not None else set())
         self.runner = ModelRunner(model_args, config, device, dtype, lora=lora, tp_mesh=tp_mesh, ep_mesh=ep_mesh)
         self.tp = self.runner.tp
-        # The runner's, read here and by callers: the same objects for the generator's lifetime.
-        self.model = self.runner.model
+        # The runner's, read here and by callers: the same objects for the generator's lifetime
+        # (`model` is a property: a model put in its place, e.g. a test's scripted one, is the runner's).
         self.quantizer = self.runner.quantizer
         self.lockstep = self.runner.lockstep
         self.compile = self.runner.compile
@@ -135,6 +136,15 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return_freed_host_memory()
+
+    @property
+    def model(self) -> Transformer:
+        """The generator's model (the runner's)."""
+        return self.runner.model
+
+    @model.setter
+    def model(self, model: Transformer) -> None:
+        self.runner.model = model
 
     @property
     def kv_cache_bytes(self) -> int:
