@@ -182,8 +182,8 @@ class RolloutCollector:
         if self.baseline_rollout:  # its tokens count in the throughput, not in the per-sample metrics
             greedy = SamplingParams(max_new_tokens=params.max_new_tokens, temperature=0.0, n=1)
             g_prompts, g_completions, g_results, greedy_stats = self.generate(samples, greedy, prompt_ids)
-            assert isinstance(g_results, list), "not streamed: scored with the completions"
-            share.greedy = (g_prompts, g_completions, g_results)
+            # Results are None here (or an episode's): `rollout` verifies the greedy completions.
+            share.greedy = (g_prompts, g_completions, g_results)  # type: ignore[assignment]
             share.gen_tokens += greedy_stats.decode_tokens + greedy_stats.prefill_tokens
         return share, results
 
