@@ -25,7 +25,7 @@ import time
 import torch
 
 from benchmarks.harness import write_json
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.flavors import get_model_args
 from titanrl.models.model import Transformer

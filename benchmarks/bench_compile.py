@@ -32,7 +32,7 @@ NEW_TOKENS = 24
 def worker() -> dict:
     """One process's generations; prints and returns its compile seconds (cache from the env)."""
     from benchmarks.shapes import debug_shape
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator, SamplingParams
     from titanrl.models import Transformer
 

@@ -41,7 +41,7 @@ def measure(model, T: int) -> int:
     from tensordict import TensorDict
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from titanrl.data.forward import forward_logprobs
+    from titanrl.data.batch_forward import forward_logprobs
 
     g = torch.Generator().manual_seed(T)
     tokens = torch.randint(1, 250, (1, T + 1), generator=g)
@@ -116,7 +116,7 @@ def train_step_speed(flavor: str, seq: int) -> None:
     tokens = torch.randint(1, args.vocab_size, (1, seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
     from tensordict import TensorDict
 
-    from titanrl.data.forward import forward_logprobs
+    from titanrl.data.batch_forward import forward_logprobs
 
     batch = TensorDict({"tokens": tokens, "loss_mask": torch.ones(1, seq, device=device)}, [1])
     batch["length"] = torch.tensor([seq + 1], device=device)

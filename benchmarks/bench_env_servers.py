@@ -7,7 +7,7 @@ episodes in flight at once (256 by default), each `turns` model turns of `turn_t
 an observation between them, the same episodes in both:
   in_process  EnvPool: the environment in `--workers` worker processes (titanrl/envs/pool.py)
   servers     ServerEnvPool: the same environment behind `--servers` local `titanrl serve-env`
-              servers (OpenEnv's WebSocket sessions, titanrl/envs/server_client.py)
+              servers (OpenEnv's WebSocket sessions, titanrl/envs/server_pool.py)
 Reports episodes/s and the generator's idle time (seconds its scheduler blocked in the turn
 handler's poll, waiting for environments), median of --repeats alternating runs, and ratios.
 """
@@ -20,12 +20,12 @@ import time
 import torch
 
 from benchmarks.harness import timed_call, write_json
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.envs.base import Environment
+from titanrl.envs.multi_turn import MultiTurnRollout
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.rollout import MultiTurnRollout
-from titanrl.envs.server_client import ServerEnvPool
-from titanrl.envs.servers import LocalServers
+from titanrl.envs.pool_builder import LocalServers
+from titanrl.envs.server_pool import ServerEnvPool
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.flavors import get_model_args
 from titanrl.models.tokenizer import ByteTokenizer

@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.harness import decode_seconds, timed_call, timeit_each, write_json
 from benchmarks.shapes import NEGLIGIBLE, TINY, debug_shape
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer
 from titanrl.models.hf import export_hf, read_hf_config

@@ -71,7 +71,7 @@ from benchmarks.bench_moe import active_params
 from benchmarks.gpu_generator import attention_rows, generator_sections
 from benchmarks.gpu_workers import on_sigterm, rl_step_section, time_decode, vllm_section, worker_main
 from benchmarks.harness import command_line, environment, timeit, write_json
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args

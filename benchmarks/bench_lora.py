@@ -33,9 +33,9 @@ from benchmarks.shapes import debug_shape
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig
-from titanrl.config.adapt_sections import LORA_TARGETS
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.config.model import LORA_TARGETS
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer

@@ -33,7 +33,7 @@ import time
 import torch
 
 from benchmarks.harness import REPO_ROOT, decode_seconds, timeit_each, write_json
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args

@@ -18,10 +18,10 @@ import statistics
 import torch
 
 from benchmarks.harness import timed_call, write_json
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.envs.base import Environment
+from titanrl.envs.multi_turn import MultiTurnRollout
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.flavors import get_model_args
 from titanrl.models.tokenizer import ByteTokenizer

@@ -30,7 +30,7 @@ from benchmarks.shapes import D512X8
 from titanrl.algorithms import LossInputs, get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batch_plan, num_micro_batches, trim_padding
-from titanrl.data.forward import forward_logprobs
+from titanrl.data.batch_forward import forward_logprobs
 from titanrl.data.packing import layout_of, packed_micro_batches
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args

@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.harness import decode_seconds, keep_earlier_sections, write_json
 from benchmarks.shapes import debug_shape
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.quantize import WeightQuantizer
 from titanrl.generator.weight_sync import weight_bytes

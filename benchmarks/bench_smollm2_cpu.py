@@ -88,7 +88,7 @@ def prompt_ids(folder: str, n: int) -> list[list[int]]:
 
 
 def titanrl_generator(folder: str, compiled: bool, num_blocks: int):
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator
     from titanrl.models.hf import read_hf_config
 
@@ -188,10 +188,10 @@ def titanrl_update_fn(folder: str, batch: dict, lr: float):
     from titanrl.algorithms import LossInputs
     from titanrl.algorithms.grpo import GRPO
     from titanrl.components.optimizer import build_optimizer
-    from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
-    from titanrl.config.sections import Optimizer as OptimizerConfig
-    from titanrl.config.sections import Training as TrainingConfig
-    from titanrl.data.forward import forward_logprobs
+    from titanrl.config.algorithm import Algorithm as AlgorithmConfig
+    from titanrl.config.training import Optimizer as OptimizerConfig
+    from titanrl.config.training import Training as TrainingConfig
+    from titanrl.data.batch_forward import forward_logprobs
     from titanrl.models.hf import load_hf_weights, read_hf_config
     from titanrl.models.model import Transformer
 

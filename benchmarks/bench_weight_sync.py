@@ -38,8 +38,8 @@ def worker(reps: int, out: str) -> None:
     import torch.distributed as dist
 
     from titanrl.components.model_builder import build_model, init_full_state_dict
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.config.job_config import JobConfig
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
     from titanrl.distributed import ParallelDims, init_distributed
     from titanrl.generator import Generator
     from titanrl.models import TransformerModelArgs

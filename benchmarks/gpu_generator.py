@@ -18,7 +18,7 @@ import time
 import torch
 
 from benchmarks.harness import REPO_ROOT, timed_call, timeit
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.paged_attention import FlexPagedAttention, PagedBatch, logical_page_index
 from titanrl.models.args import TransformerModelArgs

@@ -12,7 +12,7 @@ import sys
 
 from titanrl.algorithms import ALGORITHMS
 from titanrl.config import JobConfig
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 from titanrl.config.job_config import section_fields
 from titanrl.config.manager import describe_type, field_docs, section_types
 

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.hf import read_hf_config
 from titanrl.models.tokenizer import build_tokenizer

@@ -29,7 +29,7 @@ from titanrl.algorithms.gspo import gspo_loss
 from titanrl.algorithms.ppo import value_loss
 from titanrl.algorithms.reinforce_pp import reinforce_pp_advantages
 from titanrl.algorithms.sapo import sapo_loss
-from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
+from titanrl.config.algorithm import Algorithm as AlgorithmConfig
 
 F64 = torch.float64
 P, G, T = 4, 3, 10  # prompts, group size, columns; B = 12 rows

@@ -21,7 +21,7 @@ from titanrl.algorithms.remax import remax_advantages, remax_reward_to_go_advant
 from titanrl.algorithms.rloo import rloo_advantages
 from titanrl.algorithms.sapo import sapo_loss
 from titanrl.config import load_config
-from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
+from titanrl.config.algorithm import Algorithm as AlgorithmConfig
 
 # ---- RLOO ----
 

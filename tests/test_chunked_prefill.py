@@ -12,7 +12,7 @@ import torch
 from helpers.reference import greedy_reference
 from helpers.tiny import tiny_model, tiny_model_args
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer
 

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd
 
 from titanrl.config.job_config import JobConfig
-from titanrl.data.forward import DocumentSDPA
 from titanrl.data.packing import pack_layout
 from titanrl.distributed import ParallelDims, context_parallel
 from titanrl.distributed.context_parallel import CPAttention, shard_plan, validate_cp
+from titanrl.models.attention import DocumentSDPA
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
 import cp_worker  # noqa: E402

@@ -18,7 +18,7 @@ from titanrl.data.prompts import held_out_split, load_samples
 from titanrl.data.tasks import Sample
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.models.tokenizer import ByteTokenizer, build_tokenizer
-from titanrl.recipes import rl
+from titanrl.recipes import rl_recipe as rl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
@@ -177,7 +177,7 @@ def test_100k_char_prompt_is_named_before_any_step(tmp_path, capsys):
 
 
 @pytest.mark.skipif(
-    "fit_prompts" not in inspect.getsource(rl), reason="the fit_prompts hook is not in titanrl/recipes/rl.py yet"
+    "fit_prompts" not in inspect.getsource(rl), reason="the fit_prompts hook is not in titanrl/recipes/rl_recipe.py yet"
 )
 def test_overlong_prompt_fails_the_job_before_step_1(tmp_path):
     """100k-character prompt in a job's data.path, data.on_long_prompt='error' -> the job fails before step 1 naming file:line"""

@@ -13,12 +13,12 @@ pytest.importorskip("tokenizers")
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 from test_envs import ScriptedModel  # noqa: E402
 
-from titanrl.config.rl_sections import Env  # noqa: E402
-from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
+from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
+from titanrl.config.rewards_envs import Env  # noqa: E402
 from titanrl.data.batch import build_sequence_batch  # noqa: E402
 from titanrl.data.encode import PromptEncoder  # noqa: E402
+from titanrl.envs.multi_turn import ChatTurns, MultiTurnRollout  # noqa: E402
 from titanrl.envs.pool import EnvPool  # noqa: E402
-from titanrl.envs.rollout import ChatTurns, MultiTurnRollout  # noqa: E402
 from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models import TransformerModelArgs  # noqa: E402
 from titanrl.models.chat_template import ChatTemplate  # noqa: E402

@@ -1,5 +1,5 @@
 """Environment servers on localhost: titanrl's served environments, openenv-core's echo
-environment and misbehaving servers, driven by `ServerEnvPool` (titanrl/envs/server_client.py)."""
+environment and misbehaving servers, driven by `ServerEnvPool` (titanrl/envs/server_pool.py)."""
 
 import importlib.util
 import json
@@ -17,8 +17,8 @@ import pytest
 from helpers.launch import REPO_ROOT, run_cmd
 from helpers.tiny import smoke_run_args
 
-from titanrl.envs.serve import make_jail, probe_jail
-from titanrl.envs.server_client import ServerEnvPool
+from titanrl.envs.openenv_server import make_jail, probe_jail
+from titanrl.envs.server_pool import ServerEnvPool
 
 httpx = pytest.importorskip("httpx")
 
@@ -313,7 +313,7 @@ def _server_pids(mark: str) -> list[int]:
                 environ = f.read()
         except OSError:
             continue
-        if b"titanrl.envs.serve:contained_main" in cmdline and f"TITANRL_TEST_MARK={mark}".encode() in environ:
+        if b"titanrl.envs.openenv_server:contained_main" in cmdline and f"TITANRL_TEST_MARK={mark}".encode() in environ:
             pids.append(int(pid))
     return pids
 

@@ -16,11 +16,11 @@ from helpers.tiny import tiny_model, tiny_model_args
 from torch import nn
 
 from titanrl.components.containment import probe
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.envs.base import parse_json_call, parse_tool_call
 from titanrl.envs.builtin import CalculatorEnv, CalculatorTask, GuessNumberEnv, GuessNumberTask, run_sandboxed
+from titanrl.envs.multi_turn import MultiTurnRollout
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.rollout import MultiTurnRollout
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.tokenizer import ByteTokenizer
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from titanrl.config import help_text, load_config, to_toml
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 
 SUITES = """
 [data]

@@ -11,7 +11,7 @@ from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from helpers.tiny import smoke_run_args
 
 from titanrl import cli
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 from titanrl.data import eval_suites
 from titanrl.data.eval_suites import apply_template, suite_samples
 from titanrl.data.tasks import Sample

@@ -22,7 +22,7 @@ from titanrl.components.float8 import (
     has_float8_all_gather,
     precompute_float8_scales,
 )
-from titanrl.config.adapt_sections import Float8
+from titanrl.config.training import Float8
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.model import Transformer
 

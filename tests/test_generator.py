@@ -11,7 +11,7 @@ from helpers.tiny import tiny_model, tiny_model_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks, block_hashes
 from titanrl.generator.scheduler import Scheduler

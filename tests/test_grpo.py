@@ -11,7 +11,7 @@ from titanrl.algorithms import ALGORITHMS, AdvantageInputs
 from titanrl.algorithms.common import aggregate, clipped_pg_loss, group_centred, kl_estimate
 from titanrl.algorithms.grpo import group_advantages
 from titanrl.algorithms.rloo import rloo_advantages
-from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
+from titanrl.config.algorithm import Algorithm as AlgorithmConfig
 from titanrl.data.batch import build_sequence_batch, split_batch
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers.launch import REPO_ROOT
 
-from titanrl.components.stats import StepStats, maximum
+from titanrl.components.step_stats import StepStats, maximum
 from titanrl.config import load_config
-from titanrl.recipes import rl
+from titanrl.recipes import rl_recipe as rl
 from titanrl.train import build_trainer
 
 CONFIGS = os.path.join(REPO_ROOT, "train_configs")

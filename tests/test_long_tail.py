@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.tiny import tiny_model, tiny_model_args
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, ResumedSample, SamplingParams
 from titanrl.models import Transformer
 from titanrl.models.logprobs import token_logprobs

@@ -18,7 +18,7 @@ from titanrl import train
 from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config import JobConfig, load_config
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.models.flavors import get_model_args
 from titanrl.models.hf import export_hf, export_peft_adapter, to_hf_state_dict
@@ -166,7 +166,7 @@ def _base_logits(model, tokens):
 def test_generator_serves_base_plus_adapter(mode):
     """Runtime adapters (synced as tensors) or merged weights (W + s B A at each sync): the
     generator's logprobs are the trainer's, before and after the adapters change."""
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator, SamplingParams
 
     trainer = _lora_model(targets=["wq", "wo", "w1", "w2"])
@@ -406,7 +406,7 @@ def test_generator_loads_the_frozen_base_once_with_runtime_adapters(mode):
     """Runtime adapters: after the first load only the trainable parameters are copied (the base
     is frozen; on FSDP2 ranks it is not all-gathered again). A frozen weight changed behind the
     trainer's back shows it: runtime keeps the first copy, merged re-merges every load."""
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator
 
     targets = ["wq", "wo", "w1", "w2"]
@@ -444,7 +444,7 @@ def test_generator_loads_the_frozen_base_once_with_runtime_adapters(mode):
 def test_int8_generator_follows_the_adapters(mode):
     """generator.quantize = 'int8' with LoRA: the base (merged: base + update) is re-quantised at
     each sync; runtime adapters stay in full precision. Logprobs follow an adapter change."""
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator, SamplingParams
 
     targets = ["wq", "wo", "w1", "w2"]

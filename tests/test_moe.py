@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig  # noqa: E402
+from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
 from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models import Transformer, TransformerModelArgs, get_model_args  # noqa: E402
 from titanrl.models.hf import export_hf, load_hf_weights, read_hf_config  # noqa: E402

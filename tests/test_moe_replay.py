@@ -12,10 +12,11 @@ from helpers.launch import REPO_ROOT
 
 from titanrl import train
 from titanrl.components.float8 import convert_to_float8
-from titanrl.config.adapt_sections import Float8, LoRA
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.config.model import LoRA
+from titanrl.config.training import Float8
 from titanrl.data.batch import build_sequence_batch
-from titanrl.data.forward import forward_logprobs, routes_in_rows
+from titanrl.data.batch_forward import forward_logprobs, routes_in_rows
 from titanrl.data.packing import layout_of
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer, get_model_args

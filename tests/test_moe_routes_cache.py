@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer
 from titanrl.models.args import TransformerModelArgs

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer, lr_factor
-from titanrl.config.job_config import LRScheduler, Optimizer
+from titanrl.config.training import LRScheduler, Optimizer
 
 
 def test_lr_schedule_values():

@@ -16,7 +16,7 @@ from titanrl import train
 from titanrl.algorithms import LossInputs, get_algorithm
 from titanrl.config import load_config
 from titanrl.data.batch import build_sequence_batch, micro_batches
-from titanrl.data.forward import DocumentFlexAttention, DocumentSDPA, forward_logprobs, forward_values
+from titanrl.data.batch_forward import forward_logprobs, forward_values
 from titanrl.data.packing import (
     first_fit_decreasing,
     group_rows,
@@ -26,6 +26,7 @@ from titanrl.data.packing import (
     plan_packed_micro_batches,
     use_packing,
 )
+from titanrl.models.attention import DocumentFlexAttention, DocumentSDPA
 from titanrl.models.flavors import get_model_args
 from titanrl.models.model import Transformer
 
@@ -221,7 +222,7 @@ def test_rl_recipe_with_packing_on_matches_off(tmp_path, monkeypatch):
         )
     )
     packed_rows = []
-    import titanrl.data.forward as packing
+    import titanrl.data.batch_forward as packing
 
     def spy(batch, mode):
         layout = layout_of(batch, mode)

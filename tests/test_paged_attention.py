@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.reference import paged_attention_reference
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.paged_attention import (
     PagedBatch,
     SeqSlice,

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerAction
 from titanrl import train
 from titanrl.components.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, profiler_action
 from titanrl.config import load_config
-from titanrl.config.sections import Profiling
+from titanrl.config.run import Profiling
 
 CONFIG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 TINY = smoke_run_args(steps=None, sft_steps=0, batch_size=2, group_size=2, max_new_tokens=4, eval_samples=2)

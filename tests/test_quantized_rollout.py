@@ -14,7 +14,7 @@ from helpers.reference import greedy_reference
 from helpers.tiny import tiny_model, tiny_model_args
 
 from titanrl.config import load_config
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
 from titanrl.generator.quantize import BLOCK_PROJECTIONS, check_quantize_supported, is_quantized
 from titanrl.generator.weight_sync import weight_bytes

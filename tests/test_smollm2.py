@@ -140,7 +140,7 @@ def _hf_greedy(folder: str, prompts: list[list[int]]) -> list[tuple[list[int], t
 
 def test_paged_generator_matches_transformers_generate(smollm2, one_thread):
     """Batched greedy generation of the 10 chats: the same tokens as HF generate and logprobs within LOGPROB_ATOL."""
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.generator import Generator, SamplingParams
     from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer

@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-from titanrl.config.rl_sections import Env
+from titanrl.config.rewards_envs import Env
 from titanrl.envs.builtin import CALCULATOR_TOOL, CalculatorEnv, PythonSandboxEnv
-from titanrl.envs.rollout import tool_setup
+from titanrl.envs.multi_turn import tool_setup
 from titanrl.envs.tool_calls import ToolCallError, parse_tool_calls, resolve_tool_format, tool_step
 from titanrl.models.chat_template import ChatTemplate
 
@@ -314,7 +314,7 @@ def test_tools_and_tool_results_render_as_transformers_renders_them(folders, fam
     'tool' messages) concatenate to transformers' rendering of the whole conversation."""
     transformers = pytest.importorskip("transformers")
     from titanrl.data.encode import PromptEncoder
-    from titanrl.envs.rollout import ChatTurns
+    from titanrl.envs.multi_turn import ChatTurns
     from titanrl.models.tokenizer import HFTokenizer
 
     folder = folders[family]
@@ -370,7 +370,7 @@ def test_llama_python_tag_reaches_the_environment_and_eom_ends_the_turn(folders)
     <|eom_id|> keeps that token and the template's <|eot_id|> is dropped from the observation
     (one end of turn, the model's), unless <|eom_id|> is not an end-of-turn token of the run."""
     from titanrl.data.encode import PromptEncoder
-    from titanrl.envs.rollout import ChatTurns, MultiTurnRollout
+    from titanrl.envs.multi_turn import ChatTurns, MultiTurnRollout
     from titanrl.models.tokenizer import HFTokenizer
 
     tok, template = HFTokenizer(folders["llama"]), ChatTemplate.from_folder(folders["llama"])
@@ -451,11 +451,11 @@ def test_episode_keeps_the_generated_ids_and_renders_like_transformers(folders):
     from test_env_chat_template import ARGS as SHORT_ARGS
     from test_envs import ScriptedModel
 
-    from titanrl.config.rl_sections import Generator as GeneratorConfig
+    from titanrl.config.generation import Generator as GeneratorConfig
     from titanrl.data.batch import build_sequence_batch
     from titanrl.data.encode import PromptEncoder
+    from titanrl.envs.multi_turn import MultiTurnRollout
     from titanrl.envs.pool import EnvPool
-    from titanrl.envs.rollout import MultiTurnRollout
     from titanrl.generator import Generator, SamplingParams
     from titanrl.models.tokenizer import HFTokenizer
 

@@ -13,10 +13,10 @@ from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 from helpers.real_vocab import write_qwen_layout_folder
 from test_envs import ARGS, TOK, ScriptedModel
 
-from titanrl.config.rl_sections import Env
-from titanrl.config.rl_sections import Generator as GeneratorConfig
-from titanrl.envs.rollout import MultiTurnRollout
-from titanrl.envs.servers import build_env_pool
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.config.rewards_envs import Env
+from titanrl.envs.multi_turn import MultiTurnRollout
+from titanrl.envs.pool_builder import build_env_pool
 from titanrl.generator import Generator, SamplingParams
 
 pytest.importorskip("verifiers.v1")

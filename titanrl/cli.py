@@ -17,7 +17,7 @@ traceback. A run stopped by SIGTERM / SIGUSR1 that saved its checkpoint exits 0,
 `torchrun -m titanrl.train --job.config_file CONFIG ...` still works; it checks the same things
 on every rank, and torchrun reports a failed rank its own way. `titanrl eval` runs the config's
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
-`titanrl serve-env NAME` serves an environment over OpenEnv's protocol (`titanrl/envs/serve.py`).
+`titanrl serve-env NAME` serves an environment over OpenEnv's protocol (`titanrl/envs/openenv_server.py`).
 `titanrl cp rl my_rl.py` copies a built-in recipe and its config to fork (job.recipe names the
 copy). `titanrl --help` and `titanrl COMMAND --help` describe each command; `titanrl --version`.
 """
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     """`titanrl COMMAND ...`; the exit code for the shell. argparse reads the command and the
     top-level flags; `run` and `eval` read the rest in order (torchrun options before the .toml
     file, config overrides after it: argparse cannot keep that split for options it does not
-    know), `serve-env` with its own parser (`titanrl/envs/serve.py`), `cp` with argparse."""
+    know), `serve-env` with its own parser (`titanrl/envs/openenv_server.py`), `cp` with argparse."""
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser()
     if argv and argv[0] in IN_ORDER:
@@ -406,7 +406,7 @@ def eval_main(args: list[str]) -> int:
 
 def serve_env_main(argv: list[str]) -> int:
     """`titanrl serve-env NAME ...`: an environment as an OpenEnv-compatible server (docs/env_servers.md)."""
-    from titanrl.envs.serve import serve_main
+    from titanrl.envs.openenv_server import serve_main
 
     try:
         return serve_main(argv)

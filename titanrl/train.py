@@ -11,7 +11,8 @@ from titanrl.algorithms import validate_algorithm
 from titanrl.components import launch
 from titanrl.config import JobConfig
 from titanrl.recipes import get_recipe
-from titanrl.rl.one_step import RolloutWorker, split_world
+from titanrl.rl.one_step import split_world
+from titanrl.rl.rollout_worker import RolloutWorker
 from titanrl.trainer import Trainer
 
 

@@ -20,14 +20,14 @@ from titanrl.components.model_builder import build_model, init_full_state_dict
 from titanrl.components.watchdog import Watchdog
 from titanrl.config.job_config import JobConfig
 from titanrl.data.batch import build_sequence_batch
+from titanrl.data.batch_forward import forward_logprobs
 from titanrl.data.encode import PromptEncoder
-from titanrl.data.forward import forward_logprobs
 from titanrl.data.tasks import Reverse
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.distributed.context_parallel import check_same_rows, shard_plan
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.tokenizer import build_tokenizer
-from titanrl.recipes.rl import RLRecipe
+from titanrl.recipes.rl_recipe import RLRecipe
 from titanrl.recipes.sft import sft_step
 from titanrl.rl.stats import RLStats
 from titanrl.trainer import Trainer

@@ -15,8 +15,8 @@ from tests.helpers.reference import greedy_reference
 from tests.helpers.tiny import tiny_model_args
 from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.model_builder import build_model, init_full_state_dict
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.config.job_config import JobConfig
-from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import Transformer

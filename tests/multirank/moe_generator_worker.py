@@ -15,8 +15,8 @@ import torch.distributed as dist
 from moe_parity_worker import MOE_ARGS
 
 from titanrl.components.model_builder import build_model, init_full_state_dict
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.config.job_config import JobConfig
-from titanrl.config.rl_sections import Generator as GeneratorConfig
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models.model import Transformer

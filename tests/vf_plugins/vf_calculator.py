@@ -17,7 +17,7 @@ import httpx
 import verifiers.v1 as vf
 from verifiers.v1.runtimes import ProgramResult
 
-from titanrl.data.task import safe_arithmetic
+from titanrl.data.task_types import safe_arithmetic
 from titanrl.envs.builtin import CALCULATOR_TOOL
 
 

@@ -4,7 +4,7 @@ An algorithm is a small class: class attributes declare what the RL recipe must 
 for it (a critic, a greedy baseline rollout), `advantages` turns scored rollouts into
 advantages, `policy_term` turns logprobs and advantages into the per-token policy loss (which
 `loss` weighs, adds the KL to and aggregates the same way for all), and `validate` rejects
-configurations it cannot run. The RL recipe (`titanrl/recipes/rl.py`) reads only these; no
+configurations it cannot run. The RL recipe (`titanrl/recipes/rl_recipe.py`) reads only these; no
 other module branches on an algorithm's name. Register a built-in in `algorithms/__init__.py`,
 or load your own with `algorithm.name = "package.module:Class"`.
 """
@@ -30,8 +30,8 @@ from titanrl.algorithms.common import (
 from titanrl.config.manager import parse_table
 
 if TYPE_CHECKING:  # the config imports nothing of ours at run time; only type hints need it
+    from titanrl.config.algorithm import Algorithm as AlgorithmConfig
     from titanrl.config.job_config import JobConfig
-    from titanrl.config.rl_sections import Algorithm as AlgorithmConfig
 
 
 @dataclass

@@ -19,7 +19,7 @@ worker's status. The strongest mechanism available is picked at run time:
   subreaper    no usable cgroup: every descendant of the keeper is found in /proc and SIGKILLed,
                round after round until none is left. Weaker: a tree forking faster than the rounds
                kill can delay the end; no limit on the tree's memory or process count (the worker's
-               own address space stays limited by RLIMIT_AS, `titanrl/components/workers.py`).
+               own address space stays limited by RLIMIT_AS, `titanrl/components/worker_setup.py`).
 
 TITANRL_NO_CGROUPS=1 in the environment selects the subreaper fallback (for tests, or a machine
 whose cgroups misbehave). Not covered in any mode: a SIGKILL of the keeper itself (the worker

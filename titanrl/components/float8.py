@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanrl.config.adapt_sections import Float8 as Float8Config
+from titanrl.config.training import Float8 as Float8Config
 from titanrl.models.model import Transformer
 
 if TYPE_CHECKING:

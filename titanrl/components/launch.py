@@ -28,7 +28,7 @@ from titanrl.components.checkpoint_integrity import CheckpointCorrupt, verify_ch
 from titanrl.components.compile_cache import use_compile_cache
 from titanrl.components.console import get_logger
 from titanrl.config import JobConfig, help_text, load_config, to_toml
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed import ParallelDims, device_type, init_distributed, set_determinism
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args

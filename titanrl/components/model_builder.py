@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from titanrl.components.float8 import convert_to_float8, has_float8_all_gather, reshard_float8_blocks_after_forward
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
 from titanrl.config.job_config import JobConfig
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.distributed.parallelize import parallelize_model
 from titanrl.models.args import TransformerModelArgs

@@ -3,8 +3,8 @@ import math
 import torch
 from torch import nn
 
-from titanrl.config.job_config import LRScheduler as LRSchedulerConfig
-from titanrl.config.job_config import Optimizer as OptimizerConfig
+from titanrl.config.training import LRScheduler as LRSchedulerConfig
+from titanrl.config.training import Optimizer as OptimizerConfig
 
 
 def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:

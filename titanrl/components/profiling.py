@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from titanrl.components.console import get_logger
-from titanrl.config.sections import Profiling
+from titanrl.config.run import Profiling
 
 log = get_logger(__name__)
 

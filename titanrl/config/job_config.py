@@ -10,25 +10,16 @@ concerns.
 import dataclasses
 from dataclasses import dataclass, field
 
-from titanrl.config.adapt_sections import Distillation, Float8, LoRA
-from titanrl.config.eval_sections import EvalSuite, validate_suites
-from titanrl.config.moe_sections import MoE
-from titanrl.config.rl_sections import DPO, Algorithm, Critic, Env, Generator, Reward, SFTWarmup
-from titanrl.config.rollout_sections import Rollout
-from titanrl.config.sections import (
-    ActivationCheckpoint,
-    Checkpoint,
-    Compile,
-    Data,
-    Job,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
-    Parallelism,
-    Profiling,
-    Training,
-)
+from titanrl.config.algorithm import Algorithm, Critic, Distillation
+from titanrl.config.data import Data
+from titanrl.config.evaluation import EvalSuite, validate_suites
+from titanrl.config.generation import Generator, Rollout
+from titanrl.config.model import LoRA, Model, MoE
+from titanrl.config.offline import DPO, SFTWarmup
+from titanrl.config.parallelism import Parallelism
+from titanrl.config.rewards_envs import Env, Reward
+from titanrl.config.run import Checkpoint, Job, Metrics, Profiling
+from titanrl.config.training import ActivationCheckpoint, Compile, Float8, LRScheduler, Optimizer, Training
 
 MULTI_TURN_TASKS = ("calculator", "python", "guess_number")
 
@@ -62,7 +53,7 @@ class JobConfig:
     distillation: Distillation = field(default_factory=Distillation)
     moe: MoE = field(default_factory=MoE)
     eval: list[EvalSuite] = field(default_factory=list)
-    """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/eval_sections.py`."""
+    """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/evaluation.py`."""
 
     def validate(self) -> None:
         """Run every section's own checks, then the ones that span sections."""

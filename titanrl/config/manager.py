@@ -16,7 +16,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import tomli
 
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 from titanrl.config.job_config import SUITES, JobConfig, section_fields
 
 _TRUE = {"true", "1", "yes", "on"}

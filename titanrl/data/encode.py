@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from titanrl.components.console import get_logger
-from titanrl.config.sections import Data
+from titanrl.config.data import Data
 from titanrl.data.formats import sample_where
 from titanrl.data.prompts import is_rank0, listed
 from titanrl.data.tasks import Sample

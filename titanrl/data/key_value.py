@@ -12,7 +12,7 @@ The prompt grows with `num_keys` (five characters each): the long-context recipe
 import random
 from itertools import product
 
-from titanrl.data.task import Sample, Task
+from titanrl.data.task_types import Sample, Task
 
 KEYS = ["".join(p) for p in product("abcdefgh", repeat=2)]
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from titanrl.config import JobConfig
 from titanrl.data.preferences import load_preferences, synthetic_preferences
 from titanrl.data.prompts import held_out_split, samples_from_config
-from titanrl.data.task import Task
+from titanrl.data.task_types import Task
 from titanrl.data.tasks import TASKS, NumericMath, build_task
 
 DataKind = Literal["prompts", "demonstrations", "preferences"]

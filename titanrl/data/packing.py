@@ -5,7 +5,7 @@ response lengths (most short, some at the length cap) most of a padded [B, T] ba
 Packing places each row's T_b - 1 inputs (the model reads tokens[:-1] and predicts tokens[1:])
 into packed rows of `capacity` slots, never splitting a document (first-fit decreasing, the
 capacity is the batch's padded width T - 1, so attention never costs more than in the padded
-batch). Attention stays within a document (`data/forward.py`) and positions restart at 0 for
+batch). Attention stays within a document (`models/attention.py`) and positions restart at 0 for
 each, so every token computes what it computes in its own padded row. `PackLayout.unpack` puts
 per-slot results back into the [B, T-1] layout the algorithms use: loss normalisation and the
 algorithm code see the same tensors as without packing.
@@ -179,7 +179,7 @@ def group_rows(rows: list[list[int]], n: int) -> list[list[list[int]]]:
 def packed_micro_batches(batch: TensorDict, budget: int, dp_group: dist.ProcessGroup | None) -> list[TensorDict]:
     """`plan_packed_micro_batches` of `batch`: each micro-batch its documents (in packed-row
     order, at the batch's width, so every one fits a row) with "pack_row", the packed row of
-    each, which `data.forward` reads to pack them as planned."""
+    each, which `data.batch_forward` reads to pack them as planned."""
     out = []
     for rows in plan_packed_micro_batches(batch["length"].tolist(), budget, dp_group):
         mb = batch[torch.tensor([b for row in rows for b in row], dtype=torch.long)]

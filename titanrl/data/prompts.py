@@ -20,7 +20,7 @@ from titanrl.data.tasks import Sample, Task
 log = get_logger(__name__)
 
 if TYPE_CHECKING:
-    from titanrl.config.sections import Data
+    from titanrl.config.data import Data
 
 
 class TaskStream:

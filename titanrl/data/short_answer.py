@@ -18,7 +18,7 @@ The facts are split once, by position, into disjoint train and held-out sets (ev
 import random
 import re
 
-from titanrl.data.task import Sample, Score, Task
+from titanrl.data.task_types import Sample, Score, Task
 
 CAPITALS = [
     ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),

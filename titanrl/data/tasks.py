@@ -4,7 +4,7 @@ Each task makes `Sample`s (prompt text, reference answer, and a worked solution 
 warm-up) from a seeded RNG; train and eval splits use disjoint seeds. Rewards: `correct` (1 if
 the extracted answer is right) plus `format_weight` if the completion is well-formed at all.
 
-`Sample`, `Score`, `Task` and `safe_arithmetic` live in `titanrl/data/task.py` (re-exported
+`Sample`, `Score`, `Task` and `safe_arithmetic` live in `titanrl/data/task_types.py` (re-exported
 here). The tasks of the multi-turn environments live with them (`titanrl/envs/builtin.py`);
 `titanrl.envs.builtin.ALL_TASKS` is this registry and theirs.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from titanrl.data.key_value import KeyValueRetrieval
 from titanrl.data.short_answer import ShortAnswer
-from titanrl.data.task import Sample, Score, Task, safe_arithmetic
+from titanrl.data.task_types import Sample, Score, Task, safe_arithmetic
 
 __all__ = [
     "Arithmetic",

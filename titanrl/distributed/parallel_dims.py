@@ -4,7 +4,7 @@ from functools import cached_property
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanrl.config.sections import Parallelism
+from titanrl.config.parallelism import Parallelism
 
 
 @dataclass

@@ -40,7 +40,7 @@ _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 
 def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
     """Also records the cp group on the model (`model.cp_mesh`, None without context parallelism):
-    `titanrl.data.forward` shards the rows of every training forward over it."""
+    `titanrl.data.batch_forward` shards the rows of every training forward over it."""
     validate_cp(job_config, parallel_dims.cp, model.args.moe_num_experts > 0)
     model.cp_mesh = parallel_dims.cp_mesh if parallel_dims.cp_enabled else None
     if parallel_dims.tp_enabled:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from typing import Any
 
-from titanrl.data.task import Sample, Task, safe_arithmetic
+from titanrl.data.task_types import Sample, Task, safe_arithmetic
 from titanrl.data.tasks import TASKS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN, Environment, last_int, parse_tool_call
 from titanrl.envs.tool_calls import TOOL_FORMATS, ToolCall, tool_name, tool_step
@@ -199,7 +199,7 @@ def run_sandboxed(
 ) -> str:
     """Evaluate a Python expression in a fresh, isolated interpreter (-I -S) with CPU-time and
     address-space limits and only a few safe builtins; the result's repr or 'error: ...'.
-    `preexec_fn` jails the child further (`titanrl/envs/serve.py`: no network, user nobody)."""
+    `preexec_fn` jails the child further (`titanrl/envs/openenv_server.py`: no network, user nobody)."""
     try:
         check_sandbox_expression(expression)
     except ValueError as e:

@@ -5,7 +5,7 @@ results collected by `poll`, so the generator keeps decoding other samples meanw
 contained as reward workers are (`titanrl/components/containment.py`): each is the child of a
 keeper that kills everything the environment's code started, `setsid` children and daemons
 included, when the worker ends, is replaced, or the trainer dies; a per-worker address-space
-limit (`titanrl/components/workers.py: init_worker`) and, with a cgroup, a memory limit on its
+limit (`titanrl/components/worker_setup.py: init_worker`) and, with a cgroup, a memory limit on its
 whole tree. A call that raises, returns garbage or runs past the timeout fails *its episode*
 (recorded, never raised); a hung or dead worker is killed and replaced, failing the episodes it
 held. A worker that raised MemoryError is retired: its episode fails ('memory: ...'), new
@@ -23,7 +23,7 @@ from typing import Any
 
 from titanrl.components.containment import OOM_EXIT_CODE, announce, spawn_contained, stop_contained
 from titanrl.components.plugins import load_object
-from titanrl.components.workers import init_worker
+from titanrl.components.worker_setup import init_worker
 from titanrl.envs.base import StepResult
 from titanrl.envs.builtin import ENVS
 

@@ -17,7 +17,7 @@ A malformed call (bad JSON, no name, arguments that are not an object, a tag lef
 the turn was cut off at its token limit, an unknown tool) raises `ToolCallError`, whose message
 is written for the model: environments answer it as an error observation and the episode goes
 on. The text parsed is the decoding of the turn's generated tokens; the tokens themselves stay in
-the sample as generated (`titanrl/envs/rollout.py`), never re-encoded from this text.
+the sample as generated (`titanrl/envs/multi_turn.py`), never re-encoded from this text.
 """
 
 import json
@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from titanrl.config.rl_sections import TOOL_FORMATS
+from titanrl.config.rewards_envs import TOOL_FORMATS
 from titanrl.envs.base import RESULT_CLOSE, RESULT_OPEN, TOOL_CLOSE, TOOL_OPEN
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"

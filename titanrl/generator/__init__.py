@@ -1,4 +1,4 @@
-from titanrl.generator.engine import Completion, GenerationStats, Generator, PauseWhen, ResumedSample
+from titanrl.generator.generator import Completion, GenerationStats, Generator, PauseWhen, ResumedSample
 from titanrl.generator.sampling import SamplingParams
 
 __all__ = ["Completion", "GenerationStats", "Generator", "PauseWhen", "ResumedSample", "SamplingParams"]

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.generator.decode import (
     DecodeOutput,

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import gather_kv, write_kv
 from titanrl.models.batch_invariant import attend_exact_batched
 

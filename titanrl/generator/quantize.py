@@ -34,7 +34,7 @@ from torchao.quantization import (
 )
 from torchao.utils import TorchAOBaseTensor
 
-from titanrl.config.adapt_sections import LORA_TARGETS
+from titanrl.config.model import LORA_TARGETS
 
 FP8_MIN_CAPABILITY = (8, 9)
 BLOCK_PROJECTIONS = LORA_TARGETS  # the seven linears of a block, one list for LoRA and quantisation

@@ -15,7 +15,7 @@ so every rank builds the same schedule. Each sequence's block table is kept by
 import math
 from collections.abc import Sequence
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.block_accounting import BlockAccounting
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from titanrl.generator.sampling import SamplingParams

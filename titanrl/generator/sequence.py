@@ -71,7 +71,7 @@ and the call's stats; True pauses every unfinished sample (KV blocks freed) and 
 
 
 class TurnHandler(Protocol):
-    """Drives multi-turn generation (see `titanrl/envs/rollout.py`). A sample that stops
+    """Drives multi-turn generation (see `titanrl/envs/multi_turn.py`). A sample that stops
     (eos, stop string, length) is handed to `submit` and keeps its KV blocks while its
     environment step runs; the other samples keep decoding. `poll` returns the steps that are
     done: (key, observation token ids) resumes the sample after appending them, (key, None)

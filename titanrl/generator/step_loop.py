@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.decode import DecodeRows
 from titanrl.generator.kv_cache import KVCachePool
 from titanrl.generator.model_runner import ModelRunner

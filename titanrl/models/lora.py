@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titanrl.config.adapt_sections import LORA_TARGETS, lora_target
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
+from titanrl.config.model import LORA_TARGETS, lora_target
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.models.model import Transformer
 
 # titanrl projection -> module inside a block

@@ -9,7 +9,7 @@ from titanrl.components.plugins import load_file, load_object
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.dpo import DPORecipe
 from titanrl.recipes.reward_model import RewardModelRecipe
-from titanrl.recipes.rl import RLRecipe
+from titanrl.recipes.rl_recipe import RLRecipe
 from titanrl.recipes.sft import SFTRecipe
 
 RECIPES: dict[str, type[Recipe]] = {cls.name: cls for cls in (RLRecipe, SFTRecipe, DPORecipe, RewardModelRecipe)}

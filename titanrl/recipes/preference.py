@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
-from titanrl.components.stats import StepStats
+from titanrl.components.step_stats import StepStats
 from titanrl.components.timer import phase
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch

@@ -18,10 +18,10 @@ from titanrl.components.loss import global_token_count, sft_loss
 from titanrl.components.optimizer import build_optimizer
 from titanrl.components.timer import phase
 from titanrl.config import JobConfig
-from titanrl.config.sections import Optimizer as OptimizerConfig
+from titanrl.config.training import Optimizer as OptimizerConfig
 from titanrl.data.batch import build_sequence_batch
+from titanrl.data.batch_forward import forward_logprobs
 from titanrl.data.encode import fit_demonstrations
-from titanrl.data.forward import forward_logprobs
 from titanrl.data.loader import load_data
 from titanrl.data.prompts import DatasetStream, build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task

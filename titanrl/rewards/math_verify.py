@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from titanrl.data.task import Task
+from titanrl.data.task_types import Task
 
 MAX_ANSWER_CHARS, MAX_TOKENS, MAX_EXPONENT, MAX_DIGITS = 400, 200, 1000.0, 1000.0
 REL_TOL, ABS_TOL = 1e-6, 1e-9

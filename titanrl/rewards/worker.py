@@ -1,5 +1,5 @@
 """The reward worker: its main loop and the trainer's handle on it (`RewardWorker`); the set-up
-it shares with environment workers is `titanrl/components/workers.py: init_worker`.
+it shares with environment workers is `titanrl/components/worker_setup.py: init_worker`.
 
 A reward worker is a plain interpreter running `reward_worker_main`: this module imports nothing
 heavy (no torch, no titanrl module that imports it), so a worker starts in the time the
@@ -25,7 +25,7 @@ import sys
 from typing import Any
 
 from titanrl.components.containment import OOM_EXIT_CODE, spawn_contained, stop_contained
-from titanrl.components.workers import init_worker
+from titanrl.components.worker_setup import init_worker
 
 _HEADER = struct.Struct("<Q")
 DETAIL_CHARS = 2000

@@ -47,7 +47,7 @@ from torch.distributed.fsdp import FSDPModule
 from titanrl.algorithms.base import Algorithm
 from titanrl.algorithms.common import per_token
 from titanrl.components.model_builder import build_model
-from titanrl.data.forward import forward_logprobs, packed_backend
+from titanrl.data.batch_forward import forward_logprobs, packed_backend
 from titanrl.data.packing import layout_of
 from titanrl.models.hf import read_hf_config
 from titanrl.models.logprobs import linear_backward

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from titanrl.components.console import STDERR, get_logger
 from titanrl.components.plugins import load_object
-from titanrl.config.eval_sections import EvalSuite
+from titanrl.config.evaluation import EvalSuite
 from titanrl.data.encode import PromptEncoder, fit_rows, prompt_room
 from titanrl.data.eval_suites import SOURCE_KEY, suite_samples, suite_task
 from titanrl.data.tasks import TASKS, NumericMath, Sample, Task

@@ -5,7 +5,7 @@ The generator records each MoE layer's experts for every token it feeds to the m
 batch["routes"] [B, T-1, MoE layers, top_k] (input position j of row b; -1 where none was
 recorded), so that mini-batch and micro-batch splits, padding trims and packing carry them like
 every other per-token field. With `[moe] routing_replay = "rollout"` the logprob and update
-passes route by them (`data.forward.forward_logprobs(replay_routes=True)`).
+passes route by them (`data.batch_forward.forward_logprobs(replay_routes=True)`).
 
 `MoEMonitor` reads, after each update forward, the experts the trainer used, its routers'
 probabilities and the auxiliary loss, over the tokens the generator recorded, and gives the
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from titanrl.data.forward import routes_in_rows
+from titanrl.data.batch_forward import routes_in_rows
 from titanrl.data.packing import layout_of
 from titanrl.generator import Completion
 from titanrl.models.model import Transformer

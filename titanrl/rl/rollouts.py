@@ -23,8 +23,8 @@ from titanrl.components.timer import PhaseTimer
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max
 from titanrl.envs.async_pool import AsyncEnvPool
+from titanrl.envs.multi_turn import MultiTurnRollout, ToolSetup, tool_setup
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.rollout import MultiTurnRollout, ToolSetup, tool_setup
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.model import Transformer
 from titanrl.rewards.runner import RewardResult, RewardRunner

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from titanrl.components.stats import StepStats, maximum
+from titanrl.components.step_stats import StepStats, maximum
 from titanrl.rewards.runner import RewardStats
 from titanrl.rl.distillation import DistillStats
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanrl.components.compile_cache import compile_seconds
-from titanrl.config.adapt_sections import LoRA as LoRAConfig
-from titanrl.config.rl_sections import Generator as GeneratorConfig
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.distributed.utils import return_freed_host_memory
 from titanrl.generator.decode import static_kv_for_cuda_graphs
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, blocks_from_memory

@@ -294,7 +294,7 @@ def require_extra() -> None:
 
 
 def contained_main(fd: int) -> None:
-    """A local server started by a run (`titanrl/envs/servers.py`), in a containment keeper:
+    """A local server started by a run (`titanrl/envs/pool_builder.py`), in a containment keeper:
     reads {name, kwargs, token, sys_path} on `fd`, binds 127.0.0.1:0 and sends the port back."""
     conn = Connection(fd)
     init = conn.recv()

@@ -27,19 +27,19 @@ from titanrl.algorithms.ppo import value_loss
 from titanrl.components.loss import global_token_count
 from titanrl.components.model_builder import build_critic, build_reference, build_reward_model, copy_weights
 from titanrl.components.optimizer import build_optimizer
-from titanrl.components.stats import finite_max
+from titanrl.components.step_stats import finite_max
 from titanrl.components.timer import PhaseTimer
 from titanrl.config import JobConfig
 from titanrl.data.batch import build_sequence_batch, split_batch, trim_padding
+from titanrl.data.batch_forward import forward_logprobs, forward_values
 from titanrl.data.encode import fit_prompts
-from titanrl.data.forward import forward_logprobs, forward_values
 from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
 from titanrl.envs.builtin import ALL_TASKS
-from titanrl.envs.rollout import tool_setup
-from titanrl.envs.servers import build_env_pool
+from titanrl.envs.multi_turn import tool_setup
+from titanrl.envs.pool_builder import build_env_pool
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
@@ -50,8 +50,8 @@ from titanrl.rl.distillation import build_distiller
 from titanrl.rl.evaluation import EvalSuites, load_suites
 from titanrl.rl.groups import Rollouts, balance_groups
 from titanrl.rl.moe_replay import MoEMonitor, routes_batch
-from titanrl.rl.one_step import RemoteRolloutCollector
 from titanrl.rl.partial import PartialRolloutCollector
+from titanrl.rl.remote_collector import RemoteRolloutCollector
 from titanrl.rl.rollouts import RolloutCollector
 from titanrl.rl.scoring import reward_item
 from titanrl.rl.stats import RLStats

@@ -10,10 +10,10 @@ import sys
 from multiprocessing.connection import Connection
 
 from titanrl.components.containment import announce, spawn_contained, stop_contained
-from titanrl.config.rl_sections import Env
+from titanrl.config.rewards_envs import Env
+from titanrl.envs.openenv_server import read_token, require_extra
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.serve import read_token, require_extra
-from titanrl.envs.server_client import ServerEnvPool
+from titanrl.envs.server_pool import ServerEnvPool
 from titanrl.envs.verifiers_pool import VerifiersEnvPool
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,7 +36,9 @@ class LocalServers:
     def _start(self, name: str, kwargs: dict, token: str | None, startup_timeout_s: float) -> None:
         parent, child = socket.socketpair()
         try:
-            self.procs.append(spawn_contained("titanrl.envs.serve:contained_main", (child.fileno(),), None, _ROOT))
+            self.procs.append(
+                spawn_contained("titanrl.envs.openenv_server:contained_main", (child.fileno(),), None, _ROOT)
+            )
         finally:
             child.close()
         conn = Connection(parent.detach())
