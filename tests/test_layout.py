@@ -30,6 +30,20 @@ def test_files_and_functions_stay_short():
     assert (PACKAGE / "train.py").read_text().count("\n") < 80
 
 
+def test_no_class_does_every_job():
+    # 15 methods: past that a class has taken a second job (the rollout collector once had 24:
+    # generation, scoring, dp balancing, metrics); split it where the second job starts.
+    too_many = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+                if len(methods) > 15:
+                    too_many.append(f"{path.relative_to(REPO_ROOT)}: {node.name} has {len(methods)} methods (max 15)")
+    assert not too_many, "\n".join(too_many)
+    assert (PACKAGE / "rl" / "rollouts.py").read_text().count("\n") <= 250
+
+
 def test_no_module_branches_on_an_algorithm_name():
     pattern = re.compile(r"(algorithm|algo)\.name\s*(==|!=|in\b)")
     offenders = [
