@@ -1,6 +1,7 @@
 """Running titanrl the way users do, from tests: a job's command line, torchrun with gloo ranks,
 and subprocesses whose output goes to files."""
 
+import json
 import os
 import subprocess
 import sys
@@ -47,6 +48,16 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
     if proc.returncode != 0:
         pytest.fail(f"torchrun {os.path.basename(script)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def run_train_jobs(jobs: list[list[str]], nproc: int, folder) -> str:
+    """Several jobs' `titanrl.train` arguments run one after the other in one torchrun launch of
+    `nproc` ranks (tests/multirank/jobs_worker.py): each further job skips every rank's
+    interpreter start-up. Fails with the output if any job fails."""
+    path = os.path.join(folder, "jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    return run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "jobs_worker.py"), nproc, ["--jobs", path])
 
 
 def _exit_code(call) -> int:
