@@ -20,7 +20,7 @@ import weakref
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd
+from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, run_train_jobs, train_cmd, train_here
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -61,10 +61,16 @@ def _train(folder, nproc=1, extra=()):
     return proc
 
 
+def _train_here(folder, extra=()) -> str:
+    """`_train` on 1 rank, in this process (no interpreter start-up): what it printed."""
+    return train_here([*BASE, f"--job.dump_folder={folder}", *extra])
+
+
 def _resume(folder, source_step_dir, nproc, extra=()):
     """Continue `source_step_dir` (another run's checkpoint) into `folder`."""
-    proc = _train(folder, nproc, [f"--checkpoint.load_path={source_step_dir}", *extra])
-    assert f"resumed from {source_step_dir}" in proc.stdout
+    load = [f"--checkpoint.load_path={source_step_dir}", *extra]
+    stdout = _train_here(folder, load) if nproc == 1 else _train(folder, nproc, load).stdout
+    assert f"resumed from {source_step_dir}" in stdout
     return folder
 
 
@@ -87,15 +93,29 @@ def _assert_close(resumed, reference, steps):
 def one_rank(tmp_path_factory):
     """The run that never changes world size: 1 rank, a checkpoint after every step."""
     folder = tmp_path_factory.mktemp("one_rank")
-    _train(folder)
+    _train_here(folder)
     return folder
 
 
 @pytest.fixture(scope="module")
-def fsdp_two(one_rank, tmp_path_factory):
-    return _resume(
-        tmp_path_factory.mktemp("fsdp_two"), one_rank / "checkpoint" / "step-2", 2, ["--parallelism.dp_shard=2"]
-    )
+def two_ranks(one_rank, tmp_path_factory):
+    """`one_rank`'s step-2 checkpoint continued on 2 ranks with FSDP (dp_shard=2) and with tensor
+    parallelism (tp=2), both jobs in one launch: {"fsdp": folder, "tp": folder}."""
+    step2 = one_rank / "checkpoint" / "step-2"
+    layouts = {"fsdp": ["--parallelism.dp_shard=2"], "tp": ["--parallelism.tp=2"]}
+    folders = {name: tmp_path_factory.mktemp(f"{name}_two") for name in layouts}
+    jobs = [
+        [*BASE, f"--job.dump_folder={folders[name]}", f"--checkpoint.load_path={step2}", *layout]
+        for name, layout in layouts.items()
+    ]
+    output = run_train_jobs(jobs, 2, tmp_path_factory.mktemp("jobs"))
+    assert output.count(f"resumed from {step2}") == len(jobs), output[-3000:]
+    return folders
+
+
+@pytest.fixture(scope="module")
+def fsdp_two(two_ranks):
+    return two_ranks["fsdp"]
 
 
 @pytest.mark.multirank
@@ -105,9 +125,9 @@ def test_one_rank_checkpoint_resumes_on_two_fsdp_ranks(one_rank, fsdp_two):
 
 
 @pytest.mark.multirank
-def test_one_rank_checkpoint_resumes_on_two_tp_ranks(one_rank, tmp_path):
+def test_one_rank_checkpoint_resumes_on_two_tp_ranks(one_rank, two_ranks):
     """Checkpoint saved on 1 rank, resumed on 2 ranks with tensor parallelism (tp=2) -> every later step's loss and gradient norm within 1e-5 relative of a run that never changed world size"""
-    _assert_close(_resume(tmp_path, one_rank / "checkpoint" / "step-2", 2, ["--parallelism.tp=2"]), one_rank, [3, 4, 5])
+    _assert_close(two_ranks["tp"], one_rank, [3, 4, 5])
 
 
 @pytest.mark.multirank
@@ -144,7 +164,7 @@ def test_host_state_does_not_depend_on_rank_or_world_size(one_rank, fsdp_two):
 
 def test_async_training_run_matches_sync_saves(one_rank, tmp_path):
     """checkpoint.async_mode = 'async' on a training run -> the same per-step metrics as sync saves, and every step-N folder present at the end with byte-identical model and optimizer shards"""
-    _train(tmp_path, extra=["--checkpoint.async_mode=async"])
+    _train_here(tmp_path, ["--checkpoint.async_mode=async"])  # in this process, as `one_rank`
     got, want = _steps(tmp_path), _steps(one_rank)
     for s in range(1, STEPS + 1):
         for key in ("loss", "grad_norm", "lr"):

@@ -4,10 +4,9 @@ short training job (1 and 2 gloo ranks give the same numbers, per data_source to
 
 import json
 import os
-import sys
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, cli_in_process, run_cmd, train_cmd
 from helpers.tiny import smoke_run_args
 
 from titanrl import cli
@@ -169,16 +168,26 @@ def test_suites_are_logged_at_every_evaluation(one_rank):
     assert "eval_accuracy" in e  # the held-out greedy eval stays
 
 
-def _titanrl_eval(*args: str) -> tuple[int, str, str]:
-    proc = run_cmd([sys.executable, "-m", "titanrl.cli", "eval", *args], ENV)
+def _titanrl_eval(capfd, monkeypatch, *args: str) -> tuple[int, str, str]:
+    """`titanrl eval <args>` from this process (no interpreter start-up for the launcher; its
+    ranks are processes with ENV, as from a shell): (exit code, stdout, stderr)."""
+    for key in ("OMP_NUM_THREADS", "PYTHONPATH"):
+        monkeypatch.setenv(key, ENV[key])
+    proc = cli_in_process(["eval", *args], capfd)
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def test_titanrl_eval_on_the_checkpoint_reproduces_the_last_evaluation(one_rank, tmp_path):
+def test_titanrl_eval_on_the_checkpoint_reproduces_the_last_evaluation(one_rank, tmp_path, capfd, monkeypatch):
     folder, metrics = one_rank
     out = tmp_path / "eval.json"
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--checkpoint", str(folder / "checkpoint" / "step-2"), f"--out={out}", *EVAL_ARGS
+        capfd,
+        monkeypatch,
+        str(folder / "job.toml"),
+        "--checkpoint",
+        str(folder / "checkpoint" / "step-2"),
+        f"--out={out}",
+        *EVAL_ARGS,
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -189,11 +198,11 @@ def test_titanrl_eval_on_the_checkpoint_reproduces_the_last_evaluation(one_rank,
     assert got == pytest.approx(_evals(metrics[-1]), abs=1e-12)
 
 
-def test_titanrl_eval_on_the_exported_hf_folder(one_rank, tmp_path):
+def test_titanrl_eval_on_the_exported_hf_folder(one_rank, tmp_path, capfd, monkeypatch):
     folder, metrics = one_rank
     out = tmp_path / "eval.json"
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--hf", str(folder / "hf"), f"--out={out}", *EVAL_ARGS
+        capfd, monkeypatch, str(folder / "job.toml"), "--hf", str(folder / "hf"), f"--out={out}", *EVAL_ARGS
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -203,7 +212,7 @@ def test_titanrl_eval_on_the_exported_hf_folder(one_rank, tmp_path):
 
 
 @pytest.mark.multirank
-def test_two_ranks_give_the_numbers_of_one(one_rank, tmp_path):
+def test_two_ranks_give_the_numbers_of_one(one_rank, tmp_path, capfd, monkeypatch):
     folder, metrics = one_rank
     (tmp_path / "t2").mkdir()
     two = _train(tmp_path / "t2", 2, ["--parallelism.dp_shard=2"])
@@ -213,7 +222,7 @@ def test_two_ranks_give_the_numbers_of_one(one_rank, tmp_path):
     out = tmp_path / "eval2.json"
     ckpt = str(folder / "checkpoint" / "step-2")
     code, stdout, stderr = _titanrl_eval(
-        str(folder / "job.toml"), "--checkpoint", ckpt, "--nproc", "2", f"--out={out}", *EVAL_ARGS
+        capfd, monkeypatch, str(folder / "job.toml"), "--checkpoint", ckpt, "--nproc", "2", f"--out={out}", *EVAL_ARGS
     )
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     summary = json.loads(out.read_text())

@@ -160,7 +160,9 @@ def test_streaming_rewards_train_like_batch_scoring(tmp_path):
     import json
     import os
 
-    from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+    from helpers.launch import REPO_ROOT
+
+    from titanrl import train
 
     def run(folder, streaming):
         args = [
@@ -176,8 +178,7 @@ def test_streaming_rewards_train_like_batch_scoring(tmp_path):
             f"--job.dump_folder={folder}",
             f"--reward.streaming={str(streaming).lower()}",
         ]
-        proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        train.main(args)  # in this process: no interpreter start-up
         rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
         return [r for r in rows if r.get("phase") == "rl" and "reward_mean" in r]
 
@@ -192,7 +193,9 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
     import json
     import os
 
-    from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+    from helpers.launch import REPO_ROOT
+
+    from titanrl import train
 
     args = [
         f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
@@ -210,8 +213,7 @@ def test_partial_rollouts_staleness_bound_restarts_old_groups(tmp_path):
         "--rollout.max_step_tokens=40",
         "--rollout.max_staleness=1",
     ]
-    proc = run_cmd(train_cmd(args), {**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    train.main(args)  # in this process: no interpreter start-up
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     steps = [r for r in rows if r.get("phase") == "rl" and "reward_mean" in r]
     assert len(steps) == 5

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, run_train_jobs
 from helpers.tiny import smoke_run_args, tiny_model, tiny_qwen2_args
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -304,20 +304,27 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_exactly(one_rank_lora, 
     assert all(torch.equal(a[k], b[k]) for k in b)
 
 
+LAYOUTS = {
+    "dp_shard2_runtime": ["--parallelism.dp_shard=2", "--lora.generator=runtime"],
+    # tp=2 with the merged generator: W + s B A on each TP shard
+    "tp2_merged": ["--parallelism.tp=2", "--parallelism.dp_shard=1"],
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_lora(tmp_path_factory):
+    """The run of `one_rank_lora` (without checkpoints) on 2 ranks in each of LAYOUTS, in one
+    launch: {layout: folder}."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
+    jobs = [[*SMALL, f"--job.dump_folder={folders[name]}", *layout] for name, layout in LAYOUTS.items()]
+    run_train_jobs(jobs, 2, tmp_path_factory.mktemp("lora_jobs"))
+    return folders
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["--parallelism.dp_shard=2", "--lora.generator=runtime"],
-        # tp=2 with the merged generator: W + s B A on each TP shard
-        ["--parallelism.tp=2", "--parallelism.dp_shard=1"],
-    ],
-)
-def test_two_rank_lora_matches_one_rank(tmp_path, one_rank_lora, layout):
-    args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
-    cmd = train_cmd([*args], 2)
-    proc = run_cmd(cmd, {**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_lora_matches_one_rank(two_rank_lora, one_rank_lora, layout):
+    tmp_path = two_rank_lora[layout]
     got, want = _metrics(tmp_path), _metrics(one_rank_lora)
     assert len(got) == len(want) == 3
     for g, w in zip(got, want):

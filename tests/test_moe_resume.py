@@ -14,7 +14,7 @@ import os
 import shutil
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd, train_here
 from helpers.tiny import MOE_DEBUG_CONFIG, smoke_run_args
 from safetensors.torch import load_file
 
@@ -53,7 +53,10 @@ def runs(tmp_path_factory):
     out = {"full": _run(full, 2, EP2)}
     shutil.copytree(full / "checkpoint" / "step-2", resumed / "checkpoint" / "step-2")
     out["resumed"] = _run(resumed, 2, EP2)
-    out["one"] = _run(one, 1, [f"--checkpoint.load_path={full / 'checkpoint' / 'step-2'}"])
+    # One rank in this process (no interpreter start-up), on one thread as the ranks above.
+    out["one"] = train_here(
+        [*BASE, f"--job.dump_folder={one}", f"--checkpoint.load_path={full / 'checkpoint' / 'step-2'}"]
+    )
     return {name: (folder, out[name]) for name, folder in (("full", full), ("resumed", resumed), ("one", one))}
 
 

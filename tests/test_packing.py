@@ -248,7 +248,7 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
     """2 FSDP ranks under torchrun with a 64-token micro-batch budget: each rank packs its own
     rollouts into several micro-batches and the ranks agree on a count (MAX all-reduce, fuller
     rows split when a rank has fewer); losses and gradients match the padded run."""
-    from helpers.launch import run_cmd, train_cmd
+    from helpers.launch import run_train_jobs
 
     data = tmp_path / "prompts.jsonl"
     data.write_text(
@@ -256,15 +256,8 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
             json.dumps({"prompt": "x" * (5 + 37 * i % 90) + f"{i}+{i}=", "answer": 2 * i}) + "\n" for i in range(12)
         )
     )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]),
-    }
-    runs = {}
-    for mode in ("on", "off"):
-        folder = tmp_path / mode
-        args = [
+    jobs = [
+        [
             f"--job.config_file={CONFIG}",
             "--training.steps=2",
             "--sft_warmup.steps=0",
@@ -278,11 +271,14 @@ def test_two_fsdp_ranks_packing_on_matches_off(tmp_path):
             "--metrics.eval_freq=0",
             "--training.micro_batch_tokens=64",
             f"--training.packing={mode}",
-            f"--job.dump_folder={folder}",
+            f"--job.dump_folder={tmp_path / mode}",
         ]
-        proc = run_cmd(train_cmd(args, nproc=2), env)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        with open(folder / "metrics.jsonl") as f:
+        for mode in ("on", "off")
+    ]
+    run_train_jobs(jobs, 2, tmp_path)  # both runs in one launch
+    runs = {}
+    for mode in ("on", "off"):
+        with open(tmp_path / mode / "metrics.jsonl") as f:
             runs[mode] = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "reward_mean" in r]
     assert [m["step"] for m in runs["on"]] == [m["step"] for m in runs["off"]] == [1, 2]
     for a, b in zip(runs["on"], runs["off"]):

@@ -10,7 +10,7 @@ import os
 import subprocess
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd, train_in_process
+from helpers.launch import REPO_ROOT, run_cmd, run_train_jobs, train_cmd, train_in_process
 from helpers.tiny import smoke_run_args
 
 from titanrl import train
@@ -91,24 +91,50 @@ def test_recipe_runs_and_logs_its_metrics(one_rank, recipe):
         assert all(1 <= m["sampling_rounds"] <= 3 for m in steps)
 
 
+# 2-rank layouts compared with 1 rank (id: recipe, layout).
+TWO_RANKS = {
+    "ppo-dp2": ("ppo", ["--parallelism.dp_shard=2"]),
+    "ppo-tp2": ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+    "rloo-dp2": ("rloo", ["--parallelism.dp_shard=2"]),
+    "remax-dp2": ("remax", ["--parallelism.dp_shard=2"]),
+    # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
+    "reinforce_pp-dp2": ("reinforce_pp", ["--parallelism.dp_shard=2"]),
+    # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
+    "gspo-dp2": ("gspo", ["--parallelism.dp_shard=2", "--algorithm.num_minibatches=2"]),
+    "dr_grpo-tp2": ("dr_grpo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
+}
+
+
+def _job(config: str, folder, extra) -> list[str]:
+    return [f"--job.config_file={_config(config)}", f"--job.dump_folder={folder}", *extra]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """Every 2-rank RL run of this module in one torchrun launch: TWO_RANKS, DAPO's dynamic
+    sampling and the calculator recipe (CALC): {id: folder}."""
+    jobs = {
+        **{
+            case: (f"{recipe}_reverse_debug", [*SMALL, *EXTRA.get(recipe, []), *layout])
+            for case, (recipe, layout) in TWO_RANKS.items()
+        },
+        "dapo-dp2": ("dapo_reverse_debug", [*SMALL, "--parallelism.dp_shard=2"]),
+        "calculator-dp2": ("grpo_calculator_debug", [*CALC, "--parallelism.dp_shard=2"]),
+    }
+    folders = {case: tmp_path_factory.mktemp(case) for case in jobs}
+    run_train_jobs(
+        [_job(config, folders[case], extra) for case, (config, extra) in jobs.items()],
+        2,
+        tmp_path_factory.mktemp("jobs"),
+    )
+    return folders
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "recipe,layout",
-    [
-        ("ppo", ["--parallelism.dp_shard=2"]),
-        ("ppo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-        ("rloo", ["--parallelism.dp_shard=2"]),
-        ("remax", ["--parallelism.dp_shard=2"]),
-        # Advantages whitened over the global batch: the all-reduce must make 2 ranks equal 1.
-        ("reinforce_pp", ["--parallelism.dp_shard=2"]),
-        # Mini-batches match across layouts when prompts per mini-batch divide by dp (4 / 2 / 2).
-        ("gspo", ["--parallelism.dp_shard=2", "--algorithm.num_minibatches=2"]),
-        ("dr_grpo", ["--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-    ],
-)
-def test_two_ranks_match_one_rank(tmp_path, one_rank, recipe, layout):
-    _train(f"{recipe}_reverse_debug", tmp_path, [*SMALL, *EXTRA.get(recipe, []), *layout], nproc=2)
-    got, want = _rl_steps(tmp_path), one_rank[recipe]
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_two_ranks_match_one_rank(tmp_path, two_rank_runs, one_rank, case):
+    recipe, layout = TWO_RANKS[case]
+    got, want = _rl_steps(two_rank_runs[case]), one_rank[recipe]
     if "--algorithm.num_minibatches=2" in layout:
         _train(f"{recipe}_reverse_debug", tmp_path / "one", [*SMALL, *EXTRA.get(recipe, []), layout[-1]])
         want = _rl_steps(tmp_path / "one")
@@ -138,9 +164,8 @@ def test_remax_greedy_sampling_has_zero_advantage(tmp_path):
 
 
 @pytest.mark.multirank
-def test_dapo_dynamic_sampling_on_two_ranks(tmp_path):
-    _train("dapo_reverse_debug", tmp_path, [*SMALL, "--parallelism.dp_shard=2"], nproc=2)
-    steps = _rl_steps(tmp_path)
+def test_dapo_dynamic_sampling_on_two_ranks(two_rank_runs):
+    steps = _rl_steps(two_rank_runs["dapo-dp2"])
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(1 <= m["sampling_rounds"] <= 3 and math.isfinite(m["grad_norm"]) for m in steps)
 
@@ -206,9 +231,8 @@ def test_calculator_with_ppo_places_per_turn_rewards(tmp_path):
 
 
 @pytest.mark.multirank
-def test_calculator_recipe_two_ranks_match_one_rank(tmp_path, calculator_one_rank):
-    _train("grpo_calculator_debug", tmp_path, [*CALC, "--parallelism.dp_shard=2"], nproc=2)
-    for g, w in zip(_rl_steps(tmp_path), calculator_one_rank, strict=True):
+def test_calculator_recipe_two_ranks_match_one_rank(two_rank_runs, calculator_one_rank):
+    for g, w in zip(_rl_steps(two_rank_runs["calculator-dp2"]), calculator_one_rank, strict=True):
         for key in ["reward_mean", "response_len", "env_turns"]:
             assert g[key] == pytest.approx(w[key], abs=1e-6), key
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
@@ -255,17 +279,15 @@ def test_dpo_increases_the_chosen_rejected_margin(tmp_path, sft_export):
     assert evals[-1]["eval_margin"] > 0.05 and evals[-1]["eval_pref_accuracy"] > 0.6, evals
 
 
-@pytest.mark.multirank
-@pytest.mark.parametrize(
-    "recipe,key",
-    [
-        ("dpo_reverse_debug", "eval_margin"),
-        ("sft_reverse_debug", "eval_loss"),
-        ("reward_model_reverse_debug", "eval_margin"),
-    ],
-)
-def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
-    args = [
+OFFLINE_KEYS = {
+    "dpo_reverse_debug": "eval_margin",
+    "sft_reverse_debug": "eval_loss",
+    "reward_model_reverse_debug": "eval_margin",
+}
+
+
+def _offline_args(sft_export) -> list[str]:
+    return [
         *OFFLINE,
         f"--model.hf_checkpoint={sft_export}",
         "--training.steps=4",
@@ -274,10 +296,26 @@ def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, recipe, key):
         "--checkpoint.enable=false",
         "--checkpoint.export_hf=false",
     ]
-    _train(recipe, tmp_path / "one", args)
-    # Two ranks also accumulate micro-batches: as many on each rank, pairs kept together.
-    _train(recipe, tmp_path / "two", [*args, "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"], nproc=2)
-    one, two = (_offline_evals(tmp_path / d, key) for d in ("one", "two"))
+
+
+@pytest.fixture(scope="module")
+def offline_two_ranks(tmp_path_factory, sft_export):
+    """Each offline recipe of OFFLINE_KEYS on 2 ranks (one launch): {recipe: folder}. Two ranks
+    also accumulate micro-batches: as many on each rank, pairs kept together."""
+    folders = {recipe: tmp_path_factory.mktemp(f"{recipe}_two") for recipe in OFFLINE_KEYS}
+    extra = [*_offline_args(sft_export), "--parallelism.dp_shard=2", "--training.micro_batch_tokens=128"]
+    jobs = [_job(recipe, folder, extra) for recipe, folder in folders.items()]
+    run_train_jobs(jobs, 2, tmp_path_factory.mktemp("offline_jobs"))
+    return folders
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe", list(OFFLINE_KEYS))
+def test_offline_two_ranks_match_one_rank(tmp_path, sft_export, offline_two_ranks, recipe):
+    key = OFFLINE_KEYS[recipe]
+    _train(recipe, tmp_path / "one", _offline_args(sft_export))
+    one = _offline_evals(tmp_path / "one", key)
+    two = _offline_evals(offline_two_ranks[recipe], key)
     assert len(one) == len(two) == 2
     for a, b in zip(one, two):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-6)

@@ -7,7 +7,7 @@ import os
 import sys
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, train_cmd, train_in_process
+from helpers.launch import REPO_ROOT, run_cmd, run_train_jobs, train_in_process
 from helpers.tiny import smoke_run_args
 
 from titanrl import train
@@ -101,15 +101,23 @@ def test_single_rank_run_logs_every_metric(single_rank):
 TAIL = ("response_len_p50", "response_len_p90", "response_len_max")
 
 
+LAYOUTS = {"dp_shard2": ["--parallelism.dp_shard=2"], "tp2": ["--parallelism.tp=2", "--parallelism.dp_shard=1"]}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The job of `single_rank` on 2 ranks in each of LAYOUTS (one launch): {layout: folder}."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
+    jobs = [[*SMALL, f"--job.dump_folder={folders[name]}", *layout] for name, layout in LAYOUTS.items()]
+    run_train_jobs(jobs, 2, tmp_path_factory.mktemp("jobs"))
+    return folders
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", [["--parallelism.dp_shard=2"], ["--parallelism.tp=2", "--parallelism.dp_shard=1"]])
-def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_ranks_match_one_rank(two_ranks, single_rank, layout):
     _, ref = single_rank
-    args = [*SMALL, f"--job.dump_folder={tmp_path}", *layout]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = train_cmd([*args], 2)
-    proc = run_cmd(cmd, env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tmp_path = two_ranks[layout]
     got = _rl_steps(_metrics(tmp_path))
     want = _rl_steps(ref)
     assert len(got) == len(want) == 3
@@ -122,7 +130,7 @@ def test_two_ranks_match_one_rank(tmp_path, single_rank, layout):
         assert [g[k] for k in TAIL] == [w[k] for k in TAIL]
         assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-3)
         assert g["entropy"] == pytest.approx(w["entropy"], rel=1e-3)
-    if "--parallelism.dp_shard=2" in layout:  # training.balance_tokens moved groups between the ranks
+    if layout == "dp_shard2":  # training.balance_tokens moved groups between the ranks
         assert sum(g["moved_groups"] for g in got) > 0
         assert all(g["rank_tokens_imbalance"] <= g["rank_tokens_imbalance_before"] for g in got)
 

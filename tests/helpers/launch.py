@@ -1,6 +1,7 @@
 """Running titanrl the way users do, from tests: a job's command line, torchrun with gloo ranks,
 and subprocesses whose output goes to files."""
 
+import json
 import os
 import subprocess
 import sys
@@ -38,15 +39,49 @@ def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
     ]
 
 
-def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600) -> str:
-    """Run `script` under `torchrun --standalone` with `nproc` gloo ranks; fail with its output."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT}
+def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600, env: dict | None = None) -> str:
+    """Run `script` under `torchrun --standalone` with `nproc` gloo ranks (`env`: variables to add
+    or replace); fail with its output."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     proc = run_cmd(cmd, env, timeout_s)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"torchrun {os.path.basename(script)} exited {proc.returncode}:\n{output[-6000:]}")
     return output
+
+
+def run_train_jobs(jobs: list[list[str]], nproc: int, folder, env: dict | None = None) -> str:
+    """Several jobs' `titanrl.train` arguments run one after the other in one torchrun launch of
+    `nproc` ranks (tests/multirank/jobs_worker.py): each further job skips every rank's
+    interpreter start-up. tests/ is on the path (for `helpers....` and `test_...` functions a job
+    names); `env` as `run_torchrun`. Fails with the output if any job fails."""
+    env = {"PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]), **(env or {})}
+    path = os.path.join(folder, "jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    worker = os.path.join(REPO_ROOT, "tests", "multirank", "jobs_worker.py")
+    return run_torchrun(worker, nproc, ["--jobs", path], env=env)
+
+
+def train_here(argv: list[str]) -> str:
+    """`python -m titanrl.train <argv>` on one rank in this process (no interpreter start-up), on
+    one thread as a rank started with OMP_NUM_THREADS=1; returns what it printed."""
+    import contextlib
+    import io
+
+    import torch
+
+    from titanrl import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            train.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
 
 
 def _exit_code(call) -> int:

@@ -83,8 +83,6 @@ class Host:
 class RLPart:
     """The attributes of an RL recipe that `update_policy` and `micro_batches` read."""
 
-    micro_batches = RLRecipe.micro_batches
-
     def __init__(self, config: JobConfig, host: Host) -> None:
         self.config, self.trainer, self.policy = config, host, host.model
         self.algorithm = get_algorithm("grpo")(config.algorithm)
