@@ -76,30 +76,30 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrup
 @pytest.mark.parametrize("kind", ["shard", "metadata", "host"])
 def test_bit_flip_in_latest_checkpoint_resumes_from_previous(tmp_path, uninterrupted, kind):
     """16 bytes flipped in a file of the latest checkpoint (a .distcp shard, .metadata or host state; size unchanged), same command again -> one line names the file and skips it (traceback in <dump>/checkpoint_errors.log); resumes from step-2 and ends with the same final weights as an uninterrupted run"""
-    run = _copy_run(uninterrupted, tmp_path / "run")
-    bad = kind_file(run / "checkpoint" / "step-4", kind)
+    folder = _copy_run(uninterrupted, tmp_path / "run")
+    bad = kind_file(folder / "checkpoint" / "step-4", kind)
     flip(bad)
-    out = ok(run(run, 4))
+    out = ok(run(folder, 4))
     notices = [line for line in out.stdout.splitlines() if "step-4" in line]
     assert len(notices) == 1, out.stdout
     assert f"step-4 is corrupt: {os.path.basename(bad)} has CRC-32" in notices[0]
-    assert "checkpoint_errors.log" in notices[0] and "Traceback" in (run / "checkpoint_errors.log").read_text()
+    assert "checkpoint_errors.log" in notices[0] and "Traceback" in (folder / "checkpoint_errors.log").read_text()
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    assert_same_weights(run, uninterrupted)
+    assert_same_weights(folder, uninterrupted)
 
 
 def test_bit_flip_in_the_only_checkpoint_stops_with_one_line(tmp_path, uninterrupted):
     """Bit flip in the only checkpoint, same command again -> exit 2 with exactly one stderr line naming the file and the fix; no fresh run starts"""
-    run = _copy_run(uninterrupted, tmp_path / "run")
-    shutil.rmtree(run / "checkpoint" / "step-2")
-    flip(kind_file(run / "checkpoint" / "step-4", "shard"))
-    proc = run(run, 6)
+    folder = _copy_run(uninterrupted, tmp_path / "run")
+    shutil.rmtree(folder / "checkpoint" / "step-2")
+    flip(kind_file(folder / "checkpoint" / "step-4", "shard"))
+    proc = run(folder, 6)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("titanrl: error: no checkpoint in") and "step-4 is corrupt: __0_0.distcp" in lines[0]
     assert "checkpoint.load_path" in lines[0]
-    assert not (run / "hf").exists() and sorted(os.listdir(run / "checkpoint")) == ["step-4"]
+    assert not (folder / "hf").exists() and sorted(os.listdir(folder / "checkpoint")) == ["step-4"]
 
 
 def test_preflight_picks_the_latest_checkpoint_that_passes_its_checksums(tmp_path, uninterrupted):
@@ -108,12 +108,12 @@ def test_preflight_picks_the_latest_checkpoint_that_passes_its_checksums(tmp_pat
     from titanrl.components.launch import checkpoint_to_load
     from titanrl.config import load_config
 
-    run = _copy_run(uninterrupted, tmp_path / "run")
-    config = load_config([*BASE, f"--job.dump_folder={run}"])
-    assert checkpoint_to_load(config) == str(run / "checkpoint" / "step-4")
-    flip(kind_file(run / "checkpoint" / "step-4", "shard"))
-    assert checkpoint_to_load(config) == str(run / "checkpoint" / "step-2")
-    flip(kind_file(run / "checkpoint" / "step-2", "host"))
+    folder = _copy_run(uninterrupted, tmp_path / "run")
+    config = load_config([*BASE, f"--job.dump_folder={folder}"])
+    assert checkpoint_to_load(config) == str(folder / "checkpoint" / "step-4")
+    flip(kind_file(folder / "checkpoint" / "step-4", "shard"))
+    assert checkpoint_to_load(config) == str(folder / "checkpoint" / "step-2")
+    flip(kind_file(folder / "checkpoint" / "step-2", "host"))
     with pytest.raises(CheckpointCorrupt) as e:
         checkpoint_to_load(config)
     message = str(e.value)
@@ -135,13 +135,13 @@ def test_load_path_with_host_state_that_would_run_code_is_refused(tmp_path, unin
 @pytest.mark.multirank
 def test_bit_flip_on_two_ranks_resumes_from_previous(tmp_path, uninterrupted_two_ranks):
     """2 ranks: bytes flipped in rank 1's shard of the latest checkpoint -> both ranks skip it (one line), resume from step-2 and end with the same final weights as an uninterrupted 2-rank run"""
-    run = _copy_run(uninterrupted_two_ranks, tmp_path / "run")
-    flip(run / "checkpoint" / "step-4" / "__1_0.distcp")
-    out = ok(run(run, 4, nproc=2))
+    folder = _copy_run(uninterrupted_two_ranks, tmp_path / "run")
+    flip(folder / "checkpoint" / "step-4" / "__1_0.distcp")
+    out = ok(run(folder, 4, nproc=2))
     notices = [line for line in out.stdout.splitlines() if "step-4 is corrupt" in line]
     assert len(notices) == 1 and "__1_0.distcp has CRC-32" in notices[0], out.stdout
     assert "resumed from" in out.stdout and "step-2" in out.stdout
-    assert_same_weights(run, uninterrupted_two_ranks)
+    assert_same_weights(folder, uninterrupted_two_ranks)
 
 
 def test_convert_checkpoint_to_hf_loads_in_transformers(tmp_path, uninterrupted):

@@ -7,7 +7,9 @@ runs it as a script (`_worker_main`).
 """
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import os
 
@@ -87,12 +89,24 @@ def _converted(config: Float8) -> Transformer:
     return model
 
 
+@contextlib.contextmanager
+def _captured(caplog):
+    """caplog's handler on the "titanrl" logger, which does not propagate to the root logger's
+    (titanrl/components/console.py: its lines are printed once, by its own handler)."""
+    logger = logging.getLogger("titanrl")
+    logger.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 def test_dims_not_multiple_of_16_stay_high_precision(caplog):
     args = tiny_model_args(
         qk_norm=False, tie_word_embeddings=False, n_layers=1, hidden_dim=120, vocab_size=128, max_seq_len=32
     )
     model = _meta_model(args)
-    with caplog.at_level("INFO", logger="titanrl.components.float8"):
+    with caplog.at_level("INFO", logger="titanrl.components.float8"), _captured(caplog):
         converted = convert_to_float8(model, Float8(enable=True))
     # w1/w3 are 120x64 and w2 64x120: kept, and counted in the log.
     assert sorted(converted) == sorted(f"layers.0.{n}" for n in BLOCK_LINEARS if n.startswith("attention"))
@@ -162,7 +176,7 @@ def test_rl_run_with_float8_one_rank(tmp_path, caplog):
     from titanrl import train
 
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
-    with caplog.at_level("INFO", logger="titanrl.components.float8"):
+    with caplog.at_level("INFO", logger="titanrl.components.float8"), _captured(caplog):
         train.main(
             [
                 f"--job.config_file={config}",

@@ -91,11 +91,15 @@ def load_file(path: str, key: str, base_dir: str = "") -> ModuleType:
 
 def failed_at(error: BaseException) -> str:
     """'file:line' where `error` was raised: the offending line of a SyntaxError, else the
-    deepest frame of its traceback outside the import machinery."""
+    deepest frame of its traceback outside the import machinery and installed packages (the
+    user's line: a `sys.exit` passes through wandb's exit hook once wandb is imported; a call
+    into a library is named where the user's code made it), or the deepest frame if none is."""
     if isinstance(error, SyntaxError) and error.filename:
         return f"{error.filename}:{error.lineno}"
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<frozen")]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "an unknown place"
+    own = [f for f in frames if not any(part in f.filename for part in ("site-packages", "dist-packages"))]
+    frame = (own or frames)[-1] if frames else None
+    return f"{frame.filename}:{frame.lineno}" if frame is not None else "an unknown place"
 
 
 def exception_text(error: BaseException) -> str:
