@@ -1,0 +1,147 @@
+"""Qwen3.5 (hybrid gated DeltaNet + gated full attention) against transformers' `qwen3_5_text`."""
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from titanrl.models import Transformer, gated_deltanet  # noqa: E402
+from titanrl.models.delta_rule import recurrent_gated_delta_rule  # noqa: E402
+from titanrl.models.hf import export_hf, load_hf_weights, read_hf_config  # noqa: E402
+from titanrl.models.hf_qwen3_5 import _TITAN_TO_HF, _map_name  # noqa: E402
+
+TOL = 1e-5  # max |logit diff| in float32
+LENGTHS = [1, 5, 63, 64, 65, 150]
+
+
+def _tiny_hf(std: float, bias: bool, seed: int):
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        attention_bias=bias,
+        initializer_range=std,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(cfg)
+    # Random norms, biases and gates so that a mis-mapped or mis-offset weight shows in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("bias", "A_log", "dt_bias")):
+                p.copy_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[(0.02, False), (0.2, True)], ids=["std0.02", "std0.2-bias"])
+def hf_folder(request, tmp_path_factory):
+    std, bias = request.param
+    folder = str(tmp_path_factory.mktemp("qwen3_5"))
+    _tiny_hf(std, bias, seed=0).save_pretrained(folder)
+    return folder
+
+
+def titan_from_folder(folder: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    args = read_hf_config(folder)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    load_hf_weights(model, folder)
+    return model.to(dtype).eval()
+
+
+def _prompts(n: int, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 300, (LENGTHS[i % len(LENGTHS)],), generator=gen) for i in range(n)]
+
+
+def test_config_maps_the_hybrid_layout(hf_folder):
+    args = read_hf_config(hf_folder)
+    assert args.family == "qwen3_5"
+    assert [args.is_linear_layer(i) for i in range(4)] == [True, False, True, True]
+    assert args.rotary_dim == 4 and args.attn_output_gate and args.qk_norm
+
+
+def test_logits_match_transformers(hf_folder):
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_folder).eval()
+    model = titan_from_folder(hf_folder)
+    with torch.no_grad():
+        for tokens in _prompts(6):
+            expected = hf(input_ids=tokens[None]).logits
+            got = model(tokens[None])
+            assert (got - expected).abs().max() < TOL, len(tokens)
+        # A batch of two rows (the second sharing the first's prefix)
+        rows = torch.stack([_prompts(5)[4][:40], torch.cat([_prompts(5)[4][:20], _prompts(5)[2][:20]])])
+        assert (model(rows) - hf(input_ids=rows).logits).abs().max() < TOL
+
+
+def test_export_reload_same_logits(hf_folder, tmp_path):
+    model = titan_from_folder(hf_folder)
+    export_hf(model, str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3_5_text"
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(str(tmp_path)).eval()
+    again = titan_from_folder(str(tmp_path))
+    tokens = _prompts(5)[4][None]
+    with torch.no_grad():
+        assert torch.equal(again(tokens), model(tokens))
+        assert (hf(input_ids=tokens).logits - model(tokens)).abs().max() < TOL
+    assert os.path.exists(tmp_path / "model.safetensors")
+
+
+def test_packed_rows_reset_the_state_at_documents(hf_folder):
+    """Three documents packed in one row (positions restart at 0) give each document's logits."""
+    model = titan_from_folder(hf_folder)
+    docs = [_prompts(6)[5][:70], _prompts(6)[1], _prompts(6)[0]]
+    packed = torch.cat(docs)[None]
+    positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    from titanrl.models.attention import DocumentSDPA
+
+    doc_ids = torch.cat([torch.full((len(d),), i) for i, d in enumerate(docs)])[None]
+    with torch.no_grad():
+        got = model(packed, positions, DocumentSDPA(doc_ids))[0].split([len(d) for d in docs])
+        for doc, logits in zip(docs, got, strict=True):
+            assert (logits - model(doc[None])[0]).abs().max() < TOL
+
+
+def _titan_grads(folder: str, tokens: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    model = titan_from_folder(folder, dtype).train()
+    logprobs, _ = model.logprobs(tokens[:, :-1], tokens[:, 1:], chunk_tokens=64)
+    (-logprobs.mean()).backward()
+    return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_training_step_gradients_match_float64(hf_folder, monkeypatch):
+    """One loss's gradients (150 tokens: three chunks). In float64, through the chunked rule,
+    within 1e-6 of the token-by-token recurrence (autograd through the plain loop); in float32,
+    within float32 rounding of float64; and near transformers' (whose rule runs in float32)."""
+    tokens = _prompts(6)[5][None]
+    g64 = _titan_grads(hf_folder, tokens, torch.float64)
+    g32 = _titan_grads(hf_folder, tokens, torch.float32)
+    with monkeypatch.context() as patch:
+        patch.setattr(gated_deltanet, "chunk_gated_delta_rule", recurrent_gated_delta_rule)
+        reference = _titan_grads(hf_folder, tokens, torch.float64)
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_folder).double().train()
+    logits = hf(input_ids=tokens[:, :-1]).logits
+    (-logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).mean()).backward()
+    hf_params = dict(hf.named_parameters())
+    assert g64.keys() == g32.keys() == reference.keys() and len(g64) == len(hf_params)
+    for name, grad in g64.items():
+        scale = max(1.0, grad.abs().max().item())
+        assert (grad - reference[name]).abs().max() < 1e-6 * scale, name
+        assert (g32[name] - grad).abs().max() < 1e-4 * scale, name
+        assert (hf_params[_map_name(name, _TITAN_TO_HF)].grad - grad).abs().max() < 1e-4 * scale, name
