@@ -145,3 +145,106 @@ def test_training_step_gradients_match_float64(hf_folder, monkeypatch):
         assert (grad - reference[name]).abs().max() < 1e-6 * scale, name
         assert (g32[name] - grad).abs().max() < 1e-4 * scale, name
         assert (hf_params[_map_name(name, _TITAN_TO_HF)].grad - grad).abs().max() < 1e-4 * scale, name
+
+
+# ---- the paged generator: state slots beside the KV pool ----
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def gen_folder(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen3_5_gen"))
+    _tiny_hf(0.2, True, seed=3).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(gen_folder):
+    """transformers' greedy tokens and their logprobs for 12 prompts (two sharing a prefix)."""
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(gen_folder).eval()
+    prompts = [p.tolist() for p in _prompts(12, seed=5)]
+    prompts[11] = prompts[4][:40] + prompts[11][:7]
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logprobs = [lg[0].log_softmax(-1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+            results.append((tokens, logprobs))
+    return prompts, results
+
+
+def _generate(folder: str, prompts, n: int = 1, **config):
+    from titanrl.config.generation import Generator as GeneratorConfig
+    from titanrl.generator.generator import Generator
+    from titanrl.generator.sampling import SamplingParams
+
+    gen = Generator(read_hf_config(folder), GeneratorConfig(**{"num_blocks": 256, **config}), torch.device("cpu"))
+    gen.load_hf(folder)
+    completions, stats = gen.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, n=n))
+    return gen, completions, stats
+
+
+def _assert_matches(completions, expected, n: int = 1):
+    assert len(completions) == n * len(expected)
+    for c in completions:
+        tokens, logprobs = expected[c.prompt_index]
+        assert c.token_ids == tokens, (c.prompt_index, c.sample_index)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, logprobs, strict=True)) < 1e-4
+
+
+def test_generator_greedy_matches_transformers_all_12_batched(gen_folder, hf_greedy):
+    prompts, expected = hf_greedy
+    gen, completions, stats = _generate(gen_folder, prompts)
+    _assert_matches(completions, expected)
+    assert gen.state_slots is not None and gen.state_slots.num_free == gen.config.max_num_seqs
+
+
+def test_generator_chunked_prefill_carries_the_state(gen_folder, hf_greedy):
+    prompts, expected = hf_greedy
+    _, completions, stats = _generate(gen_folder, prompts, max_num_batched_tokens=48)
+    assert stats.prefill_chunks > 0
+    _assert_matches(completions, expected)
+
+
+def test_generator_preemption_mid_decode_same_tokens(gen_folder, hf_greedy):
+    prompts, expected = hf_greedy
+    _, completions, stats = _generate(gen_folder, prompts, num_blocks=16, block_size=16)
+    assert stats.preemptions > 0
+    _assert_matches(completions, expected)
+
+
+def test_generator_group_samples_share_the_prompt_state(gen_folder, hf_greedy):
+    """GRPO groups: every greedy sample continues from a copy of its prompt's state."""
+    prompts, expected = hf_greedy
+    _, completions, _ = _generate(gen_folder, prompts[:4], n=3)
+    _assert_matches(completions, expected[:4], n=3)
+
+
+def test_recurrent_state_memory_is_constant_in_length(gen_folder, monkeypatch):
+    """A sequence holds one slot of fixed bytes whatever its length (a 3- or 150-token prompt,
+    prefilled in chunks), while its KV blocks grow with it."""
+    from titanrl.generator.state_slots import StateSlots
+
+    args = read_hf_config(gen_folder)
+    conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
+    conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
+    per_layer = 4 * (conv_dim * (args.linear_conv_kernel_dim - 1))
+    per_layer += 4 * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
+    per_slot = 3 * per_layer  # three linear layers
+    allocations = []
+    allocate = StateSlots.allocate
+    monkeypatch.setattr(StateSlots, "allocate", lambda self: allocations.append(1) or allocate(self))
+    for length in (3, 150):
+        allocations.clear()
+        gen, _, stats = _generate(gen_folder, [list(range(length))], max_num_seqs=2, max_num_batched_tokens=48)
+        assert gen.state_slots.nbytes == 3 * per_slot  # two slots and the scratch one
+        assert len(allocations) == 1
+    assert stats.prefill_chunks > 0

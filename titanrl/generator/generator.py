@@ -26,6 +26,7 @@ from titanrl.generator.model_runner import ModelRunner
 from titanrl.generator.sampling import SamplingParams, validate_prompts
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, TurnHandler
+from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.step_loop import StepLoop
 from titanrl.generator.weight_sync import (
     can_sync_trainable_only,
@@ -88,6 +89,7 @@ class Generator:
             self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
         )
         self.pool: KVCachePool | None = None
+        self.state_slots: StateSlots | None = None
         self.allocator: BlockAllocator | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
@@ -119,7 +121,12 @@ class Generator:
                 self.dtype,
                 self.device,
             )
-            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
+            hybrid = self.args.has_linear_layers
+            self.state_slots = (
+                StateSlots(self.args, self.config.max_num_seqs, self.dtype, self.device) if hybrid else None
+            )
+            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching and not hybrid)
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self.runner.cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
@@ -129,6 +136,7 @@ class Generator:
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
+        self.state_slots = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for local in weight_storage(self.model):
                 self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
@@ -228,6 +236,8 @@ class Generator:
         them are returned).
         """
         partial = bool(resume) or pause_when is not None or on_finish is not None
+        if turns is not None and self.args.has_linear_layers:
+            raise ValueError("multi-turn environments are not supported for hybrid linear-attention models yet")
         try:
             self._validate(prompts, params, resume, partial_turns=partial and turns is not None)
         except ValueError:
@@ -260,8 +270,11 @@ class Generator:
             eos_ids=self.eos_ids,
             tokenizer=self.tokenizer,
             block_routes=self.block_routes,
+            state_slots=self.state_slots,
         )
         loop.run(turns, pause_when, on_finish)
+        if self.state_slots is not None:
+            self.state_slots.release_all()
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         sched.stats.compile_seconds = compile_seconds() - compile_start
