@@ -89,7 +89,6 @@ class Generator:
             self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
         )
         self.pool: KVCachePool | None = None
-        self.state_slots: StateSlots | None = None
         self.allocator: BlockAllocator | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
@@ -123,7 +122,7 @@ class Generator:
             )
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers
-            self.state_slots = (
+            self.runner.state_slots = (
                 StateSlots(self.args, self.config.max_num_seqs, self.dtype, self.device) if hybrid else None
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching and not hybrid)
@@ -136,7 +135,7 @@ class Generator:
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
-        self.state_slots = None
+        self.runner.state_slots = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for local in weight_storage(self.model):
                 self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
@@ -153,6 +152,11 @@ class Generator:
     @model.setter
     def model(self, model: Transformer) -> None:
         self.runner.model = model
+
+    @property
+    def state_slots(self) -> StateSlots | None:
+        """A hybrid model's recurrent-state slots (the runner's; None asleep or for a transformer)."""
+        return self.runner.state_slots
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -236,8 +240,6 @@ class Generator:
         them are returned).
         """
         partial = bool(resume) or pause_when is not None or on_finish is not None
-        if turns is not None and self.args.has_linear_layers:
-            raise ValueError("multi-turn environments are not supported for hybrid linear-attention models yet")
         try:
             self._validate(prompts, params, resume, partial_turns=partial and turns is not None)
         except ValueError:
@@ -270,11 +272,8 @@ class Generator:
             eos_ids=self.eos_ids,
             tokenizer=self.tokenizer,
             block_routes=self.block_routes,
-            state_slots=self.state_slots,
         )
         loop.run(turns, pause_when, on_finish)
-        if self.state_slots is not None:
-            self.state_slots.release_all()
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         sched.stats.compile_seconds = compile_seconds() - compile_start

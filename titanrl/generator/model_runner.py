@@ -54,6 +54,8 @@ class ModelRunner:
     ) -> None:
         self.args = model_args
         self.config = config
+        self.state_slots: StateSlots | None = None
+        """A hybrid model's recurrent-state slots, set by the generator while it is awake."""
         self.device = device
         self.dtype = dtype
         self.lora = lora

@@ -17,7 +17,6 @@ from titanrl.generator.paged_attention import SeqSlice
 from titanrl.generator.routes import add_route_chunk, record_packed_routes, record_prefill_routes
 from titanrl.generator.sampling import sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
-from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.sequence import Completion, PauseWhen, Seq, TurnHandler
 from titanrl.models.tokenizer import Tokenizer
 
@@ -37,9 +36,8 @@ class StepLoop:
         eos_ids: frozenset[int],
         tokenizer: Tokenizer | None,
         block_routes: dict[int, torch.Tensor],
-        state_slots: StateSlots | None = None,
     ) -> None:
-        self.state_slots = state_slots
+        self.state_slots = runner.state_slots
         """A hybrid model's recurrent-state slots (`state_slots.py`); None for a plain transformer."""
         self.runner = runner
         self.pool = pool
@@ -58,6 +56,20 @@ class StepLoop:
         """Scheduler passes until every sample finished or paused: admit and prefill while there is
         room, else decode (both while a long context is prefilled chunk by chunk); report finished
         samples to `on_finish` after each pass."""
+        if turns is not None and self.state_slots is not None:
+            raise ValueError("multi-turn environments are not supported for hybrid linear-attention models yet")
+        try:
+            self._passes(turns, pause_when, on_finish)
+        finally:
+            if self.state_slots is not None:  # every slot free for the next call
+                self.state_slots.release_all()
+
+    def _passes(
+        self,
+        turns: TurnHandler | None,
+        pause_when: PauseWhen | None,
+        on_finish: Callable[[list[Completion]], None] | None,
+    ) -> None:
         sched, lockstep = self.sched, self.runner.lockstep
         reported = 0
         # Under expert parallelism: while any ep rank has work; a rank without serves the peers' all-to-alls.
