@@ -7,6 +7,16 @@ import torch.nn.functional as F
 from titanrl.models.delta_rule import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation, which on a shared,
+    loaded CPU costs more than the work (the file runs several times faster on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def naive_rule(q, k, v, g, beta, state=None):
     """One sequence [T, H, D] in float64, straight from the definition."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))

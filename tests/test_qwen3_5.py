@@ -1,5 +1,6 @@
 """Qwen3.5 (hybrid gated DeltaNet + gated full attention) against transformers' `qwen3_5_text`."""
 
+import copy
 import json
 import os
 
@@ -12,6 +13,17 @@ from titanrl.models import Transformer, gated_deltanet  # noqa: E402
 from titanrl.models.delta_rule import recurrent_gated_delta_rule  # noqa: E402
 from titanrl.models.hf import export_hf, load_hf_weights, read_hf_config  # noqa: E402
 from titanrl.models.hf_qwen3_5 import _TITAN_TO_HF, _map_name  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny tensors: a second intra-op thread only adds synchronisation, which on a shared,
+    loaded CPU costs more than the work (the file runs several times faster on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 TOL = 1e-5  # max |logit diff| in float32
 LENGTHS = [1, 5, 63, 64, 65, 150]
@@ -64,6 +76,12 @@ def titan_from_folder(folder: str, dtype: torch.dtype = torch.float32) -> Transf
     return model.to(dtype).eval()
 
 
+@pytest.fixture(scope="module")
+def models(hf_folder):
+    """transformers' model and titanrl's, loaded once per config."""
+    return transformers.Qwen3_5ForCausalLM.from_pretrained(hf_folder).eval(), titan_from_folder(hf_folder)
+
+
 def _prompts(n: int, seed: int = 1) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 300, (LENGTHS[i % len(LENGTHS)],), generator=gen) for i in range(n)]
@@ -76,9 +94,8 @@ def test_config_maps_the_hybrid_layout(hf_folder):
     assert args.rotary_dim == 4 and args.attn_output_gate and args.qk_norm
 
 
-def test_logits_match_transformers(hf_folder):
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_folder).eval()
-    model = titan_from_folder(hf_folder)
+def test_logits_match_transformers(models):
+    hf, model = models
     with torch.no_grad():
         for tokens in _prompts(6):
             expected = hf(input_ids=tokens[None]).logits
@@ -89,8 +106,8 @@ def test_logits_match_transformers(hf_folder):
         assert (model(rows) - hf(input_ids=rows).logits).abs().max() < TOL
 
 
-def test_export_reload_same_logits(hf_folder, tmp_path):
-    model = titan_from_folder(hf_folder)
+def test_export_reload_same_logits(models, tmp_path):
+    model = models[1]
     export_hf(model, str(tmp_path))
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["model_type"] == "qwen3_5_text"
@@ -103,9 +120,9 @@ def test_export_reload_same_logits(hf_folder, tmp_path):
     assert os.path.exists(tmp_path / "model.safetensors")
 
 
-def test_packed_rows_reset_the_state_at_documents(hf_folder):
+def test_packed_rows_reset_the_state_at_documents(models):
     """Three documents packed in one row (positions restart at 0) give each document's logits."""
-    model = titan_from_folder(hf_folder)
+    model = models[1]
     docs = [_prompts(6)[5][:70], _prompts(6)[1], _prompts(6)[0]]
     packed = torch.cat(docs)[None]
     positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
@@ -125,7 +142,7 @@ def _titan_grads(folder: str, tokens: torch.Tensor, dtype: torch.dtype) -> dict[
     return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_training_step_gradients_match_float64(hf_folder, monkeypatch):
+def test_training_step_gradients_match_float64(hf_folder, models, monkeypatch):
     """One loss's gradients (150 tokens: three chunks). In float64, through the chunked rule,
     within 1e-6 of the token-by-token recurrence (autograd through the plain loop); in float32,
     within float32 rounding of float64; and near transformers' (whose rule runs in float32)."""
@@ -135,7 +152,7 @@ def test_training_step_gradients_match_float64(hf_folder, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(gated_deltanet, "chunk_gated_delta_rule", recurrent_gated_delta_rule)
         reference = _titan_grads(hf_folder, tokens, torch.float64)
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(hf_folder).double().train()
+    hf = copy.deepcopy(models[0]).double().train()
     logits = hf(input_ids=tokens[:, :-1]).logits
     (-logits.log_softmax(-1).gather(-1, tokens[:, 1:, None]).mean()).backward()
     hf_params = dict(hf.named_parameters())
@@ -165,19 +182,29 @@ def hf_greedy(gen_folder):
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(gen_folder).eval()
     prompts = [p.tolist() for p in _prompts(12, seed=5)]
     prompts[11] = prompts[4][:40] + prompts[11][:7]
-    results = []
+    # One left-padded batch (the linear layers zero padded positions' inputs, so their state
+    # stays zero until a row's prompt starts; one call instead of twelve).
+    L = max(map(len, prompts))
+    ids_BL = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask_BL = torch.zeros_like(ids_BL)
+    for i, prompt in enumerate(prompts):
+        ids_BL[i, L - len(prompt) :] = torch.tensor(prompt)
+        mask_BL[i, L - len(prompt) :] = 1
     with torch.no_grad():
-        for prompt in prompts:
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            logprobs = [lg[0].log_softmax(-1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
-            results.append((tokens, logprobs))
+        out = hf.generate(
+            ids_BL,
+            attention_mask=mask_BL,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    results = []
+    for i in range(len(prompts)):
+        tokens = out.sequences[i, L:].tolist()
+        logprobs = [lg[i].log_softmax(-1)[t].item() for lg, t in zip(out.logits, tokens, strict=True)]
+        results.append((tokens, logprobs))
     return prompts, results
 
 
@@ -228,23 +255,57 @@ def test_generator_group_samples_share_the_prompt_state(gen_folder, hf_greedy):
     _assert_matches(completions, expected[:4], n=3)
 
 
-def test_recurrent_state_memory_is_constant_in_length(gen_folder, monkeypatch):
-    """A sequence holds one slot of fixed bytes whatever its length (a 3- or 150-token prompt,
-    prefilled in chunks), while its KV blocks grow with it."""
-    from titanrl.generator.state_slots import StateSlots
-
-    args = read_hf_config(gen_folder)
+def _slot_bytes(args) -> int:
+    """One sequence's state, by hand: per linear layer the conv inputs and the float32 matrix."""
     conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
     conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
     per_layer = 4 * (conv_dim * (args.linear_conv_kernel_dim - 1))
     per_layer += 4 * args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim
-    per_slot = 3 * per_layer  # three linear layers
+    return 3 * per_layer  # three linear layers
+
+
+def test_recurrent_state_memory_is_constant_in_length(gen_folder, monkeypatch):
+    """A sequence holds one slot of fixed bytes whatever its length (a 3- and a 150-token prompt,
+    prefilled in chunks), while its KV blocks grow with it."""
+    from titanrl.generator.state_slots import StateSlots
+
     allocations = []
     allocate = StateSlots.allocate
     monkeypatch.setattr(StateSlots, "allocate", lambda self: allocations.append(1) or allocate(self))
-    for length in (3, 150):
-        allocations.clear()
-        gen, _, stats = _generate(gen_folder, [list(range(length))], max_num_seqs=2, max_num_batched_tokens=48)
-        assert gen.state_slots.nbytes == 3 * per_slot  # two slots and the scratch one
-        assert len(allocations) == 1
-    assert stats.prefill_chunks > 0
+    gen, completions, stats = _generate(
+        gen_folder, [list(range(3)), list(range(150))], max_num_seqs=2, max_num_batched_tokens=48
+    )
+    assert stats.prefill_chunks > 0 and len(completions) == 2
+    assert gen.state_slots.nbytes == 3 * _slot_bytes(read_hf_config(gen_folder))  # two slots and the scratch one
+    assert len(allocations) == 2  # one per sequence, across its chunks and its decode steps
+
+
+def test_kv_pool_has_pages_for_full_attention_layers_only(gen_folder):
+    """Layers 0, 2, 3 are linear: their K/V page tensors are empty; layer 1's hold the pool."""
+    args = read_hf_config(gen_folder)
+    gen, _, _ = _generate(gen_folder, [list(range(20))], num_blocks=8, block_size=16)
+    page_bytes = 16 * args.n_kv_heads * args.head_dim * 4
+    for layer in range(4):
+        numel = 0 if args.is_linear_layer(layer) else 9 * 16 * args.n_kv_heads * args.head_dim
+        assert gen.pool.k[layer].numel() == gen.pool.v[layer].numel() == numel, layer
+    assert gen.pool.nbytes == gen.kv_cache_bytes == 2 * 9 * page_bytes  # 8 blocks + the scratch one
+    assert gen._bytes_per_block() == 2 * page_bytes
+
+
+def test_state_slots_are_counted_in_the_memory_budget(gen_folder, monkeypatch):
+    """num_blocks = 0: the KV pool gets the memory fraction less the state slots' bytes."""
+    from titanrl.config.generation import Generator as GeneratorConfig
+    from titanrl.generator import kv_cache
+    from titanrl.generator.generator import Generator
+
+    args = read_hf_config(gen_folder)
+    per_block = 2 * 16 * args.n_kv_heads * args.head_dim * 4  # one full-attention layer
+    slots = 9 * _slot_bytes(args)  # max_num_seqs 8 + scratch
+    free_bytes = 100 * per_block + slots
+    monkeypatch.setattr(kv_cache.os, "sysconf", lambda name: free_bytes if name == "SC_AVPHYS_PAGES" else 1)
+    config = GeneratorConfig(num_blocks=0, block_size=16, max_num_seqs=8, kv_cache_memory_fraction=1.0)
+    gen = Generator(args, config, torch.device("cpu"))
+    assert gen.state_slots.nbytes == slots
+    assert gen.num_blocks == 96  # 100, rounded down to 4 significant bits: the slots did not take KV blocks
+    config.max_num_seqs = 8 + 100 * per_block // _slot_bytes(args) // 2  # slots now take about half
+    assert Generator(args, config, torch.device("cpu")).num_blocks < 60

@@ -86,7 +86,7 @@ class Generator:
         self.attention = self.runner.attention
         self.shares_weights = False
         self.num_blocks = config.num_blocks or blocks_from_memory(
-            self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
+            self.device, config.kv_cache_memory_fraction, self._bytes_per_block(), self._state_slot_bytes()
         )
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -97,9 +97,16 @@ class Generator:
     # ---- memory: time-slicing with the trainer ----
 
     def _bytes_per_block(self) -> int:
+        n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
         return KVCachePool.bytes_per_block(
-            self.args.n_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
+            n_kv_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
         )
+
+    def _state_slot_bytes(self) -> int:
+        """A hybrid model's state slots (`StateSlots`), taken from the KV pool's memory budget."""
+        if not self.args.has_linear_layers:
+            return 0
+        return StateSlots.bytes_for(self.args, self.config.max_num_seqs, self.dtype)
 
     def wake(self) -> None:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
@@ -119,6 +126,7 @@ class Generator:
                 self.args.head_dim,
                 self.dtype,
                 self.device,
+                kv_layers=[not self.args.is_linear_layer(i) for i in range(self.args.n_layers)],
             )
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers

@@ -34,6 +34,16 @@ class StateSlots:
         self.device = device
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest
 
+    @staticmethod
+    def bytes_for(args: TransformerModelArgs, num_slots: int, dtype: torch.dtype) -> int:
+        """`nbytes` of `StateSlots(args, num_slots, dtype, ...)` (the scratch slot included)."""
+        conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
+        conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
+        conv = conv_dim * (args.linear_conv_kernel_dim - 1) * torch.empty(0, dtype=dtype).element_size()
+        recurrent = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
+        n_linear = sum(map(args.is_linear_layer, range(args.n_layers)))
+        return (num_slots + 1) * n_linear * (conv + recurrent)
+
     @property
     def nbytes(self) -> int:
         tensors = [*self.conv.values(), *self.recurrent.values()]
