@@ -309,3 +309,24 @@ def test_state_slots_are_counted_in_the_memory_budget(gen_folder, monkeypatch):
     assert gen.num_blocks == 96  # 100, rounded down to 4 significant bits: the slots did not take KV blocks
     config.max_num_seqs = 8 + 100 * per_block // _slot_bytes(args) // 2  # slots now take about half
     assert Generator(args, config, torch.device("cpu")).num_blocks < 60
+
+
+# ---- the debug flavor and its recipe ----
+
+
+def test_debug_recipe_trains_the_hybrid_debug_flavor():
+    """The recipe trains debug-qwen3.5 (the dense debug flavor's width, three of four layers
+    linear) on the reverse task with the byte tokenizer."""
+    from helpers.launch import REPO_ROOT
+
+    from titanrl.config.manager import load_config
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.tokenizer import ByteTokenizer
+
+    config = load_config([f"--job.config_file={REPO_ROOT}/train_configs/grpo_reverse_qwen35_debug.toml"])
+    args = get_model_args(config.model.flavor)
+    assert config.model.flavor == "debug-qwen3.5" and config.data.task == "reverse"
+    assert [args.is_linear_layer(i) for i in range(4)] == [True, True, True, False]
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Transformer(args).parameters())
+    assert 1e6 < n < 10e6 and args.vocab_size >= ByteTokenizer().vocab_size
