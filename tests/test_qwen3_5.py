@@ -330,3 +330,20 @@ def test_debug_recipe_trains_the_hybrid_debug_flavor():
     with torch.device("meta"):
         n = sum(p.numel() for p in Transformer(args).parameters())
     assert 1e6 < n < 10e6 and args.vocab_size >= ByteTokenizer().vocab_size
+
+
+@pytest.mark.parametrize("degrees, key", [({"tp": 2}, "tp = 2"), ({"cp": 2}, "cp = 2")])
+def test_tensor_and_context_parallelism_are_refused_for_hybrid_models(degrees, key):
+    """One-line errors before any mesh is touched; a dense model passes the same check."""
+    from titanrl.config import load_config
+    from titanrl.distributed.parallel_dims import ParallelDims
+    from titanrl.distributed.parallelize import parallelize_model
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.gated_deltanet import check_parallelism
+
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, world_size=2, **{"tp": 1, "cp": 1, **degrees})
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug-qwen3.5"))
+    with pytest.raises(ValueError, match=f"{key} is not supported for hybrid linear-attention models"):
+        parallelize_model(model, dims, load_config([]))
+    check_parallelism(get_model_args("debug"), 2, 2)

@@ -33,6 +33,7 @@ from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.weight_sync import build_quantizer
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
+from titanrl.models.gated_deltanet import check_parallelism
 from titanrl.models.lora import add_lora
 from titanrl.models.model import Transformer
 
@@ -98,6 +99,7 @@ class ModelRunner:
             model = Transformer(self.args)
             if self.lora is not None:
                 add_lora(model, self.lora)  # same names and shards as the trainer's adapters
+        check_parallelism(self.args, self.tp, 1)  # hybrid models: tp refused
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
         if ep_mesh is not None:

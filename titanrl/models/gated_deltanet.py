@@ -176,3 +176,21 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
         nn.init.ones_(self.norm.weight)
+
+
+def check_parallelism(args: TransformerModelArgs, tp: int, cp: int) -> None:
+    """The parallelisms a hybrid model refuses, as one-line errors naming the key and why."""
+    if not args.has_linear_layers:
+        return
+    if tp > 1:
+        raise ValueError(
+            f"[parallelism] tp = {tp} is not supported for hybrid linear-attention models (Qwen3.5) yet: the "
+            "fused in_proj_qkv (q | k | v), its conv1d and the per-head gates need a head-aware shard plan; "
+            "set tp = 1 (FSDP via dp_shard shards them)"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"[parallelism] cp = {cp} is not supported for hybrid linear-attention models (Qwen3.5) yet: their "
+            "gated DeltaNet layers would need each rank's recurrent state passed to the next rank in sequence "
+            "order; set cp = 1"
+        )
