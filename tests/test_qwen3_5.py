@@ -347,3 +347,37 @@ def test_tensor_and_context_parallelism_are_refused_for_hybrid_models(degrees, k
     with pytest.raises(ValueError, match=f"{key} is not supported for hybrid linear-attention models"):
         parallelize_model(model, dims, load_config([]))
     check_parallelism(get_model_args("debug"), 2, 2)
+
+
+def test_lora_adapts_the_linear_attention_projections(gen_folder):
+    """Targets of both kinds of block: each block gets those it has; the adapted model equals
+    its merged weights, and the linear layers' adapters get gradients."""
+    from titanrl.config.model import LoRA as LoRAConfig
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.lora import add_lora, freeze_base, merge_lora_state_dict
+
+    targets = ["wq", "wk", "wv", "wo", "in_proj_qkv", "in_proj_z", "out_proj"]
+    model = titan_from_folder(gen_folder)
+    assert add_lora(model, LoRAConfig(enable=True, rank=4, target_modules=targets)) == 3 * 3 + 4
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+    plain = titan_from_folder(gen_folder)
+    plain.load_state_dict(merge_lora_state_dict(model.state_dict(), model))
+    tokens = _prompts(6)[5][None]
+    with torch.no_grad():
+        assert (model(tokens) - plain(tokens)).abs().max() < 1e-4  # float32: W x + B A x vs (W + B A) x
+    freeze_base(model)
+    model(tokens).logsumexp(-1).mean().backward()
+    assert model.layers["0"].linear_attn.in_proj_qkv.lora_a.weight.grad.abs().sum() > 0
+    assert model.layers["0"].linear_attn.in_proj_qkv.weight.grad is None
+    with torch.device("meta"):
+        dense = Transformer(get_model_args("debug"))
+    with pytest.raises(ValueError, match="no layer has the target_modules"):
+        add_lora(dense, LoRAConfig(enable=True, target_modules=["in_proj_qkv"]))
+
+
+def test_batch_invariant_generation_is_refused(gen_folder):
+    with pytest.raises(ValueError, match="batch_invariant = true is not supported for hybrid"):
+        _generate(gen_folder, [[1, 2, 3]], batch_invariant=True)

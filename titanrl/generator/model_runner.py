@@ -81,6 +81,11 @@ class ModelRunner:
                 "[generator] compile = true is not supported for hybrid linear-attention models yet (their "
                 "decode steps read per-sequence state slots eagerly): leave generator.compile unset or false"
             )
+        if config.batch_invariant and model_args.has_linear_layers:
+            raise ValueError(
+                "[generator] batch_invariant = true is not supported for hybrid linear-attention models yet (decode "
+                "steps the recurrence token by token, the trainer runs it in chunks of 64): set it to false"
+            )
         self.compile = config.compile if config.compile is not None else auto_compile
         self.attention, self.eager_attention = attention_kinds(config, device, self.compile)
         if device.type == "cuda" and "flex" in (self.attention, self.eager_attention) and config.block_size % 16:
