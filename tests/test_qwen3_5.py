@@ -381,3 +381,29 @@ def test_lora_adapts_the_linear_attention_projections(gen_folder):
 def test_batch_invariant_generation_is_refused(gen_folder):
     with pytest.raises(ValueError, match="batch_invariant = true is not supported for hybrid"):
         _generate(gen_folder, [[1, 2, 3]], batch_invariant=True)
+
+
+def test_bench_gpu_hybrid_section_dry_run():
+    """scripts/bench_gpu.sh --hybrid-only --dry-run: the section's code path on the CPU. Per
+    context length, the hybrid holds a quarter of the dense model's KV and a state that does not
+    grow with the context."""
+    import ast
+    import subprocess
+
+    from helpers.launch import REPO_ROOT
+
+    proc = subprocess.run(
+        ["bash", f"{REPO_ROOT}/scripts/bench_gpu.sh", "--hybrid-only", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    dense, hybrid = rows[0::2], rows[1::2]
+    assert [r["flavor"] for r in hybrid] == ["debug-qwen3.5"] * 2 and [r["context"] for r in hybrid] == [36, 68]
+    for d, h in zip(dense, hybrid, strict=True):
+        assert h["kv_bytes_per_seq"] * 4 == d["kv_bytes_per_seq"] and d["state_bytes_per_seq"] == 0
+        assert h["decode_tokens_per_s"] > 0 and d["decode_tokens_per_s"] > 0
+    assert hybrid[0]["state_bytes_per_seq"] == hybrid[1]["state_bytes_per_seq"] > 0
