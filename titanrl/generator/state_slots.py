@@ -57,9 +57,13 @@ class StateSlots:
         """A slot holding the zero state (a sequence before its first token)."""
         assert self._free, "no free state slot: the scheduler admits at most max_num_seqs sequences"
         slot = self._free.pop()
+        self.zero(slot)
+        return slot
+
+    def zero(self, slot: int) -> None:
+        """The state before a sequence's first token."""
         for t in (*self.conv.values(), *self.recurrent.values()):
             t[slot].zero_()
-        return slot
 
     def free(self, slot: int) -> None:
         assert 0 <= slot < self.scratch and slot not in self._free, f"bad free of state slot {slot}"

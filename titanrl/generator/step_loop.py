@@ -120,7 +120,7 @@ class StepLoop:
                 if seq.state_slot < 0:
                     seq.state_slot = self.state_slots.allocate()
                 else:  # recomputing its context (after preemption): from the zero state
-                    self.state_slots.copy(self.state_slots.scratch, seq.state_slot)
+                    self.state_slots.zero(seq.state_slot)
             slices.append(SeqSlice(seq.block_table, end, len(new), seq.state_slot))
             tokens.extend(new)
             if end == seq.context_end:  # the last chunk: its last row is sampled
