@@ -11,8 +11,8 @@ call. Read from the generator at the last scheduler pass (all sequences still ho
 memory): the KV bytes the pool's held blocks take, and the state-slot bytes the held slots take
 (hybrid only: per linear layer a conv state and a float32 [heads, key dim, value dim] matrix),
 both per sequence. Decode tokens/s: from the pass that finished the prefill to the call's end,
-median over `--repeats`. The dense model's KV grows with the context in all four
-layers; the hybrid's in one of four, and its state does not grow.
+median over `--repeats`, the two models' calls interleaved. The dense model's KV grows with the
+context in all four layers; the hybrid's in one of four, and its state does not grow.
 """
 
 import argparse
@@ -81,7 +81,8 @@ def one_run(gen: Generator, prompts: list[list[int]], new_tokens: int) -> tuple[
     return stats.decode_tokens / (time.perf_counter() - prefilled_at[0]), held
 
 
-def measure(flavor: str, base: TransformerModelArgs, length: int, a: argparse.Namespace) -> dict:
+def build(base: TransformerModelArgs, length: int, a: argparse.Namespace) -> Generator:
+    """A generator holding `base` (random weights) for `--batch` prompts of `length` tokens."""
     args = dataclasses.replace(base, max_seq_len=length + a.new_tokens + 16)
     device = torch.device(a.device)
     torch.manual_seed(0)
@@ -98,19 +99,35 @@ def measure(flavor: str, base: TransformerModelArgs, length: int, a: argparse.Na
     )
     gen = Generator(args, config, device)
     gen.load_weights(model)
+    return gen
+
+
+def measure_length(length: int, a: argparse.Namespace) -> list[dict]:
+    """One row per model at `length`; the models' runs interleaved (a slow spell hits both)."""
+    gens = {name: build(args, length, a) for name, args in SHAPES[a.shape].items()}
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, args.vocab_size, (length,), generator=g).tolist() for _ in range(a.batch)]
-    one_run(gen, prompts, 2)  # warm-up
-    runs = [one_run(gen, prompts, a.new_tokens) for _ in range(a.repeats)]
-    held = runs[-1][1]
-    slot_bytes = gen.state_slots.nbytes // (a.batch + 1) if gen.state_slots is not None else 0
-    return {
-        "flavor": flavor,
-        "context": length + a.new_tokens,
-        "kv_bytes_per_seq": held["kv_blocks"] * gen._bytes_per_block() // a.batch,
-        "state_bytes_per_seq": held["state_slots"] * slot_bytes // a.batch,
-        "decode_tokens_per_s": statistics.median(r[0] for r in runs),
-    }
+    vocab = min(gen.args.vocab_size for gen in gens.values())
+    prompts = [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(a.batch)]
+    for gen in gens.values():
+        one_run(gen, prompts, 2)  # warm-up
+    runs: dict[str, list] = {name: [] for name in gens}
+    for _ in range(a.repeats):
+        for name, gen in gens.items():
+            runs[name].append(one_run(gen, prompts, a.new_tokens))
+    rows = []
+    for name, gen in gens.items():
+        held = runs[name][-1][1]
+        slot_bytes = gen.state_slots.nbytes // (a.batch + 1) if gen.state_slots is not None else 0
+        rows.append(
+            {
+                "flavor": name,
+                "context": length + a.new_tokens,
+                "kv_bytes_per_seq": held["kv_blocks"] * gen._bytes_per_block() // a.batch,
+                "state_bytes_per_seq": held["state_slots"] * slot_bytes // a.batch,
+                "decode_tokens_per_s": statistics.median(r[0] for r in runs[name]),
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -127,9 +144,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     rows = []
     for length in a.lengths:
-        for flavor, args in SHAPES[a.shape].items():
-            rows.append(measure(flavor, args, length, a))
-            print(rows[-1], flush=True)
+        rows += measure_length(length, a)
+        print(*rows[-len(SHAPES[a.shape]) :], sep="\n", flush=True)
     results = {"config": {**vars(a), "models": f"{', '.join(SHAPES[a.shape])}, random weights"}, "rows": rows}
     if a.out:
         write_json(a.out, results, device=a.device)
