@@ -23,6 +23,7 @@
 #   bash scripts/bench_gpu.sh [--dry-run] [--out benchmarks/bench_gpu.json] [--eager] [--vllm-eager]
 #   bash scripts/bench_gpu.sh --float8-only
 #   bash scripts/bench_gpu.sh --long-context-only [--dry-run]
+#   bash scripts/bench_gpu.sh --hybrid-only [--dry-run]      # `--hybrid` adds it to a full run
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --dry-run "* ]] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -95,10 +96,28 @@ if [[ " $* " == *" --long-context-only "* ]]; then
   long_context_section "$@"
   exit $?
 fi
+# Hybrid linear attention: benchmarks/bench_hybrid_memory.py on two Qwen3.5-shaped layers (gated
+# DeltaNet + gated full attention) against two full-attention layers of the same width: generator
+# KV and state bytes per sequence and decode tok/s at 1k-16k contexts, written to
+# benchmarks/bench_hybrid_memory_gpu.json (under 240 s). With --dry-run: the debug flavors on the
+# CPU, 32- and 64-token prompts, rows printed only.
+hybrid_section() {
+  if [[ " $* " == *" --dry-run "* ]]; then
+    OMP_NUM_THREADS=1 timeout 240 python -m benchmarks.bench_hybrid_memory --lengths 32 64 --batch 2 \
+      --new-tokens 4 --repeats 1
+  else
+    timeout 240 python -m benchmarks.bench_hybrid_memory --shape qwen3.5 --device cuda --lengths 1024 4096 16384 \
+      --batch 16 --new-tokens 32 --out benchmarks/bench_hybrid_memory_gpu.json
+  fi
+}
+if [[ " $* " == *" --hybrid-only "* ]]; then
+  hybrid_section "$@"
+  exit $?
+fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
 rc=0
 args=()
-for arg in "$@"; do [[ "$arg" == "--float8" || "$arg" == "--long-context" ]] || args+=("$arg"); done
+for arg in "$@"; do [[ "$arg" == "--float8" || "$arg" == "--long-context" || "$arg" == "--hybrid" ]] || args+=("$arg"); done
 cache_dir="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d -t bench_gpu_compile_cache.XXXXXX)}"
 echo "bench_gpu.sh: compile cache $cache_dir (TORCHINDUCTOR_CACHE_DIR=$cache_dir for a warm rerun)" >&2
 BENCH_GPU_COMMAND="bash scripts/bench_gpu.sh $*" TORCHINDUCTOR_CACHE_DIR="$cache_dir" \
@@ -108,5 +127,8 @@ if [[ " $* " == *" --float8 "* && " $* " != *" --dry-run "* ]]; then
 fi
 if [[ " $* " == *" --long-context "* && " $* " != *" --dry-run "* ]]; then
   long_context_section "$@" || echo "bench_gpu.sh: long-context section failed (exit $?)" >&2
+fi
+if [[ " $* " == *" --hybrid "* && " $* " != *" --dry-run "* ]]; then
+  hybrid_section "$@" || echo "bench_gpu.sh: hybrid section failed (exit $?)" >&2
 fi
 exit $rc

@@ -32,14 +32,19 @@ LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 LORA_HF_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj", "up_proj")
 
 
+LORA_LINEAR_ATTN_TARGETS = ("in_proj_qkv", "in_proj_z", "out_proj")
+"""Qwen3.5: the gated DeltaNet layers' projections that can carry an adapter (same names in HF)."""
+
+
 def lora_target(name: str) -> str:
     """The titanrl name (wq, ..., w3) of a LoRA target given by either name."""
     if name in LORA_HF_TARGETS:
         return LORA_TARGETS[LORA_HF_TARGETS.index(name)]
-    if name not in LORA_TARGETS:
+    if name not in LORA_TARGETS + LORA_LINEAR_ATTN_TARGETS:
         raise ValueError(
             f"[lora] unknown target module '{name}'; choose from {', '.join(LORA_TARGETS)} "
-            f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)})"
+            f"(or their Hugging Face names {', '.join(LORA_HF_TARGETS)}; Qwen3.5's linear attention: "
+            f"{', '.join(LORA_LINEAR_ATTN_TARGETS)})"
         )
     return name
 
@@ -62,7 +67,9 @@ class LoRA:
 
     target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo"])
     """Block projections that get adapters, by titanrl name (wq, wk, wv, wo, w1, w2, w3) or by
-    Hugging Face name (q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj)."""
+    Hugging Face name (q_proj, k_proj, v_proj, o_proj, gate_proj, down_proj, up_proj); hybrid
+    models (Qwen3.5) also in_proj_qkv, in_proj_z, out_proj of their linear-attention layers (a
+    block gets the targets it has)."""
 
     generator: Literal["merged", "runtime"] = "merged"
     """How the generator serves base + adapter: 'merged' folds (alpha / rank) * B @ A into its own

@@ -30,6 +30,7 @@ from titanrl.config.job_config import JobConfig
 from titanrl.distributed.context_parallel import validate_cp
 from titanrl.distributed.expert_parallel import ExpertParallel
 from titanrl.distributed.parallel_dims import ParallelDims
+from titanrl.models.gated_deltanet import check_parallelism as check_hybrid_parallelism
 from titanrl.models.lora import LoRALinear, freeze_base, has_lora
 from titanrl.models.model import Transformer
 
@@ -42,6 +43,7 @@ def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_confi
     """Also records the cp group on the model (`model.cp_mesh`, None without context parallelism):
     `titanrl.data.batch_forward` shards the rows of every training forward over it."""
     validate_cp(job_config, parallel_dims.cp, model.args.moe_num_experts > 0)
+    check_hybrid_parallelism(model.args, parallel_dims.tp, parallel_dims.cp)  # Qwen3.5: tp, cp refused
     model.cp_mesh = parallel_dims.cp_mesh if parallel_dims.cp_enabled else None
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.world_mesh["tp"])

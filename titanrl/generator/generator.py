@@ -26,6 +26,7 @@ from titanrl.generator.model_runner import ModelRunner
 from titanrl.generator.sampling import SamplingParams, validate_prompts
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, TurnHandler
+from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.step_loop import StepLoop
 from titanrl.generator.weight_sync import (
     can_sync_trainable_only,
@@ -85,7 +86,7 @@ class Generator:
         self.attention = self.runner.attention
         self.shares_weights = False
         self.num_blocks = config.num_blocks or blocks_from_memory(
-            self.device, config.kv_cache_memory_fraction, self._bytes_per_block()
+            self.device, config.kv_cache_memory_fraction, self._bytes_per_block(), self._state_slot_bytes()
         )
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -96,9 +97,16 @@ class Generator:
     # ---- memory: time-slicing with the trainer ----
 
     def _bytes_per_block(self) -> int:
+        n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
         return KVCachePool.bytes_per_block(
-            self.args.n_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
+            n_kv_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
         )
+
+    def _state_slot_bytes(self) -> int:
+        """A hybrid model's state slots (`StateSlots`), taken from the KV pool's memory budget."""
+        if not self.args.has_linear_layers:
+            return 0
+        return StateSlots.bytes_for(self.args, self.config.max_num_seqs, self.dtype)
 
     def wake(self) -> None:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
@@ -118,8 +126,14 @@ class Generator:
                 self.args.head_dim,
                 self.dtype,
                 self.device,
+                kv_layers=[not self.args.is_linear_layer(i) for i in range(self.args.n_layers)],
             )
-            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
+            # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
+            hybrid = self.args.has_linear_layers
+            self.runner.state_slots = (
+                StateSlots(self.args, self.config.max_num_seqs, self.dtype, self.device) if hybrid else None
+            )
+            self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching and not hybrid)
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self.runner.cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
@@ -129,6 +143,7 @@ class Generator:
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
+        self.runner.state_slots = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for local in weight_storage(self.model):
                 self._offloaded.append((local, local.data.to("cpu", non_blocking=True)))
@@ -145,6 +160,11 @@ class Generator:
     @model.setter
     def model(self, model: Transformer) -> None:
         self.runner.model = model
+
+    @property
+    def state_slots(self) -> StateSlots | None:
+        """A hybrid model's recurrent-state slots (the runner's; None asleep or for a transformer)."""
+        return self.runner.state_slots
 
     @property
     def kv_cache_bytes(self) -> int:

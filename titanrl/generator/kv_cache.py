@@ -134,13 +134,17 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         zero_all: bool = False,
+        kv_layers: list[bool] | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks, block_size, n_kv_heads, head_dim)
         alloc = torch.zeros if zero_all else torch.empty
-        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # `kv_layers` (hybrid models): False for a layer without KV (linear attention keeps a
+        # state slot instead), which gets an empty [num_blocks, block_size, 0, head_dim] page tensor.
+        kv_layers = kv_layers if kv_layers is not None else [True] * n_layers
+        shapes = [(num_blocks, block_size, n_kv_heads if has_kv else 0, head_dim) for has_kv in kv_layers]
+        self.k = [alloc(shape, dtype=dtype, device=device) for shape in shapes]
+        self.v = [alloc(shape, dtype=dtype, device=device) for shape in shapes]
         self._zeroed = [zero_all] * num_blocks
         self.prepare(num_blocks - 1)
 
@@ -198,8 +202,9 @@ def gather_kv(
     )
 
 
-def blocks_from_memory(device: torch.device, fraction: float, bytes_per_block: int) -> int:
-    """How many KV blocks `fraction` of the device's free memory holds. Rounded down to 4
+def blocks_from_memory(device: torch.device, fraction: float, bytes_per_block: int, reserved_bytes: int = 0) -> int:
+    """How many KV blocks `fraction` of the device's free memory holds, less `reserved_bytes`
+    (a hybrid model's recurrent-state slots, which share the budget). Rounded down to 4
     significant bits (at most 12.5% less): the pool's size is a static shape of the compiled
     steps, so a restarted job whose free memory moved a little finds its compiled code in the
     cache instead of compiling again."""
@@ -207,5 +212,5 @@ def blocks_from_memory(device: torch.device, fraction: float, bytes_per_block: i
         free_bytes, _ = torch.cuda.mem_get_info(device)
     else:
         free_bytes = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    n = max(1, int(free_bytes * fraction) // bytes_per_block)
+    n = max(1, (int(free_bytes * fraction) - reserved_bytes) // bytes_per_block)
     return n & ~((1 << max(0, n.bit_length() - 4)) - 1)

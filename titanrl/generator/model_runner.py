@@ -29,9 +29,11 @@ from titanrl.generator.kv_cache import KVCachePool
 from titanrl.generator.paged_attention import PagedBatch, SeqSlice, attention_kinds, paged_attention
 from titanrl.generator.routes import has_moe_layers
 from titanrl.generator.sampling import SamplingParams
+from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.weight_sync import build_quantizer
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
+from titanrl.models.gated_deltanet import check_parallelism
 from titanrl.models.lora import add_lora
 from titanrl.models.model import Transformer
 
@@ -53,6 +55,8 @@ class ModelRunner:
     ) -> None:
         self.args = model_args
         self.config = config
+        self.state_slots: StateSlots | None = None
+        """A hybrid model's recurrent-state slots, set by the generator while it is awake."""
         self.device = device
         self.dtype = dtype
         self.lora = lora
@@ -71,7 +75,17 @@ class ModelRunner:
         self.lockstep = EPLockstep(self.model, ep_mesh, device) if ep_mesh is not None else None
         self._decode_model: nn.Module = self.model
         # Unset: compiled on CUDA (never with batch_invariant, whose kernels run eagerly).
-        auto_compile = device.type == "cuda" and not config.batch_invariant
+        auto_compile = device.type == "cuda" and not config.batch_invariant and not model_args.has_linear_layers
+        if config.compile and model_args.has_linear_layers:
+            raise ValueError(
+                "[generator] compile = true is not supported for hybrid linear-attention models yet (their "
+                "decode steps read per-sequence state slots eagerly): leave generator.compile unset or false"
+            )
+        if config.batch_invariant and model_args.has_linear_layers:
+            raise ValueError(
+                "[generator] batch_invariant = true is not supported for hybrid linear-attention models yet (decode "
+                "steps the recurrence token by token, the trainer runs it in chunks of 64): set it to false"
+            )
         self.compile = config.compile if config.compile is not None else auto_compile
         self.attention, self.eager_attention = attention_kinds(config, device, self.compile)
         if device.type == "cuda" and "flex" in (self.attention, self.eager_attention) and config.block_size % 16:
@@ -90,6 +104,7 @@ class ModelRunner:
             model = Transformer(self.args)
             if self.lora is not None:
                 add_lora(model, self.lora)  # same names and shards as the trainer's adapters
+        check_parallelism(self.args, self.tp, 1)  # hybrid models: tp refused
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
         if ep_mesh is not None:
@@ -108,9 +123,11 @@ class ModelRunner:
         tokens: list[int],
         decode: bool = False,
         logits_at: list[int] | None = None,
+        state_slots: StateSlots | None = None,
     ) -> torch.Tensor:
         """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
-        positions `logits_at` ([len(logits_at), vocab])."""
+        positions `logits_at` ([len(logits_at), vocab]). `state_slots`: a hybrid model's
+        recurrent states, read and advanced at each slice's `state_slot`."""
         model: nn.Module = self.model
         n = len(tokens)
         scratch = pool.num_blocks - 1
@@ -126,6 +143,8 @@ class ModelRunner:
         num_pages = pool.num_blocks if attention == "flex" else None
         batch = PagedBatch.from_slices(slices, scratch, self.config.block_size, self.device, num_pages)
         backend = paged_attention(attention, batch, pool.k, pool.v)
+        if state_slots is not None:  # read by the linear layers (`TransformerBlock._mix`)
+            backend.linear_states = state_slots.states([s.state_slot for s in slices], [s.num_new for s in slices])
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.

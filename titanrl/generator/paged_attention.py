@@ -30,6 +30,7 @@ from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import gather_kv, write_kv
 from titanrl.models.batch_invariant import attend_exact_batched
+from titanrl.models.gated_deltanet import LinearStates
 
 AttentionKind = Literal["flex", "exact", "gathered"]
 Q_BLOCK = 128
@@ -43,6 +44,8 @@ class SeqSlice:
     block_table: list[int]
     context_len: int
     num_new: int
+    state_slot: int = -1
+    """Hybrid models: the sequence's recurrent-state slot (`state_slots.py`); -1: none / scratch."""
 
 
 @dataclass
@@ -205,6 +208,9 @@ class FlexPagedAttention:
     block mask is built at the first layer and shared by all. `pad_to_pool` on CPU (see
     `page_block_mask`)."""
 
+    linear_states: LinearStates | None = None
+    """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
+
     def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
         self.block_mask: BlockMask | None = None
@@ -245,6 +251,9 @@ class FlexPagedAttention:
 class GatheredPagedAttention:
     """`AttentionBackend` of one forward over gathered copies of each sequence's pages: the
     batch-invariant attention (`exact`) or SDPA."""
+
+    linear_states: LinearStates | None = None
+    """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
 
     def __init__(
         self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], exact: bool

@@ -140,6 +140,8 @@ class Seq:
     # MoE route recording: (first position, experts [n, MoE layers, top_k]) per forward that fed
     # positions first .. first + n - 1; a recomputed position's later chunk wins.
     route_chunks: list[tuple[int, torch.Tensor]] | None = None
+    # Hybrid models: the slot of the linear layers' recurrent state (`state_slots.py`); -1: none.
+    state_slot: int = -1
 
     @property
     def num_generated(self) -> int:

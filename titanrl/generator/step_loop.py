@@ -37,6 +37,8 @@ class StepLoop:
         tokenizer: Tokenizer | None,
         block_routes: dict[int, torch.Tensor],
     ) -> None:
+        self.state_slots = runner.state_slots
+        """A hybrid model's recurrent-state slots (`state_slots.py`); None for a plain transformer."""
         self.runner = runner
         self.pool = pool
         self.sched = sched
@@ -54,6 +56,20 @@ class StepLoop:
         """Scheduler passes until every sample finished or paused: admit and prefill while there is
         room, else decode (both while a long context is prefilled chunk by chunk); report finished
         samples to `on_finish` after each pass."""
+        if turns is not None and self.state_slots is not None:
+            raise ValueError("multi-turn environments are not supported for hybrid linear-attention models yet")
+        try:
+            self._passes(turns, pause_when, on_finish)
+        finally:
+            if self.state_slots is not None:  # every slot free for the next call
+                self.state_slots.release_all()
+
+    def _passes(
+        self,
+        turns: TurnHandler | None,
+        pause_when: PauseWhen | None,
+        on_finish: Callable[[list[Completion]], None] | None,
+    ) -> None:
         sched, lockstep = self.sched, self.runner.lockstep
         reported = 0
         # Under expert parallelism: while any ep rank has work; a rank without serves the peers' all-to-alls.
@@ -80,6 +96,7 @@ class StepLoop:
                 and pause_when([(s.prompt_index, s.sample_index) for s in sched.finished], sched.stats)
             ):
                 sched.pause_all()
+            self._release_state_slots()
             if on_finish is not None:  # single-turn: `finished` only grows
                 on_finish(
                     [s.to_completion(self.tokenizer) for s in sched.finished[reported:] if s.finish_reason != "paused"]
@@ -99,7 +116,12 @@ class StepLoop:
             end = seq.prefill_end
             new = seq.token_ids[seq.num_computed : end]
             starts.append(seq.num_computed)
-            slices.append(SeqSlice(seq.block_table, end, len(new)))
+            if self.state_slots is not None and seq.num_computed == 0:
+                if seq.state_slot < 0:
+                    seq.state_slot = self.state_slots.allocate()
+                else:  # recomputing its context (after preemption): from the zero state
+                    self.state_slots.zero(seq.state_slot)
+            slices.append(SeqSlice(seq.block_table, end, len(new), seq.state_slot))
             tokens.extend(new)
             if end == seq.context_end:  # the last chunk: its last row is sampled
                 row[id(seq)] = len(last_index)
@@ -108,7 +130,7 @@ class StepLoop:
             seq.num_computed = end
         # Logits only at each finished context's last token: the rows that are sampled (a full
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
-        logits_SV = self.runner.forward(self.pool, slices, tokens, logits_at=last_index)
+        logits_SV = self.runner.forward(self.pool, slices, tokens, logits_at=last_index, state_slots=self.state_slots)
         if self.runner.record_routes:
             counts, B = [s.num_new for s in slices], self.config.block_size
             record_prefill_routes(seqs, starts, counts, self.runner.model.moe_routes(), self.block_routes, B)
@@ -116,6 +138,7 @@ class StepLoop:
         rows: list[int] = []
         for seq in seqs:
             forked = self.sched.after_prefill(seq)
+            self._share_prompt_state(seq, forked)
             samples.extend(forked)
             rows.extend(row[id(seq)] for _ in forked)
         if samples:
@@ -130,7 +153,8 @@ class StepLoop:
         if not batch:
             return
         params = batch[0].params
-        if turns is not None or params.stop_strings or params.num_top_logprobs:
+        # Hybrid models decode step by step (the state slots are read eagerly, not in the device loop).
+        if turns is not None or params.stop_strings or params.num_top_logprobs or self.state_slots is not None:
             return self._decode_one_step(batch)
         steps, left = sched.reserve_ahead(batch, self.config.decode_steps_per_schedule)
         stop_ids = sorted(self.eos_ids | set(params.stop_token_ids))
@@ -160,9 +184,10 @@ class StepLoop:
             sched.after_sample(seq, reason)
 
     def _decode_one_step(self, batch: list[Seq]) -> None:
-        slices = [SeqSlice(s.block_table, len(s.token_ids), 1) for s in batch]
+        slices = [SeqSlice(s.block_table, len(s.token_ids), 1, s.state_slot) for s in batch]
+        tokens = [s.token_ids[-1] for s in batch]
         with torch.profiler.record_function("generator/decode"):
-            logits_NV = self.runner.forward(self.pool, slices, [s.token_ids[-1] for s in batch], decode=True)
+            logits_NV = self.runner.forward(self.pool, slices, tokens, decode=True, state_slots=self.state_slots)
         if self.runner.record_routes:
             starts = [len(s.token_ids) - 1 for s in batch]
             record_packed_routes(batch, starts, [1] * len(batch), self.runner.model.moe_routes())
@@ -171,6 +196,25 @@ class StepLoop:
         for seq in batch:
             seq.num_computed = len(seq.token_ids)
         self._sample(batch, logits_NV)
+
+    def _share_prompt_state(self, prompt: Seq, samples: list[Seq]) -> None:
+        """A group's samples continue from its prompt's recurrent state: the first takes over the
+        prompt's slot, the others get copies (GRPO prefix sharing for hybrid models)."""
+        if self.state_slots is None or not samples:
+            return
+        samples[0].state_slot, prompt.state_slot = prompt.state_slot, -1
+        for sample in samples[1:]:
+            sample.state_slot = self.state_slots.allocate()
+            self.state_slots.copy(samples[0].state_slot, sample.state_slot)
+
+    def _release_state_slots(self) -> None:
+        """Slots of finished samples, and of preempted ones (they recompute into a fresh slot)."""
+        if self.state_slots is None:
+            return
+        for seq in self.sched.finished + self.sched.waiting:
+            if seq.state_slot >= 0:
+                self.state_slots.free(seq.state_slot)
+                seq.state_slot = -1
 
     def _sample(self, seqs: list[Seq], logits_NV: torch.Tensor) -> None:
         """Sample the next token of each seq from its row of `logits_NV`; the scheduler keeps it

@@ -19,7 +19,7 @@ class RopeScaling:
     """Context length the model was pre-trained with."""
 
 
-Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe"]
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "qwen3_5"]
 """The architecture families titanrl implements."""
 
 
@@ -111,6 +111,64 @@ class TransformerModelArgs:
     autograd from the expert loads, is added to the scores for top-k selection only. The bias
     is then a persistent buffer of the checkpoint; HF export needs it off."""
 
+    # Qwen3.5
+    layer_types: list[str] = field(default_factory=list)
+    """Per block, "full_attention" or "linear_attention" (a gated DeltaNet layer,
+    `models/gated_deltanet.py`); empty: every block is full attention."""
+
+    attn_output_gate: bool = False
+    """Full attention multiplies its output by sigmoid of a per-head gate that q's projection
+    also produces (Qwen3.5: q_proj rows are [q, gate] per head)."""
+
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dims that RoPE rotates (the first ones); Qwen3.5 uses 0.25."""
+
+    linear_conv_kernel_dim: int = 4
+    """Width of the causal depthwise convolution over the linear layers' q/k/v."""
+
+    linear_key_head_dim: int = 128
+    """Per-head dimension of the linear layers' queries and keys."""
+
+    linear_value_head_dim: int = 128
+    """Per-head dimension of the linear layers' values (and of their recurrent state's columns)."""
+
+    linear_num_key_heads: int = 16
+    """Query/key heads of a linear layer."""
+
+    linear_num_value_heads: int = 32
+    """Value heads of a linear layer (a multiple of linear_num_key_heads: each key head serves
+    that many consecutive value heads)."""
+
+    def is_linear_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` is a gated DeltaNet layer instead of full attention."""
+        return bool(self.layer_types) and self.layer_types[layer_id] == "linear_attention"
+
+    @property
+    def has_linear_layers(self) -> bool:
+        """Whether some block is a linear-attention layer (a hybrid model)."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def _check_layer_types(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries; n_layers is {self.n_layers}")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            raise ValueError(f"layer_types: unknown {sorted(unknown)}; use full_attention or linear_attention")
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.rotary_dim % 2 != 0 or self.rotary_dim == 0:
+            raise ValueError(
+                f"partial_rotary_factor ({self.partial_rotary_factor}) must give an even, non-zero rotary dim"
+            )
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""
         return (
@@ -142,3 +200,4 @@ class TransformerModelArgs:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be in [1, moe_num_experts={self.moe_num_experts}]")
         if self.moe_decoder_sparse_step < 1:
             raise ValueError(f"moe_decoder_sparse_step ({self.moe_decoder_sparse_step}) must be >= 1")
+        self._check_layer_types()

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from titanrl.models import hf_qwen3_5
 from titanrl.models.args import Family, RopeScaling, TransformerModelArgs
 from titanrl.models.lora import is_lora_key, lora_modules, merge_lora_state_dict
 from titanrl.models.model import Transformer
@@ -94,6 +95,8 @@ def _num_labels(cfg: dict) -> int:
 def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     """Model args from a parsed HF config.json (transformers 4.x or 5.x rope layout)."""
     model_type = cfg.get("model_type")
+    if model_type in hf_qwen3_5.MODEL_TYPES:
+        return hf_qwen3_5.args_from_hf_config(cfg)
     if model_type not in _FAMILY_OF_MODEL_TYPE:
         raise ValueError(f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}")
     family = _FAMILY_OF_MODEL_TYPE[model_type]
@@ -176,6 +179,8 @@ def _moe_hf_config(args: TransformerModelArgs) -> dict:
 
 def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict:
     """config.json contents for `args`, readable by transformers 4.x and 5.x."""
+    if args.family == "qwen3_5":
+        return hf_qwen3_5.hf_config_from_args(args, dtype)
     model_type, architecture = _HF_FAMILIES[args.family]
     if args.num_labels:
         architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
@@ -224,6 +229,8 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Rename HF weights to titanrl names; unknown names are errors, not silently dropped."""
+    if args.family == "qwen3_5":
+        return hf_qwen3_5.from_hf_state_dict(hf_sd, args)
     sd = _stack_hf_experts(hf_sd)
     for hf_name, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.fullmatch(hf_name) or _HF_EXPERT_KEY.fullmatch(hf_name):
@@ -264,6 +271,8 @@ def _stack_hf_experts(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    if args.family == "qwen3_5":
+        return hf_qwen3_5.to_hf_state_dict(sd, args)
     hf_sd = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:

@@ -26,14 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from titanrl.config.model import LORA_TARGETS, lora_target
+from titanrl.config.model import LORA_LINEAR_ATTN_TARGETS, LORA_TARGETS, lora_target
 from titanrl.config.model import LoRA as LoRAConfig
 from titanrl.models.model import Transformer
 
 # titanrl projection -> module inside a block
 _TARGETS = {
     name: f"{'attention' if name in ('wq', 'wk', 'wv', 'wo') else 'feed_forward'}.{name}" for name in LORA_TARGETS
-}
+} | {name: f"linear_attn.{name}" for name in LORA_LINEAR_ATTN_TARGETS}
 
 
 def resolve_targets(names: list[str]) -> list[str]:
@@ -108,11 +108,18 @@ def add_lora(model: Transformer, config: LoRAConfig) -> int:
                     "the attention projections (target_modules = ['wq', 'wk', 'wv', 'wo'])"
                 )
             parent_path, _, attr = path.rpartition(".")
+            if getattr(block, parent_path, None) is None:
+                continue  # a hybrid model's block has attention or linear attention, not both
             parent = block.get_submodule(parent_path)
             linear = getattr(parent, attr)
             assert type(linear) is nn.Linear, f"{path} is a {type(linear).__name__}, not a plain nn.Linear"
             setattr(parent, attr, LoRALinear.from_linear(linear, config.rank, config.alpha, config.dropout))
             count += 1
+    if count == 0:
+        raise ValueError(
+            f"[lora] no layer has the target_modules {config.target_modules}; name projections the model has "
+            "(e.g. ['wq', 'wk', 'wv', 'wo'])"
+        )
     return count
 
 

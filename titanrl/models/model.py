@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
+from titanrl.models.gated_deltanet import GatedDeltaNet, LinearStates
 from titanrl.models.logprobs import chunked_token_logprobs, vocab_parallel_token_logprobs
 from titanrl.models.moe import MoE
 
@@ -38,8 +39,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 
 def precompute_rope_cache(args: TransformerModelArgs) -> torch.Tensor:
-    """[max_seq_len, 2 * head_dim] table of cos | sin in float32."""
-    inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+    """[max_seq_len, 2 * rotary_dim] table of cos | sin in float32 (rotary_dim: head_dim unless
+    partial rotary)."""
+    inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling)
     t = torch.arange(args.max_seq_len, dtype=torch.float32)
     freqs_TD = torch.outer(t, inv_freq)
     emb_TD = torch.cat([freqs_TD, freqs_TD], dim=-1)
@@ -55,6 +57,10 @@ def apply_rope(
     q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, rope_BTD2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = rope_BTD2.unsqueeze(2).to(q_BTHD.dtype).chunk(2, dim=-1)
+    if cos.shape[-1] < q_BTHD.shape[-1]:  # partial rotary (Qwen3.5): the first dims only
+        r = cos.shape[-1]
+        q_rot, k_rot = apply_rope(q_BTHD[..., :r], k_BTHD[..., :r], rope_BTD2)
+        return torch.cat([q_rot, q_BTHD[..., r:]], -1), torch.cat([k_rot, k_BTHD[..., r:]], -1)
     q = q_BTHD * cos + _rotate_half(q_BTHD) * sin
     k = k_BTHD * cos + _rotate_half(k_BTHD) * sin
     return q, k
@@ -100,7 +106,10 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        # With an output gate, q's projection gives [q, gate] per head (HF Qwen3.5's layout).
+        self.output_gate = args.attn_output_gate
+        q_size = args.n_heads * args.head_dim * (2 if self.output_gate else 1)
+        self.wq = nn.Linear(args.dim, q_size, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
@@ -112,7 +121,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp of them.
-        q = self.wq(x_BTD).view(B, T, -1, self.head_dim)
+        q = self.wq(x_BTD).view(B, T, -1, self.head_dim * (2 if self.output_gate else 1))
+        if self.output_gate:
+            q, gate = q.chunk(2, dim=-1)
         k = self.wk(x_BTD).view(B, T, -1, self.head_dim)
         v = self.wv(x_BTD).view(B, T, -1, self.head_dim)
         if self.q_norm is not None:
@@ -130,6 +141,8 @@ class Attention(nn.Module):
                 is_causal=True,
                 enable_gqa=q.shape[2] != k.shape[2],
             ).transpose(1, 2)
+        if self.output_gate:
+            out_BTHD = out_BTHD * torch.sigmoid(gate)
         return self.wo(out_BTHD.reshape(B, T, -1))
 
     def init_weights(self, init_std: float) -> None:
@@ -169,7 +182,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(layer_id, args)
+        # Qwen3.5's hybrid: a gated DeltaNet layer replaces attention in some blocks.
+        self.linear_attn = GatedDeltaNet(layer_id, args) if args.is_linear_layer(layer_id) else None
+        self.attention = Attention(layer_id, args) if self.linear_attn is None else None
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         self.moe: MoE | None
@@ -190,18 +205,38 @@ class TransformerBlock(nn.Module):
         rope_BTD2: torch.Tensor,
         backend: AttentionBackend | None = None,
         routes_TK: torch.Tensor | None = None,
+        starts_BT: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`routes_TK`: the experts of an MoE block's B * T tokens (routing replay)."""
-        h = x_BTD + self.attention(self.attention_norm(x_BTD), rope_BTD2, backend)
+        """`routes_TK`: the experts of an MoE block's B * T tokens (routing replay); `starts_BT`:
+        where the documents of packed rows start (a linear-attention block resets its state)."""
+        h = x_BTD + self._mix(self.attention_norm(x_BTD), rope_BTD2, backend, starts_BT)
         if self.moe is not None:
             return h + self.moe(self.ffn_norm(h), routes_TK)
         assert self.feed_forward is not None, "a block without moe has a feed_forward"
         return h + self.feed_forward(self.ffn_norm(h))
 
+    def _mix(
+        self,
+        x_BTD: torch.Tensor,
+        rope_BTD2: torch.Tensor,
+        backend: AttentionBackend | None,
+        starts_BT: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.linear_attn is not None:
+            # The generator's backend carries the sequences' state slots (`LinearStates`).
+            states = cast(LinearStates | None, getattr(backend, "linear_states", None))
+            return self.linear_attn(x_BTD, starts_BT, states)
+        assert self.attention is not None, "a block has attention or a linear layer"
+        return self.attention(x_BTD, rope_BTD2, backend)
+
     def init_weights(self, buffer_device: torch.device) -> None:
         self.attention_norm.reset_parameters()
         self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
+        if self.linear_attn is not None:
+            self.linear_attn.init_weights(self.weight_init_std)
+        else:
+            assert self.attention is not None, "a block has attention or a linear layer"
+            self.attention.init_weights(self.weight_init_std)
         if self.moe is not None:
             self.moe.init_weights(self.weight_init_std, buffer_device)
         else:
@@ -318,14 +353,16 @@ class Transformer(nn.Module):
         else:
             rope_BTD2 = self.rope_cache[positions_BT]
         h = self.tok_embeddings(tokens_BT)
+        # Packed rows (positions restart at 0): the linear layers reset their state there.
+        starts_BT = positions_BT == 0 if positions_BT is not None and self.args.has_linear_layers else None
         if routes_LTK is None:
             for block in self.layers.values():
-                h = block(h, rope_BTD2, backend)
+                h = block(h, rope_BTD2, backend, None, starts_BT)
             return self.norm(h)
         n_moe = sum(map(self.args.is_moe_layer, range(self.args.n_layers)))
         if routes_LTK.shape[0] != n_moe:
             raise ValueError(f"routes_LTK has {routes_LTK.shape[0]} layers of routes; the model has {n_moe} MoE layers")
         routes = iter(routes_LTK)
         for block in self.layers.values():
-            h = block(h, rope_BTD2, backend, next(routes) if block.moe_enabled else None)
+            h = block(h, rope_BTD2, backend, next(routes) if block.moe_enabled else None, starts_BT)
         return self.norm(h)

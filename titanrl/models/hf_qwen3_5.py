@@ -1,0 +1,163 @@
+"""Hugging Face interop of Qwen3.5's text model (`qwen3_5_text`, `Qwen3_5ForCausalLM`), which
+`models/hf.py` dispatches to.
+
+Weight names map one to one (the gated DeltaNet keeps HF's names under `linear_attn`) but for
+the RMSNorms: HF stores w and scales by 1 + w (zero-centred), titanrl stores the scale, so the
+adapter adds 1 on import and subtracts it on export (exact in float32 for |w| < 1). The gated
+norm inside `linear_attn` is a plain scale. The multimodal checkpoints (`qwen3_5`, weights under
+`model.language_model.`) load their text model; the vision tower and MTP head are left out.
+"""
+
+import re
+
+import torch
+
+from titanrl.models.args import TransformerModelArgs
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+"""HF model_types this adapter reads (it writes qwen3_5_text)."""
+
+# HF name -> titanrl name; "{}" is the layer index.
+_HF_TO_TITAN = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
+    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
+    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
+    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
+    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
+    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
+    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
+    "model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
+    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
+    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
+    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
+}
+_LINEAR_PARAMS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+_LINEAR_PARAMS += ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+_HF_TO_TITAN.update({f"model.layers.{{}}.linear_attn.{p}": f"layers.{{}}.linear_attn.{p}" for p in _LINEAR_PARAMS})
+_TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
+_OFFSET_NORMS = re.compile(r"(norm|layers\.\d+\.(attention_norm|ffn_norm|attention\.q_norm|attention\.k_norm))\.weight")
+"""titanrl names of the zero-centred RMSNorms."""
+_MULTIMODAL_ONLY = re.compile(r"(model\.visual\.|mtp\.).*")
+
+
+def _map_name(name: str, table: dict[str, str]) -> str | None:
+    layer = re.search(r"\.(\d+)\.", name)
+    template = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
+    target = table.get(template)
+    if target is None:
+        return None
+    return target.format(layer.group(1)) if layer else target
+
+
+def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
+    """Model args of a qwen3_5_text config (or of a qwen3_5 config's text_config)."""
+    top = cfg
+    if cfg.get("model_type") == "qwen3_5":
+        cfg = {"tie_word_embeddings": top.get("tie_word_embeddings", False), **cfg["text_config"]}
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"Unsupported rope_type '{rope['rope_type']}' for qwen3_5_text; supported: default")
+    n_layers = cfg["num_hidden_layers"]
+    interval = cfg.get("full_attention_interval", 4)
+    layer_types = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(n_layers)
+    ]
+    bias = cfg.get("attention_bias", False)
+    return TransformerModelArgs(
+        family="qwen3_5",
+        dim=cfg["hidden_size"],
+        n_layers=n_layers,
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim", 256),
+        hidden_dim=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_seq_len=cfg.get("max_position_embeddings", 32768),
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        layer_types=list(layer_types),
+        attn_output_gate=True,
+        partial_rotary_factor=rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)),
+        linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4),
+        linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
+        linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
+        linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
+        linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+    )
+
+
+def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype) -> dict:
+    """config.json of a Qwen3_5ForCausalLM for `args`."""
+    if args.num_labels or args.moe_num_experts or args.qkv_bias != args.o_bias:
+        raise ValueError("qwen3_5 exports only as a dense causal LM with qkv_bias == o_bias (HF attention_bias)")
+    if not (args.qk_norm and args.attn_output_gate):
+        raise ValueError("qwen3_5 exports only with qk_norm = true and attn_output_gate = true (its layout)")
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": args.qkv_bias,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+        "layer_types": list(args.layer_types) or ["full_attention"] * args.n_layers,
+        "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
+        "linear_key_head_dim": args.linear_key_head_dim,
+        "linear_value_head_dim": args.linear_value_head_dim,
+        "linear_num_key_heads": args.linear_num_key_heads,
+        "linear_num_value_heads": args.linear_num_value_heads,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    """HF weights renamed to titanrl's, norm scales 1 + w; unknown names are errors."""
+    sd = {}
+    for hf_name, tensor in hf_sd.items():
+        hf_name = hf_name.replace("model.language_model.", "model.", 1)
+        if _MULTIMODAL_ONLY.fullmatch(hf_name):
+            continue
+        name = _map_name(hf_name, _HF_TO_TITAN)
+        if name is None:
+            raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
+        sd[name] = tensor + 1 if _OFFSET_NORMS.fullmatch(name) else tensor
+    if args.ties_output:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    return sd
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    hf_sd = {}
+    for name, tensor in sd.items():
+        if name == "output.weight" and args.ties_output:
+            continue
+        hf_name = _map_name(name, _TITAN_TO_HF)
+        if hf_name is None:
+            raise ValueError(f"titanrl weight '{name}' has no qwen3_5 HF name")
+        hf_sd[hf_name] = tensor - 1 if _OFFSET_NORMS.fullmatch(name) else tensor
+    return hf_sd
