@@ -19,7 +19,31 @@ class RopeScaling:
     """Context length the model was pre-trained with."""
 
 
-Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe"]
+# gpt-oss
+@dataclass
+class YarnRope:
+    """YaRN RoPE scaling ('rope_type': 'yarn' in HF configs), as transformers computes it."""
+
+    factor: float = 32.0
+    """Context extension factor: low frequencies are divided by it."""
+
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is left unchanged (extrapolated)."""
+
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is fully interpolated."""
+
+    original_max_position_embeddings: int = 4096
+    """Context length the model was pre-trained with."""
+
+    truncate: bool = True
+    """Round the correction range to whole dimensions (HF `truncate`; gpt-oss sets it false)."""
+
+    attention_factor: float = 0.0
+    """Scale of cos and sin (so of q.k by its square); 0: 0.1 * ln(factor) + 1 (YaRN's mscale)."""
+
+
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "gpt_oss"]
 """The architecture families titanrl implements."""
 
 
@@ -111,6 +135,28 @@ class TransformerModelArgs:
     autograd from the expert loads, is added to the scores for top-k selection only. The bias
     is then a persistent buffer of the checkpoint; HF export needs it off."""
 
+    # gpt-oss
+    sliding_window: int = 0
+    """Keys a query of a sliding-window layer sees, itself included (HF `sliding_window`)."""
+
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer 'sliding_attention' or 'full_attention' (HF `layer_types`); empty: all full."""
+
+    rope_yarn: YarnRope | None = None
+    """YaRN RoPE scaling; None for plain RoPE (or rope_scaling's Llama-3.1 scaling)."""
+
+    swiglu_alpha: float = 1.702
+    """gpt-oss experts: sigmoid gain of the clamped SwiGLU, gate * sigmoid(alpha * gate)."""
+
+    swiglu_limit: float = 7.0
+    """gpt-oss experts: the gate is clamped above and the up projection on both sides at this."""
+
+    def layer_window(self, layer_id: int) -> int:
+        """Keys a query of block `layer_id` sees (0: all before it, full causal attention)."""
+        if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return 0
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""
         return (
@@ -142,3 +188,10 @@ class TransformerModelArgs:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be in [1, moe_num_experts={self.moe_num_experts}]")
         if self.moe_decoder_sparse_step < 1:
             raise ValueError(f"moe_decoder_sparse_step ({self.moe_decoder_sparse_step}) must be >= 1")
+        # gpt-oss
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries; n_layers is {self.n_layers}")
+        if set(self.layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"layer_types {self.layer_types}: each must be 'sliding_attention' or 'full_attention'")
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be >= 1 with sliding_attention layers")
