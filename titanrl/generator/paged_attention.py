@@ -265,6 +265,7 @@ class FlexPagedAttention:
             return self.batch.packed(out_SQHD, q_1NHD.shape[1])
         out_SGXD, aux = flex(*args, block_mask=block_mask, kernel_options=options, return_aux=AuxRequest(lse=True))
         Q = q_SQHD.shape[1]
+        assert aux.lse is not None, "requested by AuxRequest(lse=True)"
         lse_SQH = unfold_heads(aux.lse.unsqueeze(-1), Q)[..., 0]
         out_SQHD = renormalize_with_sinks(unfold_heads(out_SGXD, Q), lse_SQH, sinks_H).to(q_1NHD.dtype)
         return self.batch.packed(out_SQHD, q_1NHD.shape[1])

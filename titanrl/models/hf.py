@@ -1,10 +1,10 @@
 """Hugging Face interop: config.json <-> model args, safetensors (sharded or not) <-> state dict.
 
-Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts). Weight names
-map one-to-one but for Qwen3-MoE's experts: HF stores `mlp.experts.{e}.gate_proj / up_proj /
-down_proj` per expert; titanrl stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...]
-on import and splits them on export. q/k need no permutation because titanrl applies RoPE in HF's
-rotate-half layout.
+Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts), and
+gpt_oss (its mapping in `hf_gpt_oss.py`). Weight names map one-to-one but for Qwen3-MoE's
+experts: HF stores `mlp.experts.{e}.gate_proj / up_proj / down_proj` per expert; titanrl
+stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...] on import and splits them
+on export. q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
 """
 
 from __future__ import annotations
