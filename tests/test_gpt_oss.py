@@ -5,6 +5,7 @@ sinks and windows against a float64 reference, greedy generations and logprobs t
 generator (prefix-cache hits included), one step's gradients against float64, and the flavors'
 published parameter counts."""
 
+import json
 import math
 
 import pytest
@@ -249,3 +250,92 @@ def test_packed_rows_match_each_document_alone(hf_folder, backend_cls):
         packed = model(torch.cat([a, b], 1), positions_1S, backend_cls(doc_1S))
         alone = torch.cat([model(a), model(b)], 1)
     assert (packed - alone).abs().max().item() < (5e-5 if backend_cls is DocumentFlexAttention else TOL)
+
+
+# The harmony format of gpt-oss's chat_template.jinja, condensed: system header, developer
+# instructions, the last assistant turn's reasoning on the analysis channel (earlier turns keep
+# their final answer only), `<|return|>` closing the last turn, `<|start|>assistant` as the
+# generation prompt.
+HARMONY = (
+    '{%- set reasoning_effort = reasoning_effort | default("medium") -%}'
+    '{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n'
+    'Reasoning: " + reasoning_effort + "\\n\\n# Valid channels: analysis, commentary, final.<|end|>" -}}'
+    '{%- if messages and messages[0].role in ("system", "developer") -%}'
+    '{{- "<|start|>developer<|message|># Instructions\\n\\n" + messages[0].content + "<|end|>" -}}'
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    '{%- if message.role == "user" -%}{{- "<|start|>user<|message|>" + message.content + "<|end|>" -}}'
+    '{%- elif message.role == "assistant" -%}'
+    "{%- if message.thinking and loop.last -%}"
+    '{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" -}}{%- endif -%}'
+    '{{- "<|start|>assistant<|channel|>final<|message|>" + message.content -}}'
+    '{{- "<|return|>" if loop.last else "<|end|>" -}}'
+    "{%- endif -%}{%- endfor -%}"
+    '{%- if add_generation_prompt -%}{{- "<|start|>assistant" -}}{%- endif -%}'
+)
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>"]
+HARMONY_SPECIAL += ["<|return|>", "<|call|>", "<|constrain|>"]
+
+
+@pytest.fixture(scope="module")
+def harmony_folder(tmp_path_factory):
+    """A BPE tokenizer with harmony's special tokens, and the template in chat_template.jinja."""
+    pytest.importorskip("jinja2")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=HARMONY_SPECIAL,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["What is 6 times 7? The answer is 42.", "We need to multiply six by seven.", "analysis final"]
+    tok.train_from_iterator(corpus * 20, trainer=trainer)
+    folder = tmp_path_factory.mktemp("harmony")
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(HARMONY)
+    return str(folder)
+
+
+def test_harmony_chat_template_renders_as_transformers_and_masks_the_reasoning(harmony_folder):
+    from titanrl.models.chat_template import load_chat_template
+    from titanrl.models.tokenizer import HFTokenizer
+
+    template, tok = load_chat_template(harmony_folder), HFTokenizer(harmony_folder)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(harmony_folder)
+    prompt = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "What is 6 times 7?"}]
+    for kwargs in ({}, {"reasoning_effort": "high"}):
+        ref = hf_tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **kwargs)
+        assert template.encode(tok, prompt, add_generation_prompt=True, **kwargs) == ref["input_ids"]
+    assert all(len(tok.encode(s)) == 1 for s in HARMONY_SPECIAL)  # each special token is one id
+
+    answer = {"role": "assistant", "thinking": "We need to multiply six by seven.", "content": "42"}
+    ids, mask = template.assistant_mask(tok, [*prompt, answer])
+    text, spans = template.assistant_spans([*prompt, answer])
+    # The whole turn the model writes after `<|start|>assistant`: reasoning channel, then final.
+    assert [text[a:b] for a, b in spans] == [
+        "<|channel|>analysis<|message|>We need to multiply six by seven.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>42<|return|>"
+    ]
+    assert [ids[a:b] for a, b in _runs(mask)] == [tok.encode(text[a:b]) for a, b in spans]
+    # An earlier turn loses its reasoning when a later one follows: the prefix mask says so.
+    with pytest.raises(ValueError, match="does not render prefixes consistently at message 2"):
+        template.assistant_mask(tok, [*prompt, answer, {"role": "user", "content": "Half?"}, answer])
+
+
+def _runs(mask: list[int]) -> list[tuple[int, int]]:
+    """[(start, end)] of the maximal runs of 1s."""
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
