@@ -339,3 +339,29 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+@pytest.mark.multirank
+def test_ep2_and_tp2_training_steps_match_one_rank(tmp_path):
+    """2 steps of a tiny gpt-oss under ep = 2 and tp = 2 (2 gloo ranks) equal 1 rank: losses,
+    gradient norms, last gradients and parameters (sinks sharded with their heads under tp)."""
+    import os
+    import sys
+
+    from helpers.launch import REPO_ROOT, run_torchrun
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
+    import gpt_oss_parity_worker as worker
+
+    out = tmp_path / "results.pt"
+    run_torchrun(worker.__file__, 2, ["--layouts", "ep2,tp2", "--out", str(out)])
+    launched = torch.load(out)
+    for dtype, tol in (("float32", 1e-5), ("float64", 1e-10)):
+        ref = worker.run_layout(None, dtype, world_size=1)
+        assert ref["losses"][1] < ref["losses"][0]
+        for layout in ("ep2", "tp2"):
+            got = launched[f"{layout}/{dtype}"]
+            assert got["losses"] == pytest.approx(ref["losses"], abs=tol)
+            for kind in ("grads", "params"):
+                assert got[kind].keys() == ref[kind].keys()
+                assert max((got[kind][k] - ref[kind][k]).abs().max().item() for k in ref[kind]) < tol, (layout, kind)
