@@ -365,3 +365,25 @@ def test_ep2_and_tp2_training_steps_match_one_rank(tmp_path):
             for kind in ("grads", "params"):
                 assert got[kind].keys() == ref[kind].keys()
                 assert max((got[kind][k] - ref[kind][k]).abs().max().item() for k in ref[kind]) < tol, (layout, kind)
+
+
+def test_generator_records_the_routes_the_trainer_replays(hf_folder):
+    """The generator records each layer's experts per fed token (routing replay): the trainer's
+    router picks the same ones, and replaying them gives the same logits."""
+    hf_model, folder = hf_folder
+    if hf_model.model.layers[0].mlp.experts.down_proj.std() < 0.1:
+        pytest.skip("run on the std 0.2 checkpoint only")
+    args = read_hf_config(str(folder))
+    gen = Generator(args, GeneratorConfig(block_size=4, num_blocks=128, attention_impl="exact"), torch.device("cpu"))
+    gen.load_hf(str(folder))
+    model = _titan(folder)
+    prompts = [_tokens(1, n, seed=n)[0].tolist() for n in (5, 2 * WINDOW + 1)]
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
+    for prompt, c in zip(prompts, completions, strict=True):
+        fed_1T = torch.tensor([prompt + c.token_ids[:-1]])
+        assert c.routes is not None and c.routes.shape == (fed_1T.shape[1], args.n_layers, args.moe_top_k)
+        with torch.no_grad():
+            logits = model(fed_1T)
+            routes_LTK = c.routes.long().transpose(0, 1)
+            assert torch.equal(model.moe_routes().sort(-1).values, routes_LTK.sort(-1).values)
+            assert (model(fed_1T, routes_LTK=routes_LTK) - logits).abs().max().item() < TOL
