@@ -165,7 +165,7 @@ def page_block_mask(
     its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`:
     the CPU lowering wants `kv_indices` as wide as the pool (only the first kv_num entries are
     read). `window` > 0 (gpt-oss sliding-window layers): only the last `window` keys up to the
-    query."""
+    query, and a query block's pages start at its first query's window (reads bounded by it)."""
     B, (S, M), Q = block_size, batch.table_SM.shape, batch.pos_SQ.shape[1]
     device = batch.table_SM.device
     rows = Q * R
@@ -175,6 +175,12 @@ def page_block_mask(
     reach_SK = batch.pos_SQ.gather(1, last_tok_SK) // B + 1
     kv_num_SK = torch.where((first_row_K // R)[None, :] < batch.num_new_S[:, None], reach_SK, 0)
     kv_indices = batch.table_SM.to(torch.int32)[:, None, None, :].expand(S, 1, len(first_row_K), M)
+    if window > 0:  # a query block visits pages from its first query's window start on
+        first_tok_SK = torch.minimum((first_row_K // R)[None, :], batch.num_new_S[:, None] - 1)
+        start_SK = (batch.pos_SQ.gather(1, first_tok_SK) - window + 1).clamp(min=0) // B
+        kv_num_SK = torch.where(kv_num_SK > 0, kv_num_SK - start_SK, 0)
+        index_SKM = (start_SK[:, :, None] + torch.arange(M, device=device)).clamp(max=M - 1)
+        kv_indices = batch.table_SM.to(torch.int32).gather(1, index_SKM.flatten(1)).view(S, 1, -1, M)
     if pad_to_pool:
         kv_indices = F.pad(kv_indices, (0, num_pages - M))
     page_index_P, pos_SQ, table_SM = batch.page_index_P, batch.pos_SQ, batch.table_SM
