@@ -2,8 +2,9 @@
 weights and every bias randomised, weights of std 0.02 and 0.2, sliding window 8 with prompts
 longer than it): logits, export -> reload, a bit-exact round trip, YaRN, the paged backends with
 sinks and windows against a float64 reference, greedy generations and logprobs through the paged
-generator (prefix-cache hits included), one step's gradients against float64, and the flavors'
-published parameter counts."""
+generator (prefix-cache hits included), one step's gradients against float64, the flavors'
+published parameter counts, harmony, packed rows, routing replay and 2-rank ep / tp training.
+Each checkpoint, its titanrl model and its paged-generator run are built once for the module."""
 
 import json
 import math
@@ -78,6 +79,12 @@ def hf_folder(request, tmp_path_factory):
     return model, folder
 
 
+@pytest.fixture(scope="module")
+def titan(hf_folder) -> Transformer:
+    """titanrl's float32 model loaded from the checkpoint (read-only in the tests)."""
+    return _titan(hf_folder[1])
+
+
 def _titan(folder, dtype=torch.float32) -> Transformer:
     with torch.device("meta"):
         model = Transformer(read_hf_config(str(folder)))
@@ -91,9 +98,8 @@ def _tokens(B: int, T: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def test_logits_export_and_bit_exact_round_trip(hf_folder, tmp_path):
-    hf_model, folder = hf_folder
-    model = _titan(folder)
+def test_logits_export_and_bit_exact_round_trip(hf_folder, titan, tmp_path):
+    (hf_model, folder), model = hf_folder, titan
     assert [b.attention.window for b in model.blocks()] == [WINDOW, 0, WINDOW, 0]
     tokens_BT = _tokens(3, 3 * WINDOW + 5)
     with torch.no_grad():
@@ -160,47 +166,69 @@ def test_paged_backends_with_sinks_and_window_match_float64(kind, window):
     torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention_impl", ["auto", "exact"])
-def test_paged_generator_matches_transformers_generate(hf_folder, attention_impl):
-    """12 prompts, most longer than the window, then the same prompts again (prefix-cache hits):
-    greedy tokens equal transformers' `generate`, logprobs within 1e-4 of its scores."""
+PROMPT_LENGTHS = (1, 3, 5, 8, 9, 13, 17, 21, 30, 4, 11, 25)  # most longer than the window
+NEW_TOKENS, REPEAT_TOKENS = 8, 3
+
+
+@pytest.fixture(scope="module")
+def paged_run(hf_folder):
+    """The paged generator on 12 prompts, greedy, then on the same prompts again for a few tokens
+    (prefix-cache hits: a prefill over cached pages, then decoding): FlexAttention / gathered on
+    std 0.02, the exact backend on std 0.2 (its batch-invariant matmuls make each decode step
+    costly on a CPU, hence the short second pass)."""
     hf_model, folder = hf_folder
-    if (attention_impl == "exact") != (hf_model.model.layers[0].mlp.experts.down_proj.std() > 0.1):
-        pytest.skip("the FlexAttention/gathered path on std 0.02, the exact one on std 0.2 (run time)")
+    attention_impl = "exact" if _std(hf_model) > 0.1 else "auto"
     args = read_hf_config(str(folder))
     gen = Generator(
         args, GeneratorConfig(block_size=4, num_blocks=256, attention_impl=attention_impl), torch.device("cpu")
     )
     gen.load_hf(str(folder))
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 3, 5, 8, 9, 13, 17, 21, 30, 4, 11, 25)]
-    params = SamplingParams(max_new_tokens=10, temperature=0)
-    completions, _ = gen.generate(prompts, params)
-    again, stats = gen.generate(prompts, params)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0))
+    again, stats = gen.generate(prompts, SamplingParams(max_new_tokens=REPEAT_TOKENS, temperature=0))
+    return prompts, completions, again, stats
+
+
+def _std(hf_model) -> float:
+    return hf_model.model.layers[0].mlp.experts.down_proj.std().item()
+
+
+def test_paged_generator_matches_transformers_generate(hf_folder, paged_run):
+    """Greedy tokens equal transformers' (each token the argmax of its logits given the prompt
+    and the tokens before it; `generate` itself on the longest prompt), logprobs within 1e-4 of
+    its log-softmax; the same for the first tokens again on prefix-cache hits."""
+    hf_model, _ = hf_folder
+    prompts, completions, again, stats = paged_run
     assert stats.prefix_cache_hit_tokens > 0
-    for prompt, completion, repeat in zip(prompts, completions, again, strict=True):
-        out = hf_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=10,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        assert completion.token_ids == out.sequences[0, len(prompt) :].tolist() == repeat.token_ids
-        ref_logprobs = [
-            torch.log_softmax(logits[0], -1)[t].item() for logits, t in zip(out.logits, completion.token_ids)
-        ]
-        assert max(abs(a - b) for a, b in zip(completion.logprobs, ref_logprobs)) < 1e-4
-        assert max(abs(a - b) for a, b in zip(repeat.logprobs, ref_logprobs)) < 1e-4
+    # One right-padded forward over every prompt + completion (causal: padding after a token
+    # does not change its logits) stands for 12 `generate` calls of NEW_TOKENS steps each.
+    fed = [p + c.token_ids[:-1] for p, c in zip(prompts, completions, strict=True)]
+    tokens_BT = torch.zeros(len(fed), max(map(len, fed)), dtype=torch.long)
+    for row, ids in zip(tokens_BT, fed):
+        row[: len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        logprobs_BTV = torch.log_softmax(hf_model(input_ids=tokens_BT).logits, -1)
+    for b, (prompt, completion, repeat) in enumerate(zip(prompts, completions, again, strict=True)):
+        ref_LV = logprobs_BTV[b, len(prompt) - 1 : len(fed[b])]
+        assert len(completion.token_ids) == NEW_TOKENS
+        assert completion.token_ids == ref_LV.argmax(-1).tolist()
+        assert repeat.token_ids == completion.token_ids[:REPEAT_TOKENS]
+        ref_logprobs = ref_LV.gather(1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        assert (torch.tensor(completion.logprobs, dtype=torch.float64) - ref_logprobs).abs().max() < 1e-4
+        assert (torch.tensor(repeat.logprobs, dtype=torch.float64) - ref_logprobs[:REPEAT_TOKENS]).abs().max() < 1e-4
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out = hf_model.generate(
+        torch.tensor([prompts[longest]]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out[0, len(prompts[longest]) :].tolist() == completions[longest].token_ids
 
 
 def test_one_step_gradients_match_float64(hf_folder):
     """Within 1e-6 (relative to max(1, |grad|)) at std 0.02; at std 0.2 float32 round-off grows
     through the layers to ~7e-6 at the embedding, so the bound there is 2e-5."""
     hf_model, folder = hf_folder
-    tol = 2e-5 if hf_model.model.layers[0].mlp.experts.down_proj.std() > 0.1 else 1e-6
+    tol = 2e-5 if _std(hf_model) > 0.1 else 1e-6
     tokens_BT = _tokens(2, 2 * WINDOW + 3, seed=2)
     grads = {}
     for dtype in (torch.float32, torch.float64):
@@ -235,14 +263,14 @@ def test_flavors_have_the_published_parameter_counts(flavor, total_b, active_b):
 
 
 @pytest.mark.parametrize("backend_cls", [DocumentSDPA, DocumentFlexAttention])
-def test_packed_rows_match_each_document_alone(hf_folder, backend_cls):
+def test_packed_rows_match_each_document_alone(hf_folder, titan, backend_cls):
     """The trainer's packed backends: two documents in one row (positions restarting) give each
     document's logits as it gets alone, sinks and windows included (std 0.2 only, for run time;
     FlexAttention's exp2 softmax rounds a little differently: 5e-5 there)."""
-    hf_model, folder = hf_folder
-    if hf_model.model.layers[0].mlp.experts.down_proj.std() < 0.1:
+    hf_model, _ = hf_folder
+    if _std(hf_model) < 0.1:
         pytest.skip("run on the std 0.2 checkpoint only")
-    model = _titan(folder)
+    model = titan
     a, b = _tokens(1, 2 * WINDOW + 3, seed=3), _tokens(1, WINDOW + 5, seed=4)
     doc_1S = torch.tensor([[0] * a.shape[1] + [1] * b.shape[1]])
     positions_1S = torch.cat([torch.arange(a.shape[1]), torch.arange(b.shape[1])])[None]
@@ -343,8 +371,9 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
 
 @pytest.mark.multirank
 def test_ep2_and_tp2_training_steps_match_one_rank(tmp_path):
-    """2 steps of a tiny gpt-oss under ep = 2 and tp = 2 (2 gloo ranks) equal 1 rank: losses,
-    gradient norms, last gradients and parameters (sinks sharded with their heads under tp)."""
+    """2 float64 steps of a tiny gpt-oss under ep = 2 and tp = 2 (2 gloo ranks, one launch)
+    equal 1 rank: losses, last gradients and parameters (sinks sharded with their heads under
+    tp)."""
     import os
     import sys
 
@@ -354,36 +383,34 @@ def test_ep2_and_tp2_training_steps_match_one_rank(tmp_path):
     import gpt_oss_parity_worker as worker
 
     out = tmp_path / "results.pt"
-    run_torchrun(worker.__file__, 2, ["--layouts", "ep2,tp2", "--out", str(out)])
+    run_torchrun(worker.__file__, 2, ["--out", str(out)])
     launched = torch.load(out)
-    for dtype, tol in (("float32", 1e-5), ("float64", 1e-10)):
-        ref = worker.run_layout(None, dtype, world_size=1)
-        assert ref["losses"][1] < ref["losses"][0]
-        for layout in ("ep2", "tp2"):
-            got = launched[f"{layout}/{dtype}"]
-            assert got["losses"] == pytest.approx(ref["losses"], abs=tol)
-            for kind in ("grads", "params"):
-                assert got[kind].keys() == ref[kind].keys()
-                assert max((got[kind][k] - ref[kind][k]).abs().max().item() for k in ref[kind]) < tol, (layout, kind)
+    ref = worker.run_layout(None, world_size=1)
+    assert ref["losses"][1] < ref["losses"][0]
+    assert ref["params"]["layers.0.attention.sinks"].shape == (worker.GPT_OSS_ARGS.n_heads,)
+    for layout in worker.GPT_OSS_LAYOUTS:
+        got = launched[layout]
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-10)
+        for kind in ("grads", "params"):
+            assert got[kind].keys() == ref[kind].keys()
+            assert max((got[kind][k] - ref[kind][k]).abs().max().item() for k in ref[kind]) < 1e-10, (layout, kind)
 
 
-def test_generator_records_the_routes_the_trainer_replays(hf_folder):
+def test_generator_records_the_routes_the_trainer_replays(hf_folder, titan, paged_run):
     """The generator records each layer's experts per fed token (routing replay): the trainer's
-    router picks the same ones, and replaying them gives the same logits."""
+    router picks the same ones, and replaying them gives the same logits (the exact backend's
+    run: a prompt shorter than the window and one of nearly four windows)."""
     hf_model, folder = hf_folder
-    if hf_model.model.layers[0].mlp.experts.down_proj.std() < 0.1:
+    if _std(hf_model) < 0.1:
         pytest.skip("run on the std 0.2 checkpoint only")
-    args = read_hf_config(str(folder))
-    gen = Generator(args, GeneratorConfig(block_size=4, num_blocks=128, attention_impl="exact"), torch.device("cpu"))
-    gen.load_hf(str(folder))
-    model = _titan(folder)
-    prompts = [_tokens(1, n, seed=n)[0].tolist() for n in (5, 2 * WINDOW + 1)]
-    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0))
-    for prompt, c in zip(prompts, completions, strict=True):
-        fed_1T = torch.tensor([prompt + c.token_ids[:-1]])
-        assert c.routes is not None and c.routes.shape == (fed_1T.shape[1], args.n_layers, args.moe_top_k)
+    args, model = read_hf_config(str(folder)), titan
+    prompts, completions, _, _ = paged_run
+    for i in (PROMPT_LENGTHS.index(5), PROMPT_LENGTHS.index(30)):
+        fed_1T = torch.tensor([prompts[i] + completions[i].token_ids[:-1]])
+        routes = completions[i].routes
+        assert routes is not None and routes.shape == (fed_1T.shape[1], args.n_layers, args.moe_top_k)
         with torch.no_grad():
             logits = model(fed_1T)
-            routes_LTK = c.routes.long().transpose(0, 1)
+            routes_LTK = routes.long().transpose(0, 1)
             assert torch.equal(model.moe_routes().sort(-1).values, routes_LTK.sort(-1).values)
             assert (model(fed_1T, routes_LTK=routes_LTK) - logits).abs().max().item() < TOL
