@@ -3,6 +3,7 @@ means the same model in every benchmark (pinned: a change of the flavor in titan
 not silently change what the recorded numbers measured)."""
 
 from titanrl.models import TransformerModelArgs
+from titanrl.models.args import YarnRope
 
 # Qwen3-like: QK-norm, grouped-query attention, tied embeddings, the byte tokenizer's 264 ids.
 _QWEN3 = dict(family="qwen3", qk_norm=True, tie_word_embeddings=True, vocab_size=264, max_seq_len=512)
@@ -25,3 +26,29 @@ NEGLIGIBLE = qwen3_shape(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim
 TINY = qwen3_shape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
 # The debug shape 2x wider and deeper (dim 512, 8 layers) over a 4096-token vocabulary.
 D512X8 = qwen3_shape(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1536, vocab_size=4096, max_seq_len=256)
+# Two gpt-oss-20b layers (a 128-token sliding-window layer and a full-attention one; 64 query /
+# 8 kv heads of 64 with sinks, 32 experts of width 2880, top-4, biased router; its 201,088-token
+# vocabulary, untied head): 2.80B parameters, 0.25B active per token besides the embedding and
+# head, so float32 AdamW state fits one GPU.
+GPT_OSS_20B_2L = TransformerModelArgs(
+    family="gpt_oss",
+    dim=2880,
+    n_layers=2,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=64,
+    hidden_dim=2880,
+    vocab_size=201088,
+    norm_eps=1e-5,
+    rope_theta=150000.0,
+    rope_yarn=YarnRope(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+    max_seq_len=131072,
+    qkv_bias=True,
+    o_bias=True,
+    moe_num_experts=32,
+    moe_top_k=4,
+    moe_intermediate_size=2880,
+    moe_norm_topk_prob=False,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"],
+)

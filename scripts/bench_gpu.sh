@@ -24,6 +24,7 @@
 #   bash scripts/bench_gpu.sh --float8-only
 #   bash scripts/bench_gpu.sh --long-context-only [--dry-run]
 #   bash scripts/bench_gpu.sh --hybrid-only [--dry-run]      # `--hybrid` adds it to a full run
+#   bash scripts/bench_gpu.sh --gpt-oss-only [--dry-run]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --dry-run "* ]] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -82,6 +83,22 @@ PY
 if [[ " $* " == *" --float8-only "* ]]; then
   [[ " $* " == *" --dry-run "* ]] && { echo "bench_gpu.sh: --float8-only needs a GPU (no dry run)" >&2; exit 2; }
   float8_section
+  exit $?
+fi
+# gpt-oss: benchmarks/bench_gpt_oss.py on two gpt-oss-20b-shaped layers (sliding-window + full
+# attention with sinks, 32 experts top-4, the real vocabulary): decode tok/s at batch 1 / 64 / 256
+# against the bandwidth roofline and training MFU of the active parameters, written to
+# benchmarks/bench_gpt_oss_gpu.json (under 300 s). With --dry-run: debug-gpt-oss on the CPU,
+# batch 1 / 4, the JSON line printed only.
+gpt_oss_section() {
+  if [[ " $* " == *" --dry-run "* ]]; then
+    OMP_NUM_THREADS=1 timeout 300 python -m benchmarks.bench_gpt_oss --dry-run
+  else
+    timeout 300 python -m benchmarks.bench_gpt_oss --out benchmarks/bench_gpt_oss_gpu.json
+  fi
+}
+if [[ " $* " == *" --gpt-oss-only "* ]]; then
+  gpt_oss_section "$@"
   exit $?
 fi
 # Long sequences: benchmarks/bench_context_parallel.py --train-step under torchrun, one rank per GPU.

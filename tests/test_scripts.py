@@ -100,6 +100,27 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
     assert report["vllm"] == ("skipped: --dry-run (CPU)" if has_vllm else "not installed")
 
 
+def test_bench_gpu_gpt_oss_dry_run():
+    """`--gpt-oss-only --dry-run`: the gpt-oss section's code path on debug-gpt-oss on the CPU."""
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--gpt-oss-only", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith('{"gpt_oss_bench"'))
+    report = json.loads(line)["gpt_oss_bench"]
+    assert report["model"] == "debug-gpt-oss" and report["dry_run"] is True
+    assert 0 < report["matmul_active_params"] < report["params"]
+    assert [row["batch"] for row in report["decode"]] == [1, 4]
+    for row in report["decode"]:
+        assert row["decode_tok_s"] > 0 and row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
+    train = report["train"]
+    assert train["seq"] > 32 and train["tokens_per_s"] > 0 and train["mfu"] is None  # past the window; no CPU peak
+    assert train["tflops"] < train["tokens_per_s"] * 6 * report["params"] / 1e12  # active, not total
+
+
 def test_bench_gpu_refuses_to_run_without_a_gpu():
     if torch.cuda.is_available():
         return

@@ -130,6 +130,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
             for path, style in block_plan.items()
         }
         parallelize_module(block, tp_mesh, plan)
+        sinks = block.attention.sinks
+        if sinks is not None:  # gpt-oss: each rank's heads' sinks (Shard(0), as wq's heads)
+            block.attention.sinks = nn.Parameter(
+                distribute_tensor(sinks, tp_mesh, [Shard(0)]), requires_grad=sinks.requires_grad
+            )
 
 
 class LoRAParallel(ParallelStyle):

@@ -25,12 +25,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, FlexKernelOptions, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, FlexKernelOptions, flex_attention
 
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import gather_kv, write_kv
 from titanrl.models.batch_invariant import attend_exact_batched
 from titanrl.models.gated_deltanet import LinearStates
+from titanrl.models.gpt_oss import renormalize_with_sinks, sink_softmax_attention, visible_keys
 
 AttentionKind = Literal["flex", "exact", "gathered"]
 Q_BLOCK = 128
@@ -156,7 +157,9 @@ def logical_page_index(table_SM: torch.Tensor, scratch: int, num_pages: int) -> 
     return page_index_P.scatter_(0, table_SM.flatten(), index_SM.flatten())
 
 
-def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, pad_to_pool: bool) -> BlockMask:
+def page_block_mask(
+    batch: PagedBatch, R: int, block_size: int, num_pages: int, pad_to_pool: bool, window: int = 0
+) -> BlockMask:
     """The block mask of `batch` over a pool of `num_pages` pages, folded rows (R per token).
 
     Query block k of sequence s visits the pages of s's table up to the one holding the position
@@ -164,7 +167,8 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
     that are s's at their logical index (`batch.page_index_P`) and not after the query: exact on
     its own, as FlexAttention's semantics want (the block mask only skips work). `pad_to_pool`:
     the CPU lowering wants `kv_indices` as wide as the pool (only the first kv_num entries are
-    read)."""
+    read). `window` > 0 (gpt-oss sliding-window layers): only the last `window` keys up to the
+    query, and a query block's pages start at its first query's window (reads bounded by it)."""
     B, (S, M), Q = block_size, batch.table_SM.shape, batch.pos_SQ.shape[1]
     device = batch.table_SM.device
     rows = Q * R
@@ -174,6 +178,12 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
     reach_SK = batch.pos_SQ.gather(1, last_tok_SK) // B + 1
     kv_num_SK = torch.where((first_row_K // R)[None, :] < batch.num_new_S[:, None], reach_SK, 0)
     kv_indices = batch.table_SM.to(torch.int32)[:, None, None, :].expand(S, 1, len(first_row_K), M)
+    if window > 0:  # a query block visits pages from its first query's window start on
+        first_tok_SK = torch.minimum((first_row_K // R)[None, :], batch.num_new_S[:, None] - 1)
+        start_SK = (batch.pos_SQ.gather(1, first_tok_SK) - window + 1).clamp(min=0) // B
+        kv_num_SK = torch.where(kv_num_SK > 0, kv_num_SK - start_SK, 0)
+        index_SKM = (start_SK[:, :, None] + torch.arange(M, device=device)).clamp(max=M - 1)
+        kv_indices = batch.table_SM.to(torch.int32).gather(1, index_SKM.flatten(1)).view(S, 1, -1, M)
     if pad_to_pool:
         kv_indices = F.pad(kv_indices, (0, num_pages - M))
     page_index_P, pos_SQ, table_SM = batch.page_index_P, batch.pos_SQ, batch.table_SM
@@ -184,7 +194,10 @@ def page_block_mask(batch: PagedBatch, R: int, block_size: int, num_pages: int, 
         page = kv_idx // B
         logical = torch.clamp(page_index_P[page], max=M - 1)
         owned = table_SM[b, logical] == page
-        return owned & (logical * B + kv_idx % B <= pos_SQ[b, torch.clamp(q_idx // R, max=Q - 1)])
+        key_pos, q_pos = logical * B + kv_idx % B, pos_SQ[b, torch.clamp(q_idx // R, max=Q - 1)]
+        if window > 0:
+            return owned & (key_pos <= q_pos) & (key_pos > q_pos - window)
+        return owned & (key_pos <= q_pos)
 
     return BlockMask.from_kv_blocks(
         kv_num_SK.to(torch.int32)[:, None],
@@ -206,7 +219,10 @@ def _compiled_flex_attention():
 class FlexPagedAttention:
     """`AttentionBackend` of one forward: FlexAttention over the pages (module docstring). The
     block mask is built at the first layer and shared by all. `pad_to_pool` on CPU (see
-    `page_block_mask`)."""
+    `page_block_mask`). gpt-oss: sinks renormalise the output by its log-sum-exp
+    (`renormalize_with_sinks`), and sliding-window layers get a block mask of their own."""
+
+    supports_sinks = True
 
     linear_states: LinearStates | None = None
     """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
@@ -214,21 +230,38 @@ class FlexPagedAttention:
     def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
         self.block_mask: BlockMask | None = None
+        self.window_masks: dict[int, BlockMask] = {}
 
-    def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer_id: int,
+        q_1NHD: torch.Tensor,
+        k_1NHD: torch.Tensor,
+        v_1NHD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
+        cpu = k_pages.device.type == "cpu"
+        if sinks_H is not None and cpu and torch.compiler.is_compiling():
+            # Inductor's CPU FlexAttention has no log-sum-exp output (torch 2.13): gathered pages.
+            gathered = GatheredPagedAttention(self.batch, self.k_cache, self.v_cache, exact=False)
+            return gathered.attend(layer_id, q_1NHD, k_1NHD, v_1NHD, sinks_H, window)
         write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
         P, B, Hkv, D = k_pages.shape
         q_SQHD = self.batch.queries(q_1NHD)
+        R = q_SQHD.shape[2] // Hkv
         if self.block_mask is None:
-            R = q_SQHD.shape[2] // Hkv
-            self.block_mask = page_block_mask(self.batch, R, B, P, pad_to_pool=k_pages.device.type == "cpu")
+            self.block_mask = page_block_mask(self.batch, R, B, P, pad_to_pool=cpu)
+        if window > 0 and window not in self.window_masks:
+            self.window_masks[window] = page_block_mask(self.batch, R, B, P, pad_to_pool=cpu, window=window)
+        block_mask = self.window_masks[window] if window > 0 else self.block_mask
         # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
         options: FlexKernelOptions | None = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
         k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
         v_1GLD = v_pages.view(1, P * B, Hkv, D).transpose(1, 2)
-        if torch.compiler.is_compiling():
-            flex = flex_attention
+        if torch.compiler.is_compiling() or (cpu and sinks_H is not None):
+            flex = flex_attention  # eager on CPU with sinks: the CPU kernel has no log-sum-exp
         else:
             flex = _compiled_flex_attention()
             # The pool's size never varies within a generator; left to automatic dynamic shapes
@@ -236,21 +269,26 @@ class FlexPagedAttention:
             for t in (k_pages, v_pages, self.batch.page_index_P):
                 torch._dynamo.mark_static(t)
             if k_pages.device.type == "cpu":  # kv_indices padded to the pool (`page_block_mask`)
-                torch._dynamo.mark_static(self.block_mask.kv_indices, 3)
-        out_SGXD = flex(
-            fold_heads(q_SQHD, Hkv).to(k_pages.dtype),
-            k_1GLD,
-            v_1GLD,
-            block_mask=self.block_mask,
-            kernel_options=options,
-        )
-        out_SQHD = unfold_heads(out_SGXD, q_SQHD.shape[1]).to(q_1NHD.dtype)
+                torch._dynamo.mark_static(block_mask.kv_indices, 3)
+        args = (fold_heads(q_SQHD, Hkv).to(k_pages.dtype), k_1GLD, v_1GLD)
+        if sinks_H is None:
+            out_SGXD = flex(*args, block_mask=block_mask, kernel_options=options)
+            out_SQHD = unfold_heads(out_SGXD, q_SQHD.shape[1]).to(q_1NHD.dtype)
+            return self.batch.packed(out_SQHD, q_1NHD.shape[1])
+        out_SGXD, aux = flex(*args, block_mask=block_mask, kernel_options=options, return_aux=AuxRequest(lse=True))
+        Q = q_SQHD.shape[1]
+        assert aux.lse is not None, "requested by AuxRequest(lse=True)"
+        lse_SQH = unfold_heads(aux.lse.unsqueeze(-1), Q)[..., 0]
+        out_SQHD = renormalize_with_sinks(unfold_heads(out_SGXD, Q), lse_SQH, sinks_H).to(q_1NHD.dtype)
         return self.batch.packed(out_SQHD, q_1NHD.shape[1])
 
 
 class GatheredPagedAttention:
     """`AttentionBackend` of one forward over gathered copies of each sequence's pages: the
-    batch-invariant attention (`exact`) or SDPA."""
+    batch-invariant attention (`exact`) or SDPA; gpt-oss layers (sinks, windows): the exact
+    attention with both, or the explicit softmax of `sink_softmax_attention`."""
+
+    supports_sinks = True
 
     linear_states: LinearStates | None = None
     """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
@@ -261,7 +299,15 @@ class GatheredPagedAttention:
         self.batch, self.k_cache, self.v_cache, self.exact = batch, k_cache, v_cache, exact
         self.slots_SL: torch.Tensor | None = None
 
-    def attend(self, layer_id: int, q_1NHD: torch.Tensor, k_1NHD: torch.Tensor, v_1NHD: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer_id: int,
+        q_1NHD: torch.Tensor,
+        k_1NHD: torch.Tensor,
+        v_1NHD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
         k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
         write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
         q_SQHD = self.batch.queries(q_1NHD)
@@ -271,6 +317,8 @@ class GatheredPagedAttention:
             key_pos_L = torch.arange(self.slots_SL.shape[1], device=table_SM.device)
             self.visible_SQL = key_pos_L[None, None, :] <= self.batch.pos_SQ[:, :, None]
         k_SLHD, v_SLHD = (t.to(q_SQHD.dtype) for t in gather_kv(k_pages, v_pages, self.slots_SL))
+        if sinks_H is not None or window > 0:
+            return self.batch.packed(self.attend_gpt_oss(q_SQHD, k_SLHD, v_SLHD, sinks_H, window), q_1NHD.shape[1])
         if self.exact:
             out_SQHD = attend_exact_batched(q_SQHD, k_SLHD, v_SLHD, self.batch.pos_SQ)
         else:
@@ -285,6 +333,24 @@ class GatheredPagedAttention:
             )
             out_SQHD = unfold_heads(out_SGXD, Q)
         return self.batch.packed(out_SQHD, q_1NHD.shape[1])
+
+    def attend_gpt_oss(
+        self,
+        q_SQHD: torch.Tensor,
+        k_SLHD: torch.Tensor,
+        v_SLHD: torch.Tensor,
+        sinks_H: torch.Tensor | None,
+        window: int,
+    ) -> torch.Tensor:
+        """Attention with sinks (None: none) over the keys of the last `window` positions (0: all)."""
+        if self.exact:
+            return attend_exact_batched(q_SQHD, k_SLHD, v_SLHD, self.batch.pos_SQ, sinks_H=sinks_H, window=window)
+        if sinks_H is None:
+            sinks_H = q_SQHD.new_full((q_SQHD.shape[2],), float("-inf"))
+        key_pos_L = torch.arange(k_SLHD.shape[1], device=k_SLHD.device)
+        return sink_softmax_attention(
+            q_SQHD, k_SLHD, v_SLHD, visible_keys(self.batch.pos_SQ, key_pos_L, window), sinks_H
+        )
 
 
 def attention_kinds(config: GeneratorConfig, device: torch.device, compile: bool) -> tuple[AttentionKind, ...]:

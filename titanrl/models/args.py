@@ -19,7 +19,31 @@ class RopeScaling:
     """Context length the model was pre-trained with."""
 
 
-Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "qwen3_5"]
+# gpt-oss
+@dataclass
+class YarnRope:
+    """YaRN RoPE scaling ('rope_type': 'yarn' in HF configs), as transformers computes it."""
+
+    factor: float = 32.0
+    """Context extension factor: low frequencies are divided by it."""
+
+    beta_fast: float = 32.0
+    """Rotations above which a frequency is left unchanged (extrapolated)."""
+
+    beta_slow: float = 1.0
+    """Rotations below which a frequency is fully interpolated."""
+
+    original_max_position_embeddings: int = 4096
+    """Context length the model was pre-trained with."""
+
+    truncate: bool = True
+    """Round the correction range to whole dimensions (HF `truncate`; gpt-oss sets it false)."""
+
+    attention_factor: float = 0.0
+    """Scale of cos and sin (so of q.k by its square); 0: 0.1 * ln(factor) + 1 (YaRN's mscale)."""
+
+
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"]
 """The architecture families titanrl implements."""
 
 
@@ -113,8 +137,9 @@ class TransformerModelArgs:
 
     # Qwen3.5
     layer_types: list[str] = field(default_factory=list)
-    """Per block, "full_attention" or "linear_attention" (a gated DeltaNet layer,
-    `models/gated_deltanet.py`); empty: every block is full attention."""
+    """Per block, "full_attention", "sliding_attention" (gpt-oss: the last `sliding_window` keys)
+    or "linear_attention" (Qwen3.5: a gated DeltaNet layer, `models/gated_deltanet.py`); empty:
+    every block is full attention (HF `layer_types`)."""
 
     attn_output_gate: bool = False
     """Full attention multiplies its output by sigmoid of a per-head gate that q's projection
@@ -156,9 +181,13 @@ class TransformerModelArgs:
     def _check_layer_types(self) -> None:
         if self.layer_types and len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries; n_layers is {self.n_layers}")
-        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        unknown = set(self.layer_types) - {"full_attention", "sliding_attention", "linear_attention"}
         if unknown:
-            raise ValueError(f"layer_types: unknown {sorted(unknown)}; use full_attention or linear_attention")
+            raise ValueError(
+                f"layer_types: unknown {sorted(unknown)}; use full_attention, sliding_attention or linear_attention"
+            )
+        if "sliding_attention" in self.layer_types and self.sliding_window < 1:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be >= 1 with sliding_attention layers")
         if self.linear_num_value_heads % self.linear_num_key_heads != 0:
             raise ValueError(
                 f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
@@ -168,6 +197,25 @@ class TransformerModelArgs:
             raise ValueError(
                 f"partial_rotary_factor ({self.partial_rotary_factor}) must give an even, non-zero rotary dim"
             )
+
+    # gpt-oss
+    sliding_window: int = 0
+    """Keys a query of a sliding-window layer sees, itself included (HF `sliding_window`)."""
+
+    rope_yarn: YarnRope | None = None
+    """YaRN RoPE scaling; None for plain RoPE (or rope_scaling's Llama-3.1 scaling)."""
+
+    swiglu_alpha: float = 1.702
+    """gpt-oss experts: sigmoid gain of the clamped SwiGLU, gate * sigmoid(alpha * gate)."""
+
+    swiglu_limit: float = 7.0
+    """gpt-oss experts: the gate is clamped above and the up projection on both sides at this."""
+
+    def layer_window(self, layer_id: int) -> int:
+        """Keys a query of block `layer_id` sees (0: all before it, full causal attention)."""
+        if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
+            return self.sliding_window
+        return 0
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""

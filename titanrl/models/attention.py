@@ -15,17 +15,35 @@ import torch
 import torch.nn.functional as F
 
 from titanrl.models.batch_invariant import attend_exact_spans
+from titanrl.models.gpt_oss import renormalize_with_sinks, sink_softmax_attention
 
 
 class DocumentSDPA:
-    """Causal attention within each document of a packed row: SDPA with a [R, 1, S, S] mask."""
+    """Causal attention within each document of a packed row: SDPA with a [R, 1, S, S] mask
+    (gpt-oss: the explicit softmax with sinks, the mask cut to the window)."""
+
+    supports_sinks = True
 
     def __init__(self, doc_RS: torch.Tensor) -> None:
         S = doc_RS.shape[1]
         causal_SS = torch.ones(S, S, dtype=torch.bool, device=doc_RS.device).tril()
         self.mask_R1SS = ((doc_RS[:, :, None] == doc_RS[:, None, :]) & causal_SS)[:, None]
 
-    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self,
+        layer_id: int,
+        q_BTHD: torch.Tensor,
+        k_BTHD: torch.Tensor,
+        v_BTHD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
+        if sinks_H is not None:
+            visible_RSS = self.mask_R1SS[:, 0]
+            if window > 0:  # documents are contiguous: the window is a distance along the row
+                i_S = torch.arange(visible_RSS.shape[-1], device=visible_RSS.device)
+                visible_RSS = visible_RSS & (i_S[:, None] - i_S[None, :] < window)
+            return sink_softmax_attention(q_BTHD, k_BTHD, v_BTHD, visible_RSS, sinks_H)
         return F.scaled_dot_product_attention(
             q_BTHD.transpose(1, 2),
             k_BTHD.transpose(1, 2),
@@ -52,26 +70,50 @@ def _flex(*args, **kwargs):
 
 class DocumentFlexAttention:
     """Causal attention within each document of a packed row: FlexAttention with a block mask
-    (built once per batch, shared by every layer)."""
+    (built once per batch, shared by every layer; gpt-oss: one per window, and the output
+    renormalised with the sinks by its log-sum-exp)."""
+
+    supports_sinks = True
 
     def __init__(self, doc_RS: torch.Tensor) -> None:
+        self.doc_RS = doc_RS
+        self.block_mask = self._block_mask(0)
+        self.window_masks: dict[int, object] = {}
+
+    def _block_mask(self, window: int):
         from torch.nn.attention.flex_attention import create_block_mask
 
+        doc_RS = self.doc_RS
+
         def document_causal(b, h, q_idx, kv_idx):
-            return (doc_RS[b, q_idx] == doc_RS[b, kv_idx]) & (q_idx >= kv_idx)
+            causal = (doc_RS[b, q_idx] == doc_RS[b, kv_idx]) & (q_idx >= kv_idx)
+            return causal & (q_idx - kv_idx < window) if window > 0 else causal
 
         R, S = doc_RS.shape
-        self.block_mask = create_block_mask(document_causal, R, None, S, S, device=doc_RS.device)
+        return create_block_mask(document_causal, R, None, S, S, device=doc_RS.device)
 
-    def attend(self, layer_id: int, q_BTHD: torch.Tensor, k_BTHD: torch.Tensor, v_BTHD: torch.Tensor) -> torch.Tensor:
-        out_BHTD = _flex(
-            q_BTHD.transpose(1, 2),
-            k_BTHD.transpose(1, 2),
-            v_BTHD.transpose(1, 2),
-            block_mask=self.block_mask,
+    def attend(
+        self,
+        layer_id: int,
+        q_BTHD: torch.Tensor,
+        k_BTHD: torch.Tensor,
+        v_BTHD: torch.Tensor,
+        sinks_H: torch.Tensor | None = None,
+        window: int = 0,
+    ) -> torch.Tensor:
+        if window > 0 and window not in self.window_masks:
+            self.window_masks[window] = self._block_mask(window)
+        args = (q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHD.transpose(1, 2))
+        kwargs = dict(
+            block_mask=self.window_masks[window] if window > 0 else self.block_mask,
             enable_gqa=q_BTHD.shape[2] != k_BTHD.shape[2],
         )
-        return out_BHTD.transpose(1, 2)
+        if sinks_H is None:
+            return _flex(*args, **kwargs).transpose(1, 2)
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        out_BHTD, aux = _flex(*args, **kwargs, return_aux=AuxRequest(lse=True))
+        return renormalize_with_sinks(out_BHTD.transpose(1, 2), aux.lse.transpose(1, 2), sinks_H)
 
 
 class PackedExactAttention:

@@ -100,7 +100,12 @@ def in_batch_invariant_mode() -> bool:
 
 
 def attend_exact_batched(
-    q_SQHD: torch.Tensor, k_SLHD: torch.Tensor, v_SLHD: torch.Tensor, pos_SQ: torch.Tensor
+    q_SQHD: torch.Tensor,
+    k_SLHD: torch.Tensor,
+    v_SLHD: torch.Tensor,
+    pos_SQ: torch.Tensor,
+    sinks_H: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention, batch-invariant: query (s, i) at position `pos_SQ[s, i]` attends to keys
     0..pos of sequence s, where `k_SLHD[s, j]` is the key at position j (entries after a query's
@@ -109,6 +114,8 @@ def attend_exact_batched(
     A query's output depends only on its q, its keys and values up to its position, and its
     position: not on the other queries or sequences, nor on how many keys follow it. Rows of the
     output for padding queries (any position, e.g. 0) are computed and meaningless.
+    gpt-oss: `sinks_H` adds each head's sink logit to its denominators; `window` > 0 keeps the
+    keys after pos - window only.
     """
     S, Q, H, D = q_SQHD.shape
     L, Hkv = k_SLHD.shape[1], k_SLHD.shape[2]
@@ -130,11 +137,18 @@ def attend_exact_batched(
     for start in blocks:
         s_SGRC = torch.matmul(q_SGRD, k_SGLD[:, :, start : start + KEY_BLOCK].transpose(-1, -2)).float() * scale
         hidden_S1RC = (start + offsets_C)[None, None, None, :] > pos_SR[:, None, :, None]
+        if window > 0:
+            hidden_S1RC = hidden_S1RC | ((start + offsets_C)[None, None, None, :] <= pos_SR[:, None, :, None] - window)
         scores.append(s_SGRC.masked_fill_(hidden_S1RC, float("-inf")))
     max_SGR1 = scores[0].amax(-1, keepdim=True)  # key 0 is visible to every query: finite
     for s_SGRC in scores[1:]:
         max_SGR1 = torch.maximum(max_SGR1, s_SGRC.amax(-1, keepdim=True))
     denom_SGR1 = acc_SGRD = None
+    if sinks_H is not None:  # row q * n_rep + r of kv head g is head g * n_rep + r
+        sink_1GR1 = F.pad(sinks_H.float().view(Hkv, 1, n_rep).expand(Hkv, Q, n_rep).reshape(Hkv, R), (0, Rp - R))
+        sink_1GR1 = sink_1GR1[None, :, :, None]
+        max_SGR1 = torch.maximum(max_SGR1, sink_1GR1)
+        denom_SGR1 = torch.exp(sink_1GR1 - max_SGR1)
     for start, s_SGRC in zip(blocks, scores):
         p_SGRC = torch.exp(s_SGRC - max_SGR1)
         block_sum = p_SGRC.sum(-1, keepdim=True)

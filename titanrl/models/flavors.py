@@ -3,10 +3,37 @@
 import copy
 import difflib
 
-from titanrl.models.args import RopeScaling, TransformerModelArgs
+from titanrl.models.args import RopeScaling, TransformerModelArgs, YarnRope
 
 _QWEN_VOCAB = 151936
 _LLAMA3_VOCAB = 128256
+
+
+def _gpt_oss(n_layers: int, num_experts: int) -> TransformerModelArgs:
+    """gpt-oss: the published config.json shapes (o200k_harmony vocabulary, window 128, YaRN x32)."""
+    return TransformerModelArgs(
+        family="gpt_oss",
+        dim=2880,
+        n_layers=n_layers,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        hidden_dim=2880,
+        vocab_size=201088,
+        norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_yarn=YarnRope(factor=32.0, original_max_position_embeddings=4096, truncate=False),
+        max_seq_len=131072,
+        qkv_bias=True,
+        o_bias=True,
+        moe_num_experts=num_experts,
+        moe_top_k=4,
+        moe_intermediate_size=2880,
+        moe_norm_topk_prob=False,
+        sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)],
+    )
+
 
 flavors: dict[str, TransformerModelArgs] = {
     # A few M params, trained from scratch on the embedded tasks with the byte tokenizer.
@@ -168,6 +195,28 @@ flavors: dict[str, TransformerModelArgs] = {
         moe_top_k=8,
         moe_intermediate_size=768,
     ),
+    # gpt-oss: a debug shape (byte vocabulary, window 32), and the released 20b / 120b.
+    "debug-gpt-oss": TransformerModelArgs(
+        family="gpt_oss",
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        hidden_dim=384,
+        vocab_size=264,
+        rope_theta=150000.0,
+        max_seq_len=256,
+        qkv_bias=True,
+        o_bias=True,
+        moe_num_experts=8,
+        moe_top_k=2,
+        moe_intermediate_size=384,
+        moe_norm_topk_prob=False,
+        sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "gpt-oss-20b": _gpt_oss(n_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss(n_layers=36, num_experts=128),
     "llama3.2-1b": TransformerModelArgs(
         family="llama3",
         dim=2048,

@@ -1,10 +1,10 @@
 """Hugging Face interop: config.json <-> model args, safetensors (sharded or not) <-> state dict.
 
-Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts). Weight names
-map one-to-one but for Qwen3-MoE's experts: HF stores `mlp.experts.{e}.gate_proj / up_proj /
-down_proj` per expert; titanrl stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...]
-on import and splits them on export. q/k need no permutation because titanrl applies RoPE in HF's
-rotate-half layout.
+Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts), and
+gpt_oss (its mapping in `hf_gpt_oss.py`). Weight names map one-to-one but for Qwen3-MoE's
+experts: HF stores `mlp.experts.{e}.gate_proj / up_proj / down_proj` per expert; titanrl
+stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...] on import and splits them
+on export. q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanrl.models import hf_qwen3_5
 from titanrl.models.args import Family, RopeScaling, TransformerModelArgs
+from titanrl.models.hf_gpt_oss import (
+    gpt_oss_args_from_hf_config,
+    gpt_oss_from_hf_state_dict,
+    gpt_oss_hf_config,
+    gpt_oss_to_hf_state_dict,
+)
 from titanrl.models.lora import is_lora_key, lora_modules, merge_lora_state_dict
 from titanrl.models.model import Transformer
 
@@ -36,6 +42,7 @@ _HF_FAMILIES: dict[Family, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 _FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
 
@@ -100,6 +107,8 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     if model_type not in _FAMILY_OF_MODEL_TYPE:
         raise ValueError(f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}")
     family = _FAMILY_OF_MODEL_TYPE[model_type]
+    if family == "gpt_oss":
+        return gpt_oss_args_from_hf_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
     if cfg.get("mlp_bias", False):
@@ -181,6 +190,8 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
     """config.json contents for `args`, readable by transformers 4.x and 5.x."""
     if args.family == "qwen3_5":
         return hf_qwen3_5.hf_config_from_args(args, dtype)
+    if args.family == "gpt_oss":
+        return gpt_oss_hf_config(args, dtype)
     model_type, architecture = _HF_FAMILIES[args.family]
     if args.num_labels:
         architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
@@ -231,6 +242,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
     """Rename HF weights to titanrl names; unknown names are errors, not silently dropped."""
     if args.family == "qwen3_5":
         return hf_qwen3_5.from_hf_state_dict(hf_sd, args)
+    if args.family == "gpt_oss":
+        return gpt_oss_from_hf_state_dict(hf_sd, args)
     sd = _stack_hf_experts(hf_sd)
     for hf_name, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.fullmatch(hf_name) or _HF_EXPERT_KEY.fullmatch(hf_name):
@@ -273,6 +286,8 @@ def _stack_hf_experts(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     if args.family == "qwen3_5":
         return hf_qwen3_5.to_hf_state_dict(sd, args)
+    if args.family == "gpt_oss":
+        return gpt_oss_to_hf_state_dict(sd, args)
     hf_sd = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
 from titanrl.models.gated_deltanet import GatedDeltaNet, LinearStates
+from titanrl.models.gpt_oss import GptOssMoE, sink_attention, yarn_inv_freq
 from titanrl.models.logprobs import chunked_token_logprobs, vocab_parallel_token_logprobs
 from titanrl.models.moe import MoE
 
@@ -42,9 +43,14 @@ def precompute_rope_cache(args: TransformerModelArgs) -> torch.Tensor:
     """[max_seq_len, 2 * rotary_dim] table of cos | sin in float32 (rotary_dim: head_dim unless
     partial rotary)."""
     inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling)
+    scale = 1.0
+    if args.rope_yarn is not None:  # gpt-oss
+        inv_freq, scale = yarn_inv_freq(args.rotary_dim, args.rope_theta, args.rope_yarn)
     t = torch.arange(args.max_seq_len, dtype=torch.float32)
     freqs_TD = torch.outer(t, inv_freq)
     emb_TD = torch.cat([freqs_TD, freqs_TD], dim=-1)
+    if scale != 1.0:
+        return torch.cat([emb_TD.cos() * scale, emb_TD.sin() * scale], dim=-1)
     return torch.cat([emb_TD.cos(), emb_TD.sin()], dim=-1)
 
 
@@ -115,6 +121,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        # gpt-oss: a learned sink logit per head, and the layer's sliding window (0: none).
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.family == "gpt_oss" else None
+        self.window = args.layer_window(layer_id)
 
     def forward(
         self, x_BTD: torch.Tensor, rope_BTD2: torch.Tensor, backend: AttentionBackend | None = None
@@ -131,7 +140,9 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rope(q, k, rope_BTD2)
-        if backend is not None:
+        if self.sinks is not None:
+            out_BTHD = sink_attention(self.layer_id, q, k, v, self.sinks, self.window, backend)
+        elif backend is not None:
             out_BTHD = backend.attend(self.layer_id, q, k, v)
         else:
             out_BTHD = F.scaled_dot_product_attention(
@@ -155,6 +166,8 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
 
 class FeedForward(nn.Module):
@@ -191,7 +204,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward: FeedForward | None
         if self.moe_enabled:
             shared = args.moe_hidden_dim * args.moe_shared_experts
-            self.moe = MoE(args, FeedForward(args.dim, shared) if shared else None)
+            moe_cls = GptOssMoE if args.family == "gpt_oss" else MoE
+            self.moe = moe_cls(args, FeedForward(args.dim, shared) if shared else None)
             self.feed_forward = None
         else:
             self.moe = None
