@@ -19,8 +19,32 @@ class RopeScaling:
     """Context length the model was pre-trained with."""
 
 
-Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe"]
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"]
 """The architecture families titanrl implements."""
+
+
+@dataclass
+class YarnRopeScaling:
+    """YaRN RoPE scaling ('rope_type': 'yarn' in HF configs), as DeepSeek-V3 uses it."""
+
+    factor: float = 40.0
+    """Context extension factor."""
+
+    original_max_position_embeddings: int = 4096
+    """Context length the model was pre-trained with."""
+
+    beta_fast: float = 32.0
+    """Rotations below which a frequency is fully extrapolated (left unchanged)."""
+
+    beta_slow: float = 1.0
+    """Rotations above which a frequency is fully interpolated (divided by factor)."""
+
+    mscale: float = 1.0
+    """Numerator of YaRN's cos/sin scale (HF `mscale`)."""
+
+    mscale_all_dim: float = 0.0
+    """Denominator of that scale, and the attention softmax scale's factor mscale(factor,
+    mscale_all_dim) ** 2 (HF `mscale_all_dim`; 0: neither)."""
 
 
 @dataclass
@@ -111,6 +135,46 @@ class TransformerModelArgs:
     autograd from the expert loads, is added to the scores for top-k selection only. The bias
     is then a persistent buffer of the checkpoint; HF export needs it off."""
 
+    # DeepSeek-V3
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3) when > 0: rank of the compressed key/value
+    latent that the generator caches (HF `kv_lora_rank`); 0: ordinary attention."""
+
+    q_lora_rank: int = 0
+    """MLA: rank of the low-rank query projection (with its RMSNorm); 0: a plain q projection."""
+
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key dimension without RoPE."""
+
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key dimension with RoPE (the key part shared by all heads)."""
+
+    v_head_dim: int = 0
+    """MLA: per-head value dimension."""
+
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (x0, x1), (x2, x3) ... (DeepSeek's layout) instead of halves."""
+
+    rope_yarn: YarnRopeScaling | None = None
+    """YaRN RoPE scaling (with the MLA softmax scale's mscale); None: none."""
+
+    moe_score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3)."""
+
+    moe_n_group: int = 1
+    """Expert groups of group-limited routing (HF `n_group`): a token picks experts only in its
+    `moe_topk_group` best groups, a group scored by the sum of its top-2 biased scores."""
+
+    moe_topk_group: int = 1
+    """Groups a token may route to (HF `topk_group`)."""
+
+    moe_routed_scaling_factor: float = 1.0
+    """Routing weights are multiplied by this after normalisation (HF `routed_scaling_factor`)."""
+
+    moe_mtp_layers: int = 0
+    """Multi-token-prediction layers of the HF checkpoint (`num_nextn_predict_layers`): their
+    weights are skipped on import (with one notice), so the export lists none."""
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""
         return (
@@ -130,6 +194,8 @@ class TransformerModelArgs:
         return self.tie_word_embeddings and self.num_labels == 0
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank > 0 and self.head_dim == 0:
+            self.head_dim = self.qk_rope_head_dim  # MLA: the RoPE table covers the rope part only
         if self.head_dim == 0:
             if self.dim % self.n_heads != 0:
                 raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) or set head_dim")
@@ -140,5 +206,11 @@ class TransformerModelArgs:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.moe_num_experts > 0 and not 1 <= self.moe_top_k <= self.moe_num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be in [1, moe_num_experts={self.moe_num_experts}]")
+        if self.moe_num_experts > 0 and (self.moe_n_group < 1 or self.moe_num_experts % self.moe_n_group):
+            raise ValueError(f"moe_n_group ({self.moe_n_group}) must divide moe_num_experts ({self.moe_num_experts})")
+        if not 1 <= self.moe_topk_group <= self.moe_n_group:
+            raise ValueError(f"moe_topk_group ({self.moe_topk_group}) must be in [1, moe_n_group={self.moe_n_group}]")
+        if self.kv_lora_rank > 0 and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
         if self.moe_decoder_sparse_step < 1:
             raise ValueError(f"moe_decoder_sparse_step ({self.moe_decoder_sparse_step}) must be >= 1")

@@ -35,6 +35,7 @@ _HF_FAMILIES: dict[Family, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # `hf_deepseek.py`
 }
 _FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
 
@@ -97,6 +98,10 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     if model_type not in _FAMILY_OF_MODEL_TYPE:
         raise ValueError(f"Unsupported HF model_type '{model_type}'; supported: {', '.join(_FAMILY_OF_MODEL_TYPE)}")
     family = _FAMILY_OF_MODEL_TYPE[model_type]
+    if family == "deepseek_v3":
+        from titanrl.models import hf_deepseek  # which builds on this module
+
+        return hf_deepseek.deepseek_args_from_hf_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
     if cfg.get("mlp_bias", False):
@@ -176,6 +181,10 @@ def _moe_hf_config(args: TransformerModelArgs) -> dict:
 
 def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.float32) -> dict:
     """config.json contents for `args`, readable by transformers 4.x and 5.x."""
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_hf_config(args, dtype)
     model_type, architecture = _HF_FAMILIES[args.family]
     if args.num_labels:
         architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
@@ -224,6 +233,10 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
     """Rename HF weights to titanrl names; unknown names are errors, not silently dropped."""
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_from_hf_state_dict(hf_sd, args)
     sd = _stack_hf_experts(hf_sd)
     for hf_name, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.fullmatch(hf_name) or _HF_EXPERT_KEY.fullmatch(hf_name):
@@ -264,6 +277,10 @@ def _stack_hf_experts(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) -> dict[str, torch.Tensor]:
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_to_hf_state_dict(sd, args)
     hf_sd = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:

@@ -39,6 +39,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
 
 def precompute_rope_cache(args: TransformerModelArgs) -> torch.Tensor:
     """[max_seq_len, 2 * head_dim] table of cos | sin in float32."""
+    if args.rope_yarn is not None:
+        from titanrl.models.mla import yarn_rope_cache  # mla.py builds on this module
+
+        return yarn_rope_cache(args)
     inv_freq = rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
     t = torch.arange(args.max_seq_len, dtype=torch.float32)
     freqs_TD = torch.outer(t, inv_freq)
@@ -162,6 +166,14 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
+def _mla(layer_id: int, args: TransformerModelArgs) -> Attention:
+    """DeepSeek-V3's multi-head latent attention (`mla.py`, which builds on this module): typed
+    as the `Attention` whose `forward` and `init_weights` it has."""
+    from titanrl.models.mla import MLAttention
+
+    return cast(Attention, MLAttention(layer_id, args))
+
+
 class TransformerBlock(nn.Module):
     """Attention, then a dense SwiGLU (`feed_forward`) or a mixture of experts (`moe`) as
     `args.is_moe_layer(layer_id)` says; the other attribute is None."""
@@ -169,7 +181,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(layer_id, args)
+        self.attention = Attention(layer_id, args) if not args.kv_lora_rank else _mla(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         self.moe: MoE | None
