@@ -122,6 +122,9 @@ class KVCachePool:
     garbage, matters: slots past a sequence's end are read with weight 0, and 0 * NaN = NaN.
     The last block is the scratch block padding rows write into. `zero_all` zeroes the whole
     pool at once, for attention paths that read every page (FlexAttention over the pool).
+
+    `latent_v_dim` > 0 (multi-head latent attention, `models/mla.py`): K holds each token's
+    latent and V is a view of its first `latent_v_dim` entries, with no memory of its own.
     """
 
     def __init__(
@@ -134,13 +137,18 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         zero_all: bool = False,
+        latent_v_dim: int = 0,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         alloc = torch.zeros if zero_all else torch.empty
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.latent = latent_v_dim > 0
+        if self.latent:
+            self.v = [k[..., :latent_v_dim] for k in self.k]
+        else:
+            self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self._zeroed = [zero_all] * num_blocks
         self.prepare(num_blocks - 1)
 
@@ -161,12 +169,22 @@ class KVCachePool:
         return block
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(
+        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, latent: bool = False
+    ) -> int:
+        """Bytes of one block over all layers: K and V, or the latent alone (`latent`)."""
+        return (
+            (1 if latent else 2)
+            * n_layers
+            * block_size
+            * n_kv_heads
+            * head_dim
+            * torch.empty(0, dtype=dtype).element_size()
+        )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self.k if self.latent else self.k + self.v))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: give a sample its own copy of a shared, partly filled block."""

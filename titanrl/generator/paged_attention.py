@@ -205,6 +205,9 @@ class FlexPagedAttention:
     block mask is built at the first layer and shared by all. `pad_to_pool` on CPU (see
     `page_block_mask`)."""
 
+    caches_kv = True
+    """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
+
     def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
         self.block_mask: BlockMask | None = None
@@ -220,7 +223,7 @@ class FlexPagedAttention:
         # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
         options: FlexKernelOptions | None = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
         k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
-        v_1GLD = v_pages.view(1, P * B, Hkv, D).transpose(1, 2)
+        v_1GLD = v_pages.view(1, P * B, Hkv, -1).transpose(1, 2)  # MLA: V narrower than K
         if torch.compiler.is_compiling():
             flex = flex_attention
         else:
@@ -245,6 +248,9 @@ class FlexPagedAttention:
 class GatheredPagedAttention:
     """`AttentionBackend` of one forward over gathered copies of each sequence's pages: the
     batch-invariant attention (`exact`) or SDPA."""
+
+    caches_kv = True
+    """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
 
     def __init__(
         self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], exact: bool
