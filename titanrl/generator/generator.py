@@ -96,16 +96,16 @@ class Generator:
 
     # ---- memory: time-slicing with the trainer ----
 
-    def _kv_dims(self) -> tuple[int, int, int]:
-        """(KV heads per rank, head dim, latent V dim): MLA caches one latent a token (`mla.py`)."""
+    def _kv_dims(self) -> tuple[int, int, bool]:
+        """(KV heads per rank, head dim, latent): MLA caches one latent a token (`mla.py`)."""
         if self.args.kv_lora_rank:
-            return latent_cache_dims(self.args)
-        return self.args.n_kv_heads // self.tp, self.args.head_dim, 0
+            return (*latent_cache_dims(self.args), True)
+        return self.args.n_kv_heads // self.tp, self.args.head_dim, False
 
     def _bytes_per_block(self) -> int:
-        heads, head_dim, latent_v_dim = self._kv_dims()
+        heads, head_dim, latent = self._kv_dims()
         return KVCachePool.bytes_per_block(
-            self.args.n_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent_v_dim > 0
+            self.args.n_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
         )
 
     def wake(self) -> None:
@@ -116,7 +116,7 @@ class Generator:
         self._offloaded = []
         if self.pool is None:
             return_freed_host_memory()  # what training freed, before the pool takes its place
-            kv_heads, head_dim, latent_v_dim = self._kv_dims()
+            kv_heads, head_dim, latent = self._kv_dims()
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
                 self.args.n_layers,
@@ -126,7 +126,7 @@ class Generator:
                 head_dim,
                 self.dtype,
                 self.device,
-                latent_v_dim=latent_v_dim,
+                latent=latent,
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching)
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`

@@ -123,8 +123,8 @@ class KVCachePool:
     The last block is the scratch block padding rows write into. `zero_all` zeroes the whole
     pool at once, for attention paths that read every page (FlexAttention over the pool).
 
-    `latent_v_dim` > 0 (multi-head latent attention, `models/mla.py`): K holds each token's
-    latent and V is a view of its first `latent_v_dim` entries, with no memory of its own.
+    `latent` (multi-head latent attention, `models/mla.py`): one tensor a layer holds each
+    token's latent, both the K and the V that attention reads (`v` is `k`, no memory of its own).
     """
 
     def __init__(
@@ -137,16 +137,16 @@ class KVCachePool:
         dtype: torch.dtype,
         device: torch.device,
         zero_all: bool = False,
-        latent_v_dim: int = 0,
+        latent: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, n_kv_heads, head_dim)
         alloc = torch.zeros if zero_all else torch.empty
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.latent = latent_v_dim > 0
-        if self.latent:
-            self.v = [k[..., :latent_v_dim] for k in self.k]
+        self.latent = latent
+        if latent:
+            self.v = self.k
         else:
             self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self._zeroed = [zero_all] * num_blocks
@@ -163,7 +163,7 @@ class KVCachePool:
     def prepare(self, block: int) -> int:
         """Zero `block` if it was never used since the pool was allocated; returns it."""
         if not self._zeroed[block]:
-            for t in self.k + self.v:
+            for t in self.k if self.latent else self.k + self.v:
                 t[block].zero_()
             self._zeroed[block] = True
         return block
@@ -190,7 +190,8 @@ class KVCachePool:
         """Copy-on-write: give a sample its own copy of a shared, partly filled block."""
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+            if not self.latent:
+                v[dst].copy_(v[src])
 
 
 def write_kv(

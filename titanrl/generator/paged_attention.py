@@ -223,7 +223,7 @@ class FlexPagedAttention:
         # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
         options: FlexKernelOptions | None = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
         k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
-        v_1GLD = v_pages.view(1, P * B, Hkv, -1).transpose(1, 2)  # MLA: V narrower than K
+        v_1GLD = v_pages.view(1, P * B, Hkv, D).transpose(1, 2)
         if torch.compiler.is_compiling():
             flex = flex_attention
         else:

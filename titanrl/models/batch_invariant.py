@@ -143,7 +143,7 @@ def attend_exact_batched(
         acc_SGRD = block_pv if acc_SGRD is None else acc_SGRD + block_pv
     assert acc_SGRD is not None and denom_SGR1 is not None, "there is at least one key block"
     out_SGRD = (acc_SGRD / denom_SGR1).to(dtype)[:, :, :R]
-    return out_SGRD.reshape(S, Hkv, Q, n_rep, -1).permute(0, 2, 1, 3, 4).reshape(S, Q, H, -1)  # V's dim
+    return out_SGRD.reshape(S, Hkv, Q, n_rep, D).permute(0, 2, 1, 3, 4).reshape(S, Q, H, D)
 
 
 def attend_exact(q_QHD: torch.Tensor, k_LHD: torch.Tensor, v_LHD: torch.Tensor, q_pos: list[int]) -> torch.Tensor:

@@ -13,7 +13,9 @@ generator's paged attention) gets the latent instead, weight-absorbed: with W_UK
 per-head blocks of `wkv_b`, q_nope . (W_UK c) = (W_UK^T q_nope) . c and the output
 W_UV (sum_j p_j c_j), so attention runs as multi-query attention whose one key per token is
 [c, k_pe] (kv_lora_rank + qk_rope_head_dim values) and whose value is c, its first part: the
-cache holds that latent and nothing per head.
+cache holds that latent and nothing per head. The backend reads the whole latent as the value
+too (one tensor, and K and V of one width for every attention kernel); the output's rope
+columns are dropped.
 """
 
 import math
@@ -169,7 +171,8 @@ class MLAttention(nn.Module):
         q_abs = torch.cat([q_lat, q_pe], dim=-1)
         q_abs = q_abs * (self.softmax_scale * q_abs.shape[-1] ** 0.5)
         latent_BT1L = torch.cat([c_BTR.unsqueeze(2), k_pe_BT1D], dim=-1)
-        out_BTHR = backend.attend(self.layer_id, q_abs, latent_BT1L, latent_BT1L[..., : self.kv_lora_rank])
+        out_BTHL = backend.attend(self.layer_id, q_abs, latent_BT1L, latent_BT1L)
+        out_BTHR = out_BTHL[..., : self.kv_lora_rank]
         return torch.einsum("bthr,hvr->bthv", out_BTHR, w_uv_HVR)
 
     def init_weights(self, init_std: float) -> None:
@@ -185,7 +188,7 @@ class MLAttention(nn.Module):
                 norm.reset_parameters()
 
 
-def latent_cache_dims(args: TransformerModelArgs) -> tuple[int, int, int]:
-    """(KV heads, key dim, value dim) of MLA's paged cache: one latent [c, k_pe] per token and
-    layer, the value being its first kv_lora_rank entries (the same memory)."""
-    return 1, args.kv_lora_rank + args.qk_rope_head_dim, args.kv_lora_rank
+def latent_cache_dims(args: TransformerModelArgs) -> tuple[int, int]:
+    """(KV heads, head dim) of MLA's paged cache: one latent [c, k_pe] per token and layer,
+    read as both K and V."""
+    return 1, args.kv_lora_rank + args.qk_rope_head_dim
