@@ -261,3 +261,26 @@ def test_flavors_have_the_published_parameter_counts(flavor, total, active):
     assert (n_total, n_active) == (total, active)
     published_total, published_active = {"moonlight-16b-a3b": (16, 3), "deepseek-v3-671b": (671, 37)}[flavor]
     assert abs(n_total / 1e9 - published_total) < 0.05 and abs(n_active / 1e9 - published_active) < 0.6
+
+
+@pytest.mark.multirank
+def test_expert_parallel_ep2_matches_one_rank(tmp_path):
+    """2 AdamW steps with the experts sharded over 2 gloo ranks equal one rank's."""
+    import os
+    import sys
+
+    from helpers.launch import REPO_ROOT, run_torchrun
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
+    import deepseek_parity_worker as worker
+
+    run_torchrun(
+        os.path.join(REPO_ROOT, "tests", "multirank", "deepseek_parity_worker.py"), 2, ["--out", str(tmp_path / "r.pt")]
+    )
+    launched = torch.load(tmp_path / "r.pt")
+    for dtype, tol in (("float32", 1e-5), ("float64", 1e-10)):
+        got, ref = launched[dtype], worker.run_layout(1, dtype, world_size=1)
+        assert got["losses"] == pytest.approx(ref["losses"], abs=tol)
+        assert max((got["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"]) < tol
+        assert max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"]) < tol
+        assert ref["losses"][1] < ref["losses"][0] - 0.1  # the steps did something

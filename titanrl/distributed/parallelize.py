@@ -93,6 +93,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     """
     tp = tp_mesh.size()
     args = model.args
+    if args.kv_lora_rank:
+        raise ValueError(
+            f"tp={tp}: tensor parallelism of multi-head latent attention (DeepSeek-V3) is not implemented; "
+            "set parallelism.tp = 1 (parallelism.ep shards the experts)"
+        )
     if args.n_heads % tp or args.n_kv_heads % tp or args.hidden_dim % tp or args.vocab_size % tp:
         raise ValueError(
             f"tp={tp} must divide n_heads ({args.n_heads}), n_kv_heads ({args.n_kv_heads}), "
