@@ -1,5 +1,5 @@
 """Train a tiny DeepSeek-V3 model (MLA, sigmoid group-limited MoE with a shared expert, one
-dense layer) 2 steps under ep = 2; rank 0 saves the results.
+dense layer) 2 steps under ep = 2 and under tp = 2; rank 0 saves the results.
 
 Launched by tests/test_deepseek_v3.py with torchrun (2 gloo ranks); `run_layout` also runs
 in-process as the 1-rank reference, from the same init and global batch.
@@ -45,9 +45,14 @@ DSV3_ARGS = TransformerModelArgs(
 )
 
 
-def run_layout(ep: int, dtype: str, world_size: int) -> dict:
-    """2 steps with the experts sharded over `ep` ranks (1: the one-rank reference)."""
-    parallel_dims = ParallelDims(1, ep, 1, world_size, ep)
+# name -> (dp_shard, tp, ep)
+LAYOUTS = {"ep2": (2, 1, 2), "tp2": (1, 2, 1)}
+
+
+def run_layout(layout: str | None, dtype: str, world_size: int) -> dict:
+    """2 steps under `layout` (None: the one-rank reference)."""
+    dp_shard, tp, ep = LAYOUTS[layout] if layout else (1, 1, 1)
+    parallel_dims = ParallelDims(1, dp_shard, tp, world_size, ep)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
@@ -70,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
     rank, world_size = init_distributed()
-    results = {dtype: run_layout(2, dtype, world_size) for dtype in DTYPES}
+    results = {f"{layout}/{dtype}": run_layout(layout, dtype, world_size) for layout in LAYOUTS for dtype in DTYPES}
     if rank == 0:
         torch.save(results, cli.out)
     dist.barrier()

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from titanrl.models.args import TransformerModelArgs, YarnRopeScaling
 from titanrl.models.model import AttentionBackend, RMSNorm, apply_rope
@@ -92,6 +92,15 @@ def apply_rope_interleaved(
     return rotate(q_BTHD), rotate(k_BTHD)
 
 
+def _copy_to_tp_region(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient over `like`'s (a TP-sharded weight's)
+    mesh (Megatron's f): a replicated tensor that each rank uses for its own heads only."""
+    if not isinstance(like, DTensor) or not torch.is_grad_enabled():
+        return x
+    replicated = DTensor.from_local(x, like.device_mesh, [Replicate()], run_check=False)
+    return replicated.to_local(grad_placements=[Partial()])
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a (TP-sharded) weight."""
     return w.to_local() if isinstance(w, DTensor) else w
@@ -140,6 +149,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = self.queries(x_BTD).split([self.nope_dim, self.rope_dim], dim=-1)
         c_BTR, k_pe = self.wkv_a(x_BTD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_BTR = self.kv_norm(c_BTR)
+        k_pe = _copy_to_tp_region(k_pe, self.wkv_b.weight)  # under TP every rank's heads use k_pe
         q_pe, k_pe_BT1D = self.rope(q_pe, k_pe.unsqueeze(2), rope_BTD2)
         if backend is not None and getattr(backend, "caches_kv", False):
             return self.wo(self.attend_latent(backend, q_nope, q_pe, c_BTR, k_pe_BT1D).reshape(B, T, -1))
