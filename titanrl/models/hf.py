@@ -4,7 +4,7 @@ Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layo
 map one-to-one but for Qwen3-MoE's experts: HF stores `mlp.experts.{e}.gate_proj / up_proj /
 down_proj` per expert; titanrl stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...]
 on import and splits them on export. q/k need no permutation because titanrl applies RoPE in HF's
-rotate-half layout.
+rotate-half layout. deepseek_v3 maps in `hf_deepseek.py`, dispatched from here.
 """
 
 from __future__ import annotations
