@@ -20,7 +20,6 @@ from titanrl.generator.paged_attention import PagedBatch, SeqSlice, paged_attent
 from titanrl.models import Transformer, get_model_args  # noqa: E402
 from titanrl.models.args import YarnRope  # noqa: E402
 from titanrl.models.attention import DocumentFlexAttention, DocumentSDPA  # noqa: E402
-from titanrl.models.gpt_oss import yarn_inv_freq  # noqa: E402
 from titanrl.models.hf import (  # noqa: E402
     export_hf,
     from_hf_state_dict,
@@ -29,6 +28,7 @@ from titanrl.models.hf import (  # noqa: E402
     read_hf_config,
     to_hf_state_dict,
 )
+from titanrl.models.yarn import yarn_inv_freq  # noqa: E402
 
 TOL = 1e-5
 VOCAB, WINDOW = 300, 8

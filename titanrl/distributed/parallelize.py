@@ -170,12 +170,18 @@ def _block_tp_plan(args, residual, sequence_parallel: bool, moe: bool) -> dict:
     A mixture of experts is not tensor-parallel: every tp rank runs it on the whole (gathered)
     sequence with plain weights (expert parallelism is what shards the experts), and its output
     goes back to the residual's sequence shard."""
-    block_plan = {
+    block_plan: dict[str, ParallelStyle] = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel),
     }
+    if args.kv_lora_rank:  # MLA (`models/mla.py`): heads split, latent projections replicated
+        block_plan = {
+            "attention.wq_b" if args.q_lora_rank else "attention.wq": ColwiseParallel(),
+            "attention.wkv_b": ColwiseParallel(),
+            "attention.wo": block_plan["attention.wo"],
+        }
     if not moe:
         block_plan.update(
             {
@@ -198,7 +204,9 @@ def _block_tp_plan(args, residual, sequence_parallel: bool, moe: bool) -> dict:
             {
                 "attention_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(Shard(1), None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=bool(args.kv_lora_rank),  # MLA's replicated projections take plain x
                 ),
                 "ffn_norm": SequenceParallel(),
             }

@@ -37,6 +37,7 @@ from titanrl.generator.weight_sync import (
 )
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import load_hf_weights
+from titanrl.models.mla import latent_cache_dims
 from titanrl.models.model import Transformer
 from titanrl.models.tokenizer import Tokenizer
 
@@ -96,10 +97,17 @@ class Generator:
 
     # ---- memory: time-slicing with the trainer ----
 
+    def _kv_dims(self) -> tuple[int, int, bool]:
+        """(KV heads per rank, head dim, latent): MLA caches one latent a token (`mla.py`)."""
+        if self.args.kv_lora_rank:
+            return (*latent_cache_dims(self.args), True)
+        return self.args.n_kv_heads // self.tp, self.args.head_dim, False
+
     def _bytes_per_block(self) -> int:
+        heads, head_dim, latent = self._kv_dims()
         n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
         return KVCachePool.bytes_per_block(
-            n_kv_layers, self.config.block_size, self.args.n_kv_heads // self.tp, self.args.head_dim, self.dtype
+            n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
         )
 
     def _state_slot_bytes(self) -> int:
@@ -116,17 +124,18 @@ class Generator:
         self._offloaded = []
         if self.pool is None:
             return_freed_host_memory()  # what training freed, before the pool takes its place
-            kv_heads = self.args.n_kv_heads // self.tp
+            kv_heads, head_dim, latent = self._kv_dims()
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
                 self.args.n_layers,
                 self.num_blocks + 1,
                 self.config.block_size,
                 kv_heads,
-                self.args.head_dim,
+                head_dim,
                 self.dtype,
                 self.device,
                 kv_layers=[not self.args.is_linear_layer(i) for i in range(self.args.n_layers)],
+                latent=latent,
             )
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers

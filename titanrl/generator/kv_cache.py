@@ -122,6 +122,9 @@ class KVCachePool:
     garbage, matters: slots past a sequence's end are read with weight 0, and 0 * NaN = NaN.
     The last block is the scratch block padding rows write into. `zero_all` zeroes the whole
     pool at once, for attention paths that read every page (FlexAttention over the pool).
+
+    `latent` (multi-head latent attention, `models/mla.py`): one tensor a layer holds each
+    token's latent, both the K and the V that attention reads (`v` is `k`, no memory of its own).
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class KVCachePool:
         device: torch.device,
         zero_all: bool = False,
         kv_layers: list[bool] | None = None,
+        latent: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -144,7 +148,9 @@ class KVCachePool:
         kv_layers = kv_layers if kv_layers is not None else [True] * n_layers
         shapes = [(num_blocks, block_size, n_kv_heads if has_kv else 0, head_dim) for has_kv in kv_layers]
         self.k = [alloc(shape, dtype=dtype, device=device) for shape in shapes]
-        self.v = [alloc(shape, dtype=dtype, device=device) for shape in shapes]
+        # MLA (`latent`): one latent per token is both key and value (`models/mla.py`).
+        self.latent = latent
+        self.v = self.k if latent else [alloc(shape, dtype=dtype, device=device) for shape in shapes]
         self._zeroed = [zero_all] * num_blocks
         self.prepare(num_blocks - 1)
 
@@ -159,24 +165,35 @@ class KVCachePool:
     def prepare(self, block: int) -> int:
         """Zero `block` if it was never used since the pool was allocated; returns it."""
         if not self._zeroed[block]:
-            for t in self.k + self.v:
+            for t in self.k if self.latent else self.k + self.v:
                 t[block].zero_()
             self._zeroed[block] = True
         return block
 
     @staticmethod
-    def bytes_per_block(n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * n_layers * block_size * n_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(
+        n_layers: int, block_size: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, latent: bool = False
+    ) -> int:
+        """Bytes of one block over all layers: K and V, or the latent alone (`latent`)."""
+        return (
+            (1 if latent else 2)
+            * n_layers
+            * block_size
+            * n_kv_heads
+            * head_dim
+            * torch.empty(0, dtype=dtype).element_size()
+        )
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self.k if self.latent else self.k + self.v))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: give a sample its own copy of a shared, partly filled block."""
         for k, v in zip(self.k, self.v):
             k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+            if not self.latent:
+                v[dst].copy_(v[src])
 
 
 def write_kv(

@@ -227,6 +227,9 @@ class FlexPagedAttention:
     linear_states: LinearStates | None = None
     """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
 
+    caches_kv = True
+    """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
+
     def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
         self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
         self.block_mask: BlockMask | None = None
@@ -292,6 +295,9 @@ class GatheredPagedAttention:
 
     linear_states: LinearStates | None = None
     """A hybrid model's state slots for this forward (`ModelRunner.forward`)."""
+
+    caches_kv = True
+    """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
 
     def __init__(
         self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], exact: bool

@@ -40,10 +40,18 @@ class YarnRope:
     """Round the correction range to whole dimensions (HF `truncate`; gpt-oss sets it false)."""
 
     attention_factor: float = 0.0
-    """Scale of cos and sin (so of q.k by its square); 0: 0.1 * ln(factor) + 1 (YaRN's mscale)."""
+    """Scale of cos and sin (so of q.k by its square); 0: mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set (DeepSeek-V3), else 0.1 * ln(factor) + 1."""
+
+    mscale: float = 0.0
+    """DeepSeek-V3: numerator of the cos/sin scale (HF `mscale`); 0: unset."""
+
+    mscale_all_dim: float = 0.0
+    """DeepSeek-V3: denominator of that scale, and MLA's softmax scale is multiplied by
+    mscale(factor, mscale_all_dim) ** 2 (HF `mscale_all_dim`); 0: unset."""
 
 
-Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss"]
+Family = Literal["llama3", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "gpt_oss", "deepseek_v3"]
 """The architecture families titanrl implements."""
 
 
@@ -203,7 +211,8 @@ class TransformerModelArgs:
     """Keys a query of a sliding-window layer sees, itself included (HF `sliding_window`)."""
 
     rope_yarn: YarnRope | None = None
-    """YaRN RoPE scaling; None for plain RoPE (or rope_scaling's Llama-3.1 scaling)."""
+    """YaRN RoPE scaling (gpt-oss, DeepSeek-V3; `models/yarn.py`); None for plain RoPE (or
+    rope_scaling's Llama-3.1 scaling)."""
 
     swiglu_alpha: float = 1.702
     """gpt-oss experts: sigmoid gain of the clamped SwiGLU, gate * sigmoid(alpha * gate)."""
@@ -216,6 +225,43 @@ class TransformerModelArgs:
         if self.layer_types and self.layer_types[layer_id] == "sliding_attention":
             return self.sliding_window
         return 0
+
+    # DeepSeek-V3
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V3) when > 0: rank of the compressed key/value
+    latent that the generator caches (HF `kv_lora_rank`); 0: ordinary attention."""
+
+    q_lora_rank: int = 0
+    """MLA: rank of the low-rank query projection (with its RMSNorm); 0: a plain q projection."""
+
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key dimension without RoPE."""
+
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key dimension with RoPE (the key part shared by all heads)."""
+
+    v_head_dim: int = 0
+    """MLA: per-head value dimension."""
+
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (x0, x1), (x2, x3) ... (DeepSeek's layout) instead of halves."""
+
+    moe_score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts (Qwen3-MoE) or per-expert sigmoid (DeepSeek-V3)."""
+
+    moe_n_group: int = 1
+    """Expert groups of group-limited routing (HF `n_group`): a token picks experts only in its
+    `moe_topk_group` best groups, a group scored by the sum of its top-2 biased scores."""
+
+    moe_topk_group: int = 1
+    """Groups a token may route to (HF `topk_group`)."""
+
+    moe_routed_scaling_factor: float = 1.0
+    """Routing weights are multiplied by this after normalisation (HF `routed_scaling_factor`)."""
+
+    moe_mtp_layers: int = 0
+    """Multi-token-prediction layers of the HF checkpoint (`num_nextn_predict_layers`): their
+    weights are skipped on import (with one notice), so the export lists none."""
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has a mixture-of-experts feed-forward (Qwen3-MoE's rule)."""
@@ -236,6 +282,8 @@ class TransformerModelArgs:
         return self.tie_word_embeddings and self.num_labels == 0
 
     def __post_init__(self) -> None:
+        if self.kv_lora_rank > 0 and self.head_dim == 0:
+            self.head_dim = self.qk_rope_head_dim  # MLA: the RoPE table covers the rope part only
         if self.head_dim == 0:
             if self.dim % self.n_heads != 0:
                 raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads}) or set head_dim")
@@ -246,6 +294,12 @@ class TransformerModelArgs:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.moe_num_experts > 0 and not 1 <= self.moe_top_k <= self.moe_num_experts:
             raise ValueError(f"moe_top_k ({self.moe_top_k}) must be in [1, moe_num_experts={self.moe_num_experts}]")
+        if self.moe_num_experts > 0 and (self.moe_n_group < 1 or self.moe_num_experts % self.moe_n_group):
+            raise ValueError(f"moe_n_group ({self.moe_n_group}) must divide moe_num_experts ({self.moe_num_experts})")
+        if not 1 <= self.moe_topk_group <= self.moe_n_group:
+            raise ValueError(f"moe_topk_group ({self.moe_topk_group}) must be in [1, moe_n_group={self.moe_n_group}]")
+        if self.kv_lora_rank > 0 and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
         if self.moe_decoder_sparse_step < 1:
             raise ValueError(f"moe_decoder_sparse_step ({self.moe_decoder_sparse_step}) must be >= 1")
         self._check_layer_types()

@@ -6,7 +6,7 @@
   keys, itself included (HF's `kv_idx > q_idx - sliding_window`). The model's own attention
   (`sink_attention` without a backend) computes the softmax explicitly; a backend that takes
   sinks (the generator's paged backends) gets them as `attend(..., sinks_H=, window=)`.
-- YaRN RoPE (`yarn_inv_freq`): transformers' `_compute_yarn_parameters`, its attention factor
+- YaRN RoPE (`models/yarn.py`): transformers' `_compute_yarn_parameters`, its attention factor
   scaling cos and sin.
 - The MoE (`GptOssMoE`): a router with a bias whose k weights are the softmax over the chosen
   experts' logits (`GptOssTopKRouter`), experts with biases and the clamped SwiGLU
@@ -15,7 +15,6 @@
   b2; `hf_gpt_oss.py` maps HF's interleaved `gate_up_proj` onto them.
 """
 
-import math
 from typing import Protocol
 
 import torch
@@ -23,32 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanrl.models.args import TransformerModelArgs, YarnRope
+from titanrl.models.args import TransformerModelArgs
 from titanrl.models.moe import GroupedExperts, MoE, SharedExperts, grouped_mm_supported
-
-
-def yarn_inv_freq(head_dim: int, theta: float, yarn: YarnRope) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention factor) as transformers' YaRN computes them."""
-
-    def correction_dim(rotations: float) -> float:
-        return (
-            head_dim
-            * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(theta))
-        )
-
-    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
-    if yarn.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    factor = yarn.attention_factor or (0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0)
-    return inv_freq, factor
 
 
 def visible_keys(pos_SQ: torch.Tensor, key_pos_L: torch.Tensor, window: int) -> torch.Tensor:

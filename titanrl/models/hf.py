@@ -1,10 +1,11 @@
 """Hugging Face interop: config.json <-> model args, safetensors (sharded or not) <-> state dict.
 
 Supported `model_type`s: llama, qwen2, qwen3, qwen3_moe (the `*ForCausalLM` layouts), and
-gpt_oss (its mapping in `hf_gpt_oss.py`). Weight names map one-to-one but for Qwen3-MoE's
-experts: HF stores `mlp.experts.{e}.gate_proj / up_proj / down_proj` per expert; titanrl
-stacks them in expert order into `moe.experts.w1 / w3 / w2` [E, ...] on import and splits them
-on export. q/k need no permutation because titanrl applies RoPE in HF's rotate-half layout.
+qwen3_5_text, gpt_oss and deepseek_v3 (their mappings in `hf_qwen3_5.py`, `hf_gpt_oss.py` and
+`hf_deepseek.py`, dispatched from here). Weight names map one-to-one but for Qwen3-MoE's experts:
+HF stores `mlp.experts.{e}.gate_proj / up_proj / down_proj` per expert; titanrl stacks them in
+expert order into `moe.experts.w1 / w3 / w2` [E, ...] on import and splits them on export. q/k
+need no permutation because titanrl applies RoPE in HF's rotate-half layout.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _HF_FAMILIES: dict[Family, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),  # `hf_deepseek.py`
 }
 _FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
 
@@ -109,6 +111,10 @@ def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
     family = _FAMILY_OF_MODEL_TYPE[model_type]
     if family == "gpt_oss":
         return gpt_oss_args_from_hf_config(cfg)
+    if family == "deepseek_v3":
+        from titanrl.models import hf_deepseek  # which builds on this module
+
+        return hf_deepseek.deepseek_args_from_hf_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Unsupported hidden_act '{cfg['hidden_act']}'; titanrl implements SwiGLU (silu)")
     if cfg.get("mlp_bias", False):
@@ -192,6 +198,10 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
         return hf_qwen3_5.hf_config_from_args(args, dtype)
     if args.family == "gpt_oss":
         return gpt_oss_hf_config(args, dtype)
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_hf_config(args, dtype)
     model_type, architecture = _HF_FAMILIES[args.family]
     if args.num_labels:
         architecture = architecture.replace("ForCausalLM", "ForSequenceClassification")
@@ -244,6 +254,10 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
         return hf_qwen3_5.from_hf_state_dict(hf_sd, args)
     if args.family == "gpt_oss":
         return gpt_oss_from_hf_state_dict(hf_sd, args)
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_from_hf_state_dict(hf_sd, args)
     sd = _stack_hf_experts(hf_sd)
     for hf_name, tensor in hf_sd.items():
         if _IGNORED_HF_KEYS.fullmatch(hf_name) or _HF_EXPERT_KEY.fullmatch(hf_name):
@@ -288,6 +302,10 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) ->
         return hf_qwen3_5.to_hf_state_dict(sd, args)
     if args.family == "gpt_oss":
         return gpt_oss_to_hf_state_dict(sd, args)
+    if args.family == "deepseek_v3":
+        from titanrl.models import hf_deepseek
+
+        return hf_deepseek.deepseek_to_hf_state_dict(sd, args)
     hf_sd = {}
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:

@@ -97,6 +97,8 @@ class LoRALinear(nn.Linear):
 def add_lora(model: Transformer, config: LoRAConfig) -> int:
     """Replace the target projections of every block of `model` (a `Transformer`, before
     parallelization) by `LoRALinear`s; returns how many were adapted."""
+    if model.args.kv_lora_rank:
+        raise ValueError("[lora] LoRA on multi-head latent attention (DeepSeek-V3) is not implemented: drop [lora]")
     targets = [_TARGETS[name] for name in resolve_targets(config.target_modules)]
     count = 0
     for layer_id, block in model.layers.items():

@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import RopeScaling, TransformerModelArgs
 from titanrl.models.gated_deltanet import GatedDeltaNet, LinearStates
-from titanrl.models.gpt_oss import GptOssMoE, sink_attention, yarn_inv_freq
+from titanrl.models.gpt_oss import GptOssMoE, sink_attention
 from titanrl.models.logprobs import chunked_token_logprobs, vocab_parallel_token_logprobs
 from titanrl.models.moe import MoE
+from titanrl.models.yarn import yarn_inv_freq
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -44,7 +45,7 @@ def precompute_rope_cache(args: TransformerModelArgs) -> torch.Tensor:
     partial rotary)."""
     inv_freq = rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling)
     scale = 1.0
-    if args.rope_yarn is not None:  # gpt-oss
+    if args.rope_yarn is not None:  # gpt-oss, DeepSeek-V3
         inv_freq, scale = yarn_inv_freq(args.rotary_dim, args.rope_theta, args.rope_yarn)
     t = torch.arange(args.max_seq_len, dtype=torch.float32)
     freqs_TD = torch.outer(t, inv_freq)
@@ -188,6 +189,14 @@ class FeedForward(nn.Module):
             nn.init.trunc_normal_(linear.weight, mean=0.0, std=init_std)
 
 
+def _mla(layer_id: int, args: TransformerModelArgs) -> Attention:
+    """DeepSeek-V3's multi-head latent attention (`mla.py`, which builds on this module): typed
+    as the `Attention` whose `forward` and `init_weights` it has."""
+    from titanrl.models.mla import MLAttention
+
+    return cast(Attention, MLAttention(layer_id, args))
+
+
 class TransformerBlock(nn.Module):
     """Attention, then a dense SwiGLU (`feed_forward`) or a mixture of experts (`moe`) as
     `args.is_moe_layer(layer_id)` says; the other attribute is None."""
@@ -195,9 +204,12 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, args: TransformerModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        # Qwen3.5's hybrid: a gated DeltaNet layer replaces attention in some blocks.
+        # Qwen3.5's hybrid: a gated DeltaNet layer replaces attention in some blocks; DeepSeek-V3:
+        # multi-head latent attention (`mla.py`).
         self.linear_attn = GatedDeltaNet(layer_id, args) if args.is_linear_layer(layer_id) else None
-        self.attention = Attention(layer_id, args) if self.linear_attn is None else None
+        self.attention = None
+        if self.linear_attn is None:
+            self.attention = Attention(layer_id, args) if not args.kv_lora_rank else _mla(layer_id, args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe_enabled = args.is_moe_layer(layer_id)
         self.moe: MoE | None

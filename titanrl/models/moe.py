@@ -55,11 +55,24 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 class TopKRouter(nn.Module):
     """Token-choice top-k routing over softmax probabilities (Qwen3-MoE's gate)."""
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+    ):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        # DeepSeek-V3: sigmoid scores, group-limited choice, scaled weights (`TransformerModelArgs`).
+        self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
 
     def forward(
         self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None, routes_TK: torch.Tensor | None = None
@@ -70,14 +83,33 @@ class TopKRouter(nn.Module):
         choice, except on its negative rows (`PAD_ROUTE`, `ROUTER_ROUTE`). Either way the weights
         are the router's probabilities of the chosen experts."""
         # float32 as HF for 16/32-bit models; float64 models stay float64.
-        probs_TE = torch.softmax(self.gate(x_TD), dim=-1, dtype=torch.promote_types(x_TD.dtype, torch.float32))
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        if self.score_func == "sigmoid":
+            probs_TE = torch.sigmoid(self.gate(x_TD).to(dtype))
+        else:
+            probs_TE = torch.softmax(self.gate(x_TD), dim=-1, dtype=dtype)
         scores_TE = probs_TE if expert_bias_E is None else probs_TE + expert_bias_E
+        if self.n_group > 1:
+            scores_TE = self.limit_to_groups(scores_TE)
         chosen_TK = torch.topk(scores_TE, self.top_k, dim=-1).indices  # k of E: cheap, and no host sync
         routes_TK = chosen_TK if routes_TK is None else torch.where(routes_TK < 0, chosen_TK, routes_TK)
         weights_TK = probs_TE.gather(1, routes_TK)
         if self.norm_topk_prob:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            eps = 1e-20 if self.score_func == "sigmoid" else 0.0  # transformers' DeepSeek-V3 adds it
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + eps)
+        if self.routed_scaling_factor != 1.0:
+            weights_TK = weights_TK * self.routed_scaling_factor
         return weights_TK.to(x_TD.dtype), routes_TK, probs_TE
+
+    def limit_to_groups(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's group-limited choice: the experts outside a token's `topk_group` best
+        groups (a group scored by the sum of its two best scores) get -inf."""
+        T, E = scores_TE.shape
+        scores_TGX = scores_TE.view(T, self.n_group, E // self.n_group)
+        group_scores_TG = scores_TGX.topk(2, dim=-1).values.sum(dim=-1)
+        groups_TK = group_scores_TG.topk(self.topk_group, dim=-1).indices
+        keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, groups_TK, True)
+        return scores_TGX.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
 
     def init_weights(self, init_std: float) -> None:
         nn.init.trunc_normal_(self.gate.weight, mean=0.0, std=init_std)
@@ -192,7 +224,16 @@ class MoE(nn.Module):
         self.num_experts = args.moe_num_experts
         self.top_k = args.moe_top_k
         self.use_expert_bias = args.moe_expert_bias
-        self.router = TopKRouter(args.dim, args.moe_num_experts, args.moe_top_k, args.moe_norm_topk_prob)
+        self.router = TopKRouter(
+            args.dim,
+            args.moe_num_experts,
+            args.moe_top_k,
+            args.moe_norm_topk_prob,
+            args.moe_score_func,
+            args.moe_n_group,
+            args.moe_topk_group,
+            args.moe_routed_scaling_factor,
+        )
         self.experts = GroupedExperts(args.moe_num_experts, args.dim, args.moe_hidden_dim)
         self.shared_experts = shared_experts
         # Checkpointed only when routing uses it; a Qwen3-MoE checkpoint has none.
