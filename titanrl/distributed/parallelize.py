@@ -130,8 +130,9 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
             for path, style in block_plan.items()
         }
         parallelize_module(block, tp_mesh, plan)
-        sinks = block.attention.sinks
+        sinks = getattr(block.attention, "sinks", None)  # MLA and linear layers have none
         if sinks is not None:  # gpt-oss: each rank's heads' sinks (Shard(0), as wq's heads)
+            assert block.attention is not None, "sinks belong to an attention layer"
             block.attention.sinks = nn.Parameter(
                 distribute_tensor(sinks, tp_mesh, [Shard(0)]), requires_grad=sinks.requires_grad
             )
