@@ -44,6 +44,14 @@ from titanrl.models.tokenizer import Tokenizer
 __all__ = ["Completion", "GenerationStats", "Generator", "PauseWhen", "ResumedSample", "TurnHandler"]
 
 
+def kv_cache_dims(args: TransformerModelArgs, tp: int) -> tuple[int, int, bool]:
+    """(KV heads per rank, head dim, latent) of a token's cache entry: MLA caches one latent a
+    token (`models/mla.py`)."""
+    if args.kv_lora_rank:
+        return (*latent_cache_dims(args), True)
+    return args.n_kv_heads // tp, args.head_dim, False
+
+
 class Generator:
     """Generates with its own copy of the policy (TP-sharded like the trainer's, synced in place
     by `load_weights`) over a KV pool that `sleep` frees for training and `wake` brings back.
@@ -97,14 +105,8 @@ class Generator:
 
     # ---- memory: time-slicing with the trainer ----
 
-    def _kv_dims(self) -> tuple[int, int, bool]:
-        """(KV heads per rank, head dim, latent): MLA caches one latent a token (`mla.py`)."""
-        if self.args.kv_lora_rank:
-            return (*latent_cache_dims(self.args), True)
-        return self.args.n_kv_heads // self.tp, self.args.head_dim, False
-
     def _bytes_per_block(self) -> int:
-        heads, head_dim, latent = self._kv_dims()
+        heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
         n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
         return KVCachePool.bytes_per_block(
             n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
@@ -124,7 +126,7 @@ class Generator:
         self._offloaded = []
         if self.pool is None:
             return_freed_host_memory()  # what training freed, before the pool takes its place
-            kv_heads, head_dim, latent = self._kv_dims()
+            kv_heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
             # One extra block, never handed out, takes the K/V writes of padding rows.
             self.pool = KVCachePool(
                 self.args.n_layers,
