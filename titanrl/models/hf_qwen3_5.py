@@ -38,7 +38,7 @@ _HF_TO_TITAN = {
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
     "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
 }
-_LINEAR_PARAMS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+_LINEAR_PARAMS: tuple[str, ...] = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 _LINEAR_PARAMS += ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 _HF_TO_TITAN.update({f"model.layers.{{}}.linear_attn.{p}": f"layers.{{}}.linear_attn.{p}" for p in _LINEAR_PARAMS})
 _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
