@@ -32,7 +32,9 @@ def _forkable(cmd: list[str]) -> tuple[list[str], int] | None:
     if cmd[:3] == [sys.executable, "-m", "titanrl.train"]:
         return cmd[1:], 1
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    if cmd[:4] == torchrun and cmd[4].startswith("--nproc_per_node="):
+    # Only the launch options run_torchrun and train_cmd give: other torchrun flags (restarts,
+    # rendezvous settings) are torchrun's own behaviour, so those commands run torchrun.
+    if cmd[:4] == torchrun and cmd[4].startswith("--nproc_per_node=") and not cmd[5].startswith("--"):
         return cmd[5:], int(cmd[4].split("=")[1])
     return None
 
@@ -45,7 +47,7 @@ def _run_forked(
     from helpers import rank_zygote
 
     with tempfile.TemporaryDirectory() as logs:
-        codes, out, err = rank_zygote.launch(argv, nproc, env, timeout_s, logs)
+        codes, out, err = rank_zygote.launch(argv, nproc, env, timeout_s, logs, torchrun=cmd[2] != "titanrl.train")
     code = codes[0] if cmd[2] == "titanrl.train" else int(any(codes))
     return subprocess.CompletedProcess(cmd, code, out, err)
 

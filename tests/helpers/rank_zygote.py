@@ -21,7 +21,6 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -172,12 +171,6 @@ def _zygotes(n: int) -> list[Zygote]:
     return _ZYGOTES[:n]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
     """The variables torchrun --standalone gives rank `rank` of `nproc` on one node."""
     return {
@@ -196,20 +189,28 @@ def rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:
         "TORCHELASTIC_RUN_ID": f"zygote-{port}",
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
 
 
-def launch(argv: list[str], nproc: int, env: dict, timeout_s: float, log_dir: str) -> tuple[list[int], str, str]:
+def launch(
+    argv: list[str], nproc: int, env: dict, timeout_s: float, log_dir: str, torchrun: bool = True
+) -> tuple[list[int], str, str]:
     """Run `python <argv>` (a script, or `-m module`) on `nproc` forked ranks: (each rank's exit
     code, their stdout, their stderr, in rank order). As torchrun does, the first rank to fail
-    stops the others. Past `timeout_s` every rank is killed and `subprocess.TimeoutExpired`
-    raised. With nproc == 1 and no RANK in `env`, the one process is a plain `python` run."""
-    port = _free_port()
+    stops the others, and this process hosts the rendezvous store (the ranks only connect to it,
+    so a job that re-forms groups never finds its port taken). Past `timeout_s` every rank is
+    killed and `subprocess.TimeoutExpired` raised. `torchrun=False` (one rank): a plain `python`
+    run, without torchrun's variables."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False) if torchrun else None
+    port = store.port if store is not None else 0
     zygotes = _zygotes(nproc)
     logs = [(os.path.join(log_dir, f"rank{r}.out"), os.path.join(log_dir, f"rank{r}.err")) for r in range(nproc)]
     pids = []
     for rank, zygote in enumerate(zygotes):
-        rank_vars = env if nproc == 1 else rank_env(env, rank, nproc, port)
+        rank_vars = rank_env(env, rank, nproc, port) if torchrun else env
         request = {"op": "spawn", "argv": argv, "env": rank_vars, "cwd": REPO_ROOT}
         pids.append(zygote.ask({**request, "stdout": logs[rank][0], "stderr": logs[rank][1]})["pid"])
     codes: list[int | None] = [None] * nproc
