@@ -35,6 +35,12 @@ GPU_SIZES = ([1, 64, 256], 512, 64, (2, 2048), 3)
 DRY_RUN_SIZES = ([1, 4], 40, 4, (2, 48), 1)
 
 
+DOC_TABLES = [
+    ("Decode vs the bandwidth roofline", ["decode"], None),
+    ("Training step (MFU of the active parameters)", ["train"], None),
+]
+
+
 def matmul_active_params(args: TransformerModelArgs) -> int:
     """Parameters a token's matmuls use: the active ones less the embedding table (a lookup)."""
     with torch.device("meta"):
