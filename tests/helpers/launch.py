@@ -14,12 +14,40 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 def run_cmd(cmd: list[str], env: dict, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """Run a command with its output in files, not pipes: a stray grandchild that keeps an
-    inherited pipe open (e.g. after a SIGKILL test) can then never hang the test."""
+    inherited pipe open (e.g. after a SIGKILL test) can then never hang the test. A titanrl job
+    (`python -m titanrl.train`, alone or under `torchrun --standalone`) and a torchrun'd script
+    run on ranks forked from pre-imported interpreters (`_run_forked`)."""
+    forked = _forkable(cmd)
+    if forked is not None and os.environ.get("TITANRL_TEST_TORCHRUN") != "1":
+        return _run_forked(cmd, *forked, env, timeout_s)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.run(cmd, env=env, stdout=out, stderr=err, text=True, timeout=timeout_s, cwd=REPO_ROOT)
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+
+
+def _forkable(cmd: list[str]) -> tuple[list[str], int] | None:
+    """(the `python` arguments, ranks) of a command `rank_zygote` runs as it would run, else None."""
+    if cmd[:3] == [sys.executable, "-m", "titanrl.train"]:
+        return cmd[1:], 1
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    if cmd[:4] == torchrun and cmd[4].startswith("--nproc_per_node="):
+        return cmd[5:], int(cmd[4].split("=")[1])
+    return None
+
+
+def _run_forked(
+    cmd: list[str], argv: list[str], nproc: int, env: dict, timeout_s: float
+) -> subprocess.CompletedProcess:
+    """`cmd` on ranks forked by helpers/rank_zygote.py. Its exit code is the process's (one rank
+    without torchrun) or torchrun's: 0 when every rank exits 0, else 1."""
+    from helpers import rank_zygote
+
+    with tempfile.TemporaryDirectory() as logs:
+        codes, out, err = rank_zygote.launch(argv, nproc, env, timeout_s, logs)
+    code = codes[0] if cmd[2] == "titanrl.train" else int(any(codes))
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
@@ -40,8 +68,9 @@ def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600, env: dict | None = None) -> str:
-    """Run `script` under `torchrun --standalone` with `nproc` gloo ranks (`env`: variables to add
-    or replace); fail with its output."""
+    """Run `script` on `nproc` gloo ranks as `torchrun --standalone` would (`env`: variables to
+    add or replace); fail with its output. The ranks are forked from pre-imported interpreters
+    (helpers/rank_zygote.py); TITANRL_TEST_TORCHRUN=1 starts them with torchrun instead."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
     proc = run_cmd(cmd, env, timeout_s)
