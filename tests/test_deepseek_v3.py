@@ -82,12 +82,25 @@ def _tiny_hf(q_lora_rank, yarn, std, bias, dtype=torch.float32):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each tiny configuration saved once for the whole module: name -> (folder, transformers model)."""
+    saved: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in saved:
+            hf_model = _tiny_hf(*CONFIGS[name])
+            folder = tmp_path_factory.mktemp(name) / "hf"
+            hf_model.save_pretrained(folder)
+            saved[name] = folder, hf_model
+        return saved[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def hf_folder(request, tmp_path_factory):
-    hf_model = _tiny_hf(*CONFIGS[request.param])
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    hf_model.save_pretrained(folder)
-    return folder, hf_model
+def hf_folder(request, checkpoints):
+    return checkpoints(request.param)
 
 
 def _titan_from_folder(folder) -> Transformer:
@@ -143,24 +156,26 @@ def test_mtp_layers_are_skipped_with_one_notice(hf_folder, tmp_path, caplog):
 
 
 @pytest.fixture(scope="module")
-def generate_reference(tmp_path_factory):
+def generate_reference(checkpoints):
     """The YaRN / q_lora checkpoint, 12 prompts (two of them prefix-cache hits on a third) and
-    transformers' greedy completions with their logprobs in float64."""
-    hf_model = _tiny_hf(*CONFIGS["q_lora-yarn-std0.2-bias"])
-    folder = tmp_path_factory.mktemp("generate") / "hf"
-    hf_model.save_pretrained(folder)
+    transformers' greedy completions (one left-padded `generate` call) with their logprobs in
+    float64 (one unpadded forward per prompt)."""
+    folder, hf_model = checkpoints("q_lora-yarn-std0.2-bias")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 3, 5, 8, 9, 13, 17, 21, 30, 4, 11, 25)]
     prompts[9], prompts[11] = prompts[8][:4], prompts[8][:25]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf_model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, width:]
     completions = []
-    for prompt in prompts:
-        out = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+    for prompt, tokens in zip(prompts, out, strict=True):
+        full = torch.tensor([prompt + tokens.tolist()])
         with torch.no_grad():
-            logits = hf_model(input_ids=out).logits[0, len(prompt) - 1 : -1].double()
-        logprobs = torch.log_softmax(logits, -1).gather(1, out[0, len(prompt) :, None])[:, 0]
-        completions.append((out[0, len(prompt) :].tolist(), logprobs))
+            logits = hf_model(input_ids=full).logits[0, len(prompt) - 1 : -1].double()
+        completions.append((tokens.tolist(), torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]))
     return folder, prompts, completions
 
 
@@ -265,13 +280,19 @@ def test_flavors_have_the_published_parameter_counts(flavor, total, active):
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
+    """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
     import os
+    import sys
 
     from helpers.launch import REPO_ROOT, run_torchrun
 
     out = tmp_path_factory.mktemp("dsv3_parallel") / "results.pt"
     run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "deepseek_parity_worker.py"), 2, ["--out", str(out)])
-    return torch.load(out)
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
+    import deepseek_parity_worker as worker
+
+    references = {dtype: worker.run_layout(None, dtype, world_size=1) for dtype in ("float32", "float64")}
+    return torch.load(out), references
 
 
 @pytest.mark.multirank
@@ -279,18 +300,11 @@ def launched(tmp_path_factory):
 def test_two_rank_expert_and_tensor_parallel_match_one_rank(launched, layout):
     """2 AdamW steps with the experts over 2 gloo ranks (ep) or MLA's heads and the dense
     layer split over 2 (tp) equal one rank's, in float32 and float64."""
-    import os
-    import sys
-
-    from helpers.launch import REPO_ROOT
-
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
-    import deepseek_parity_worker as worker
-
+    results, references = launched
     # float32 parameters: AdamW turns a 3e-7 gradient difference on a near-zero gradient into
     # ~1e-5 of update after the tp all-reduces (float64 shows the layouts compute the same thing).
     for dtype, tol, param_tol in (("float32", 1e-5, 5e-5), ("float64", 1e-10, 1e-10)):
-        got, ref = launched[f"{layout}/{dtype}"], worker.run_layout(None, dtype, world_size=1)
+        got, ref = results[f"{layout}/{dtype}"], references[dtype]
         assert got["losses"] == pytest.approx(ref["losses"], abs=tol)
         assert got["grads"].keys() == ref["grads"].keys()
         assert max((got["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"]) < tol
