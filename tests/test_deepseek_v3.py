@@ -278,6 +278,46 @@ def test_flavors_have_the_published_parameter_counts(flavor, total, active):
     assert abs(n_total / 1e9 - published_total) < 0.05 and abs(n_active / 1e9 - published_active) < 0.6
 
 
+@pytest.mark.parametrize("mode", ["runtime", "merged"])
+def test_lora_on_mla_reaches_the_absorbed_generator(checkpoints, tmp_path, mode):
+    """wq / wk / wv / wo adapt MLA's wq_a, wq_b, wkv_a, wkv_b and wo; the generator, which reads
+    wkv_b's weight in its weight-absorbed attention, serves base + adapter as the trainer does
+    (adapters at runtime, or merged at the sync), and a PEFT export names the HF projections."""
+    import json
+
+    from titanrl.config.model import LoRA as LoRAConfig
+    from titanrl.models.hf import export_peft_adapter
+    from titanrl.models.lora import LoRALinear, add_lora, init_lora, lora_modules
+
+    folder, _ = checkpoints("q_lora-yarn-std0.2-bias")
+    trainer = _titan_from_folder(folder)
+    lora = LoRAConfig(enable=True, rank=4, alpha=8.0, generator=mode)
+    assert add_lora(trainer, lora) == 5 * trainer.args.n_layers
+    init_lora(trainer, seed=0)
+    with torch.no_grad():
+        for module in trainer.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.weight.normal_(0.0, 0.05)
+    assert {name.split(".")[-1] for name, _ in lora_modules(trainer)} == {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"}
+    gen = Generator(trainer.args, GeneratorConfig(num_blocks=64, block_size=4), torch.device("cpu"), lora=lora)
+    if mode == "merged":
+        gen = Generator(trainer.args, GeneratorConfig(num_blocks=64, block_size=4), torch.device("cpu"))
+    gen.load_weights(trainer)
+    prompts = [[1, 5, 9, 2, 7, 7], [3, 3, 7]]
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3))
+    for i, c in enumerate(completions):
+        prompt = prompts[i // 2]
+        tokens = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompt) - 1 :]
+        want = want.gather(-1, tokens[0, len(prompt) :, None])[:, 0]
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max().item() < 1e-5
+    if mode == "merged":
+        export_peft_adapter(trainer, str(tmp_path), lora.rank, lora.alpha, lora.dropout)
+        targets = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+        assert targets == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
