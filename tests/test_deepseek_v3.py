@@ -318,6 +318,18 @@ def test_lora_on_mla_reaches_the_absorbed_generator(checkpoints, tmp_path, mode)
         assert targets == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
 
 
+def test_context_parallelism_refuses_multi_head_latent_attention():
+    from types import SimpleNamespace
+
+    from titanrl.config.job_config import JobConfig
+    from titanrl.distributed.parallelize import parallelize_model
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug-deepseek-v3"))
+    with pytest.raises(ValueError, match="cp = 2 does not support multi-head latent attention"):
+        parallelize_model(model, SimpleNamespace(cp=2), JobConfig())  # type: ignore[arg-type]  # refused first
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
