@@ -25,3 +25,16 @@ NEGLIGIBLE = qwen3_shape(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim
 TINY = qwen3_shape(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
 # The debug shape 2x wider and deeper (dim 512, 8 layers) over a 4096-token vocabulary.
 D512X8 = qwen3_shape(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, hidden_dim=1536, vocab_size=4096, max_seq_len=256)
+
+
+def deepseek_v3_2l() -> TransformerModelArgs:
+    """Two DeepSeek-V3-671B layers (the 61st-layer shapes: MLA with 128 heads, kv_lora_rank 512;
+    one dense layer, one MoE layer) with 16 routed experts instead of 256 so that float32 AdamW
+    state fits one GPU: top-8 of 8 groups (best 4), so a token's active compute is the real
+    layers' (scripts/bench_gpu.sh --deepseek-only)."""
+    import dataclasses
+
+    from titanrl.models.flavors import get_model_args
+
+    full = get_model_args("deepseek-v3-671b")
+    return dataclasses.replace(full, n_layers=2, moe_mlp_only_layers=[0], moe_num_experts=16, max_seq_len=4096)

@@ -330,6 +330,38 @@ def test_context_parallelism_refuses_multi_head_latent_attention():
         parallelize_model(model, SimpleNamespace(cp=2), JobConfig())  # type: ignore[arg-type]  # refused first
 
 
+def test_bench_gpu_deepseek_section_dry_run(tmp_path):
+    """scripts/bench_gpu.sh --deepseek-only on the CPU (debug flavor): every number present and
+    consistent, so that a GPU run of the two DeepSeek-V3-shaped layers is right the first time."""
+    import json
+    import os
+    import subprocess
+
+    from helpers.launch import REPO_ROOT
+
+    out = tmp_path / "bench.json"
+    cmd = [
+        "bash",
+        os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"),
+        "--deepseek-only",
+        "--dry-run",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["results"]
+    args = get_model_args("debug-deepseek-v3")
+    assert report["model"] == "debug-deepseek-v3" and report["dry_run"] is True
+    assert report["latent_bytes_per_token"] == args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4
+    assert [row["batch"] for row in report["decode"]] == [1, 4]
+    for row in report["decode"]:
+        assert row["decode_tok_s"] > 0 and row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
+    train = report["train"]
+    assert train["tokens_per_s"] > 0 and train["mfu"] is None  # no peak known on CPU
+    assert 2_000_000 < train["active_params"] < sum(p.numel() for p in Transformer(args).parameters())
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
