@@ -52,3 +52,16 @@ GPT_OSS_20B_2L = TransformerModelArgs(
     sliding_window=128,
     layer_types=["sliding_attention", "full_attention"],
 )
+
+
+def deepseek_v3_2l() -> TransformerModelArgs:
+    """Two DeepSeek-V3-671B layers (the 61st-layer shapes: MLA with 128 heads, kv_lora_rank 512;
+    one dense layer, one MoE layer) with 16 routed experts instead of 256 so that float32 AdamW
+    state fits one GPU: top-8 of 8 groups (best 4), so a token's active compute is the real
+    layers' (scripts/bench_gpu.sh --deepseek-only)."""
+    import dataclasses
+
+    from titanrl.models.flavors import get_model_args
+
+    full = get_model_args("deepseek-v3-671b")
+    return dataclasses.replace(full, n_layers=2, moe_mlp_only_layers=[0], moe_num_experts=16, max_seq_len=4096)

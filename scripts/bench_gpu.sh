@@ -131,6 +131,17 @@ if [[ " $* " == *" --hybrid-only "* ]]; then
   hybrid_section "$@"
   exit $?
 fi
+# Two DeepSeek-V3-shaped layers (benchmarks/bench_deepseek_gpu.py, under 300 s): generator decode
+# tok/s at batch 1 / 64 / 256 over MLA's latent cache vs the bandwidth roofline, and training MFU of
+# the active parameters; one JSON (--out, default benchmarks/bench_deepseek_gpu.json). With
+# --dry-run: the debug-deepseek-v3 flavor on the CPU (tests/test_deepseek_v3.py runs it).
+#   bash scripts/bench_gpu.sh --deepseek-only [--dry-run] [--out PATH] [--eager]
+if [[ " $* " == *" --deepseek-only "* ]]; then
+  ds_args=()
+  for arg in "$@"; do [[ "$arg" == "--deepseek-only" ]] || ds_args+=("$arg"); done
+  timeout 300 python -m benchmarks.bench_deepseek_gpu ${ds_args[@]+"${ds_args[@]}"}
+  exit $?
+fi
 # The script stops starting work 30 s before the hard limit, so the JSON is always written.
 rc=0
 args=()

@@ -82,12 +82,25 @@ def _tiny_hf(q_lora_rank, yarn, std, bias, dtype=torch.float32):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each tiny configuration saved once for the whole module: name -> (folder, transformers model)."""
+    saved: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in saved:
+            hf_model = _tiny_hf(*CONFIGS[name])
+            folder = tmp_path_factory.mktemp(name) / "hf"
+            hf_model.save_pretrained(folder)
+            saved[name] = folder, hf_model
+        return saved[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
-def hf_folder(request, tmp_path_factory):
-    hf_model = _tiny_hf(*CONFIGS[request.param])
-    folder = tmp_path_factory.mktemp(request.param) / "hf"
-    hf_model.save_pretrained(folder)
-    return folder, hf_model
+def hf_folder(request, checkpoints):
+    return checkpoints(request.param)
 
 
 def _titan_from_folder(folder) -> Transformer:
@@ -143,24 +156,26 @@ def test_mtp_layers_are_skipped_with_one_notice(hf_folder, tmp_path, caplog):
 
 
 @pytest.fixture(scope="module")
-def generate_reference(tmp_path_factory):
+def generate_reference(checkpoints):
     """The YaRN / q_lora checkpoint, 12 prompts (two of them prefix-cache hits on a third) and
-    transformers' greedy completions with their logprobs in float64."""
-    hf_model = _tiny_hf(*CONFIGS["q_lora-yarn-std0.2-bias"])
-    folder = tmp_path_factory.mktemp("generate") / "hf"
-    hf_model.save_pretrained(folder)
+    transformers' greedy completions (one left-padded `generate` call) with their logprobs in
+    float64 (one unpadded forward per prompt)."""
+    folder, hf_model = checkpoints("q_lora-yarn-std0.2-bias")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 3, 5, 8, 9, 13, 17, 21, 30, 4, 11, 25)]
     prompts[9], prompts[11] = prompts[8][:4], prompts[8][:25]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf_model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[:, width:]
     completions = []
-    for prompt in prompts:
-        out = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+    for prompt, tokens in zip(prompts, out, strict=True):
+        full = torch.tensor([prompt + tokens.tolist()])
         with torch.no_grad():
-            logits = hf_model(input_ids=out).logits[0, len(prompt) - 1 : -1].double()
-        logprobs = torch.log_softmax(logits, -1).gather(1, out[0, len(prompt) :, None])[:, 0]
-        completions.append((out[0, len(prompt) :].tolist(), logprobs))
+            logits = hf_model(input_ids=full).logits[0, len(prompt) - 1 : -1].double()
+        completions.append((tokens.tolist(), torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0]))
     return folder, prompts, completions
 
 
@@ -263,15 +278,105 @@ def test_flavors_have_the_published_parameter_counts(flavor, total, active):
     assert abs(n_total / 1e9 - published_total) < 0.05 and abs(n_active / 1e9 - published_active) < 0.6
 
 
+@pytest.mark.parametrize("mode", ["runtime", "merged"])
+def test_lora_on_mla_reaches_the_absorbed_generator(checkpoints, tmp_path, mode):
+    """wq / wk / wv / wo adapt MLA's wq_a, wq_b, wkv_a, wkv_b and wo; the generator, which reads
+    wkv_b's weight in its weight-absorbed attention, serves base + adapter as the trainer does
+    (adapters at runtime, or merged at the sync), and a PEFT export names the HF projections."""
+    import json
+
+    from titanrl.config.model import LoRA as LoRAConfig
+    from titanrl.models.hf import export_peft_adapter
+    from titanrl.models.lora import LoRALinear, add_lora, init_lora, lora_modules
+
+    folder, _ = checkpoints("q_lora-yarn-std0.2-bias")
+    trainer = _titan_from_folder(folder)
+    lora = LoRAConfig(enable=True, rank=4, alpha=8.0, generator=mode)
+    assert add_lora(trainer, lora) == 5 * trainer.args.n_layers
+    init_lora(trainer, seed=0)
+    with torch.no_grad():
+        for module in trainer.modules():
+            if isinstance(module, LoRALinear):
+                module.lora_b.weight.normal_(0.0, 0.05)
+    assert {name.split(".")[-1] for name, _ in lora_modules(trainer)} == {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"}
+    gen = Generator(trainer.args, GeneratorConfig(num_blocks=64, block_size=4), torch.device("cpu"), lora=lora)
+    if mode == "merged":
+        gen = Generator(trainer.args, GeneratorConfig(num_blocks=64, block_size=4), torch.device("cpu"))
+    gen.load_weights(trainer)
+    prompts = [[1, 5, 9, 2, 7, 7], [3, 3, 7]]
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3))
+    for i, c in enumerate(completions):
+        prompt = prompts[i // 2]
+        tokens = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            want = torch.log_softmax(trainer(tokens[:, :-1]).double(), -1)[0, len(prompt) - 1 :]
+        want = want.gather(-1, tokens[0, len(prompt) :, None])[:, 0]
+        assert (torch.tensor(c.logprobs, dtype=torch.float64) - want).abs().max().item() < 1e-5
+    if mode == "merged":
+        export_peft_adapter(trainer, str(tmp_path), lora.rank, lora.alpha, lora.dropout)
+        targets = json.loads((tmp_path / "adapter_config.json").read_text())["target_modules"]
+        assert targets == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+
+
+def test_context_parallelism_refuses_multi_head_latent_attention():
+    from types import SimpleNamespace
+
+    from titanrl.config.job_config import JobConfig
+    from titanrl.distributed.parallelize import parallelize_model
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug-deepseek-v3"))
+    with pytest.raises(ValueError, match="cp = 2 does not support multi-head latent attention"):
+        parallelize_model(model, SimpleNamespace(cp=2), JobConfig())  # type: ignore[arg-type]  # refused first
+
+
+def test_bench_gpu_deepseek_section_dry_run(tmp_path):
+    """scripts/bench_gpu.sh --deepseek-only on the CPU (debug flavor): every number present and
+    consistent, so that a GPU run of the two DeepSeek-V3-shaped layers is right the first time."""
+    import json
+    import os
+    import subprocess
+
+    from helpers.launch import REPO_ROOT
+
+    out = tmp_path / "bench.json"
+    cmd = [
+        "bash",
+        os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"),
+        "--deepseek-only",
+        "--dry-run",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["results"]
+    args = get_model_args("debug-deepseek-v3")
+    assert report["model"] == "debug-deepseek-v3" and report["dry_run"] is True
+    assert report["latent_bytes_per_token"] == args.n_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4
+    assert [row["batch"] for row in report["decode"]] == [1, 4]
+    for row in report["decode"]:
+        assert row["decode_tok_s"] > 0 and row["fraction_of_roofline"] == row["decode_tok_s"] / row["roofline_tok_s"]
+    train = report["train"]
+    assert train["tokens_per_s"] > 0 and train["mfu"] is None  # no peak known on CPU
+    assert 2_000_000 < train["active_params"] < sum(p.numel() for p in Transformer(args).parameters())
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
+    """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
     import os
+    import sys
 
     from helpers.launch import REPO_ROOT, run_torchrun
 
     out = tmp_path_factory.mktemp("dsv3_parallel") / "results.pt"
     run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "deepseek_parity_worker.py"), 2, ["--out", str(out)])
-    return torch.load(out)
+    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
+    import deepseek_parity_worker as worker
+
+    references = {dtype: worker.run_layout(None, dtype, world_size=1) for dtype in ("float32", "float64")}
+    return torch.load(out), references
 
 
 @pytest.mark.multirank
@@ -279,18 +384,11 @@ def launched(tmp_path_factory):
 def test_two_rank_expert_and_tensor_parallel_match_one_rank(launched, layout):
     """2 AdamW steps with the experts over 2 gloo ranks (ep) or MLA's heads and the dense
     layer split over 2 (tp) equal one rank's, in float32 and float64."""
-    import os
-    import sys
-
-    from helpers.launch import REPO_ROOT
-
-    sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
-    import deepseek_parity_worker as worker
-
+    results, references = launched
     # float32 parameters: AdamW turns a 3e-7 gradient difference on a near-zero gradient into
     # ~1e-5 of update after the tp all-reduces (float64 shows the layouts compute the same thing).
     for dtype, tol, param_tol in (("float32", 1e-5, 5e-5), ("float64", 1e-10, 1e-10)):
-        got, ref = launched[f"{layout}/{dtype}"], worker.run_layout(None, dtype, world_size=1)
+        got, ref = results[f"{layout}/{dtype}"], references[dtype]
         assert got["losses"] == pytest.approx(ref["losses"], abs=tol)
         assert got["grads"].keys() == ref["grads"].keys()
         assert max((got["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"]) < tol

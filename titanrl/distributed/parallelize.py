@@ -42,6 +42,12 @@ _DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
 def parallelize_model(model: Transformer, parallel_dims: ParallelDims, job_config: JobConfig) -> Transformer:
     """Also records the cp group on the model (`model.cp_mesh`, None without context parallelism):
     `titanrl.data.batch_forward` shards the rows of every training forward over it."""
+    if parallel_dims.cp > 1 and model.args.kv_lora_rank:  # DeepSeek-V3
+        raise ValueError(
+            f"[parallelism] cp = {parallel_dims.cp} does not support multi-head latent attention (DeepSeek-V3): "
+            "context parallelism all-gathers per-head K / V in `Attention`, which MLA (models/mla.py) "
+            "does not use; set cp = 1"
+        )
     validate_cp(job_config, parallel_dims.cp, model.args.moe_num_experts > 0)
     check_hybrid_parallelism(model.args, parallel_dims.tp, parallel_dims.cp)  # Qwen3.5: tp, cp refused
     model.cp_mesh = parallel_dims.cp_mesh if parallel_dims.cp_enabled else None

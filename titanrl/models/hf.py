@@ -452,8 +452,7 @@ def export_peft_adapter(
         return
     adapters, targets = {}, set()
     for name, _ in lora_modules(model):
-        hf_name = _map_name(f"{name}.weight", _TITAN_TO_HF)
-        assert hf_name is not None, name
+        (hf_name,) = to_hf_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, model.args)  # any family's names
         targets.add(hf_name.split(".")[-2])
         stem = "base_model.model." + hf_name.removesuffix(".weight")
         adapters[f"{stem}.lora_A.weight"] = sd[f"{name}.lora_a.weight"]

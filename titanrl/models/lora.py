@@ -97,9 +97,7 @@ class LoRALinear(nn.Linear):
 def add_lora(model: Transformer, config: LoRAConfig) -> int:
     """Replace the target projections of every block of `model` (a `Transformer`, before
     parallelization) by `LoRALinear`s; returns how many were adapted."""
-    if model.args.kv_lora_rank:
-        raise ValueError("[lora] LoRA on multi-head latent attention (DeepSeek-V3) is not implemented: drop [lora]")
-    targets = [_TARGETS[name] for name in resolve_targets(config.target_modules)]
+    targets = _block_targets(model, resolve_targets(config.target_modules))
     count = 0
     for layer_id, block in model.layers.items():
         for path in targets:
@@ -123,6 +121,20 @@ def add_lora(model: Transformer, config: LoRAConfig) -> int:
             "(e.g. ['wq', 'wk', 'wv', 'wo'])"
         )
     return count
+
+
+def _block_targets(model: Transformer, names: list[str]) -> list[str]:
+    """Module paths inside a block for titanrl target names. Multi-head latent attention
+    (DeepSeek-V3, `models/mla.py`) has no wk / wv: keys and values both come out of the latent
+    projections, so wk and wv name `wkv_a` and `wkv_b`, and wq names `wq_a` and `wq_b` when
+    queries are low-rank."""
+    args = model.args
+    if not args.kv_lora_rank:
+        return [_TARGETS[name] for name in names]
+    mla = {"wq": ["wq_a", "wq_b"] if args.q_lora_rank else ["wq"], "wk": ["wkv_a", "wkv_b"], "wo": ["wo"]}
+    mla["wv"] = mla["wk"]
+    paths = [f"attention.{p}" for name in names if name in mla for p in mla[name]]
+    return list(dict.fromkeys(paths + [_TARGETS[name] for name in names if name not in mla]))
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

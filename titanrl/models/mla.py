@@ -70,6 +70,15 @@ def _local(w: torch.Tensor) -> torch.Tensor:
     return w.to_local() if isinstance(w, DTensor) else w
 
 
+def _applied_weight(linear: nn.Linear) -> torch.Tensor:
+    """This rank's shard of the weight `linear` applies: with a LoRA adapter on
+    (`models/lora.py`, the generator's 'runtime' mode) W + (alpha / r) B A, as its forward adds."""
+    w = _local(linear.weight)
+    if getattr(linear, "lora_b", None) is not None and linear.adapters_enabled:
+        return torch.addmm(w, _local(linear.lora_b.weight), _local(linear.lora_a.weight), alpha=linear.scaling)
+    return w
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (module docstring); `forward` as `Attention.forward`."""
 
@@ -139,7 +148,7 @@ class MLAttention(nn.Module):
         k_pe_BT1D: torch.Tensor,
     ) -> torch.Tensor:
         """Weight-absorbed attention over the latent (module docstring): [B, T, heads, v_head_dim]."""
-        w_HXR = _local(self.wkv_b.weight).view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_HXR = _applied_weight(self.wkv_b).view(-1, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk_HNR, w_uv_HVR = w_HXR.split([self.nope_dim, self.v_dim], dim=1)
         q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk_HNR)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)
