@@ -147,8 +147,14 @@ def test_mtp_layers_are_skipped_with_one_notice(hf_folder, tmp_path, caplog):
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)
     save_safetensors_folder({**hf_sd, **mtp}, str(tmp_path))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    with caplog.at_level(logging.WARNING):
-        model = _titan_from_folder(tmp_path)
+    # The "titanrl" logger does not propagate (components/console.py): caplog's handler goes on it.
+    titanrl_logger = logging.getLogger("titanrl")
+    titanrl_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING):
+            model = _titan_from_folder(tmp_path)
+    finally:
+        titanrl_logger.removeHandler(caplog.handler)
     notices = [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert len(notices) == 1 and f"Skipping {len(mtp)} weights" in notices[0].getMessage()
     with torch.no_grad():

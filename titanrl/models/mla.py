@@ -18,6 +18,8 @@ too (one tensor, and K and V of one width for every attention kernel); the outpu
 columns are dropped.
 """
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,8 +76,9 @@ def _applied_weight(linear: nn.Linear) -> torch.Tensor:
     """This rank's shard of the weight `linear` applies: with a LoRA adapter on
     (`models/lora.py`, the generator's 'runtime' mode) W + (alpha / r) B A, as its forward adds."""
     w = _local(linear.weight)
-    if getattr(linear, "lora_b", None) is not None and linear.adapters_enabled:
-        return torch.addmm(w, _local(linear.lora_b.weight), _local(linear.lora_a.weight), alpha=linear.scaling)
+    lora_a, lora_b = getattr(linear, "lora_a", None), getattr(linear, "lora_b", None)
+    if isinstance(lora_a, nn.Linear) and isinstance(lora_b, nn.Linear) and getattr(linear, "adapters_enabled", False):
+        return torch.addmm(w, _local(lora_b.weight), _local(lora_a.weight), alpha=cast(float, linear.scaling))
     return w
 
 
