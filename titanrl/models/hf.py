@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanrl.models import hf_qwen3_5
 from titanrl.models.args import Family, RopeScaling, TransformerModelArgs
+from titanrl.models.hf_common import base_hf_config
 from titanrl.models.hf_gpt_oss import (
     gpt_oss_args_from_hf_config,
     gpt_oss_from_hf_state_dict,
@@ -221,19 +222,7 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype = torch.f
             original_max_position_embeddings=args.rope_scaling.original_max_position_embeddings,
         )
     cfg = {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
+        **base_hf_config(args, architecture, model_type),
         "rope_parameters": rope,
         # Legacy (transformers 4.x) spelling of the same RoPE settings.
         "rope_theta": args.rope_theta,

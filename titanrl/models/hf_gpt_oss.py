@@ -14,6 +14,7 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs, YarnRope
+from titanrl.models.hf_common import base_hf_config
 
 # HF name -> titanrl name; "{}" is the layer index.
 _HF_TO_TITAN = {
@@ -126,20 +127,8 @@ def gpt_oss_hf_config(args: TransformerModelArgs, dtype: torch.dtype) -> dict:
         if y.attention_factor:
             rope["attention_factor"] = y.attention_factor
     return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
+        **base_hf_config(args, "GptOssForCausalLM", "gpt_oss"),
         "attention_bias": args.qkv_bias,
-        "hidden_act": "silu",
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
         "num_local_experts": args.moe_num_experts,

@@ -13,6 +13,7 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs
+from titanrl.models.hf_common import base_hf_config
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 """HF model_types this adapter reads (it writes qwen3_5_text)."""
@@ -106,19 +107,7 @@ def hf_config_from_args(args: TransformerModelArgs, dtype: torch.dtype) -> dict:
     if not (args.qk_norm and args.attn_output_gate):
         raise ValueError("qwen3_5 exports only with qk_norm = true and attn_output_gate = true (its layout)")
     return {
-        "architectures": ["Qwen3_5ForCausalLM"],
-        "model_type": "qwen3_5_text",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "hidden_act": "silu",
+        **base_hf_config(args, "Qwen3_5ForCausalLM", "qwen3_5_text"),
         "attention_bias": args.qkv_bias,
         "rope_parameters": {
             "rope_type": "default",
