@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from titanrl.models import Transformer, gated_deltanet  # noqa: E402
 from titanrl.models.delta_rule import recurrent_gated_delta_rule  # noqa: E402
 from titanrl.models.hf import export_hf, load_hf_weights, read_hf_config  # noqa: E402
-from titanrl.models.hf_qwen3_5 import _TITAN_TO_HF, _map_name  # noqa: E402
+from titanrl.models.hf_common import map_name  # noqa: E402
+from titanrl.models.hf_qwen3_5 import _TITAN_TO_HF  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -161,7 +162,7 @@ def test_training_step_gradients_match_float64(hf_folder, models, monkeypatch):
         scale = max(1.0, grad.abs().max().item())
         assert (grad - reference[name]).abs().max() < 1e-6 * scale, name
         assert (g32[name] - grad).abs().max() < 1e-4 * scale, name
-        assert (hf_params[_map_name(name, _TITAN_TO_HF)].grad - grad).abs().max() < 1e-4 * scale, name
+        assert (hf_params[map_name(name, _TITAN_TO_HF)].grad - grad).abs().max() < 1e-4 * scale, name
 
 
 # ---- the paged generator: state slots beside the KV pool ----

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titanrl.models import hf_qwen3_5
 from titanrl.models.args import Family, RopeScaling, TransformerModelArgs
-from titanrl.models.hf_common import base_hf_config
+from titanrl.models.hf_common import DENSE_HF_TO_TITAN, base_hf_config, map_name
 from titanrl.models.hf_gpt_oss import (
     gpt_oss_args_from_hf_config,
     gpt_oss_from_hf_state_dict,
@@ -49,28 +49,7 @@ _HF_FAMILIES: dict[Family, tuple[str, str]] = {
 }
 _FAMILY_OF_MODEL_TYPE = {model_type: family for family, (model_type, _) in _HF_FAMILIES.items()}
 
-# HF name -> titanrl name; "{}" is the layer index.
-_HF_TO_TITAN = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
-    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
-    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
-    "model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
-    "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight",
-}
+_HF_TO_TITAN = {**DENSE_HF_TO_TITAN, "model.layers.{}.mlp.gate.weight": "layers.{}.moe.router.gate.weight"}
 _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -84,15 +63,6 @@ _HF_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_p
 # rows first), down_proj [E, D, H].
 _HF_FUSED_EXPERT_KEY = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _TITAN_EXPERT_KEY = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
-
-
-def _map_name(name: str, table: dict[str, str]) -> str | None:
-    layer = re.search(r"\.(\d+)\.", name)
-    template = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
-    target = table.get(template)
-    if target is None:
-        return None
-    return target.format(layer.group(1)) if layer else target
 
 
 def _num_labels(cfg: dict) -> int:
@@ -253,7 +223,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
             continue
         if _HF_FUSED_EXPERT_KEY.fullmatch(hf_name):
             continue
-        name = "output.weight" if hf_name == "score.weight" and args.num_labels else _map_name(hf_name, _HF_TO_TITAN)
+        name = "output.weight" if hf_name == "score.weight" and args.num_labels else map_name(hf_name, _HF_TO_TITAN)
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
         sd[name] = tensor
@@ -304,7 +274,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) ->
             for e, expert in enumerate(tensor.unbind(0)):
                 hf_sd[f"model.layers.{m.group(1)}.mlp.experts.{e}.{proj}.weight"] = expert
             continue
-        hf_name = "score.weight" if name == "output.weight" and args.num_labels else _map_name(name, _TITAN_TO_HF)
+        hf_name = "score.weight" if name == "output.weight" and args.num_labels else map_name(name, _TITAN_TO_HF)
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no HF name (adapter table out of date)")
         hf_sd[hf_name] = tensor

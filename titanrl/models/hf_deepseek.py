@@ -14,17 +14,14 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs, YarnRope
-from titanrl.models.hf import _map_name, _stack_hf_experts
+from titanrl.models.hf import _stack_hf_experts
+from titanrl.models.hf_common import BASE_HF_TO_TITAN, map_name
 
 logger = logging.getLogger(__name__)
 
 _ATTN = "model.layers.{}.self_attn."
 _HF_TO_TITAN = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    **BASE_HF_TO_TITAN,
     _ATTN + "q_proj.weight": "layers.{}.attention.wq.weight",
     _ATTN + "q_a_proj.weight": "layers.{}.attention.wq_a.weight",
     _ATTN + "q_a_proj.bias": "layers.{}.attention.wq_a.bias",
@@ -199,7 +196,7 @@ def deepseek_from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: Transforme
     for hf_name, tensor in main.items():
         if _HF_EXPERT.fullmatch(hf_name) or hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = _map_name(hf_name, _HF_TO_TITAN)
+        name = map_name(hf_name, _HF_TO_TITAN)
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
         sd[name] = tensor
@@ -218,7 +215,7 @@ def deepseek_to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerMode
             for e, expert in enumerate(tensor.unbind(0)):
                 hf_sd[f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERT_PROJ[m.group(2)]}.weight"] = expert
             continue
-        hf_name = _map_name(name, _TITAN_TO_HF)
+        hf_name = map_name(name, _TITAN_TO_HF)
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no deepseek_v3 HF name")
         hf_sd[hf_name] = tensor

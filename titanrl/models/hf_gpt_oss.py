@@ -14,15 +14,11 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs, YarnRope
-from titanrl.models.hf_common import base_hf_config
+from titanrl.models.hf_common import BASE_HF_TO_TITAN, base_hf_config, map_name
 
 # HF name -> titanrl name; "{}" is the layer index.
 _HF_TO_TITAN = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
+    **BASE_HF_TO_TITAN,
     "model.layers.{}.self_attn.sinks": "layers.{}.attention.sinks",
     "model.layers.{}.mlp.router.weight": "layers.{}.moe.router.gate.weight",
     "model.layers.{}.mlp.router.bias": "layers.{}.moe.router.gate.bias",
@@ -36,15 +32,6 @@ _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
 _HF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 _TITAN_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w3|b1|b3|w2|b2)")
 _MXFP4 = re.compile(r".*\.experts\.\w+_(blocks|scales)")
-
-
-def _rename(name: str, table: dict[str, str]) -> str | None:
-    layer = re.search(r"\.(\d+)\.", name)
-    template = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
-    target = table.get(template)
-    if target is None or layer is None:
-        return target
-    return target.format(layer.group(1))
 
 
 def _yarn_from_hf(rope: dict) -> YarnRope | None:
@@ -159,7 +146,7 @@ def gpt_oss_from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: Transformer
                     tensor[..., 1::2].transpose(1, 2),
                 )
             continue
-        name = _rename(hf_name, _HF_TO_TITAN)
+        name = map_name(hf_name, _HF_TO_TITAN)
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF gpt_oss checkpoint; titanrl has no place for it")
         sd[name] = tensor
@@ -178,7 +165,7 @@ def gpt_oss_to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModel
         if m := _TITAN_EXPERTS.fullmatch(name):
             experts.setdefault(m.group(1), {})[m.group(2)] = tensor
             continue
-        hf_name = _rename(name, _TITAN_TO_HF)
+        hf_name = map_name(name, _TITAN_TO_HF)
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no HF gpt_oss name")
         hf_sd[hf_name] = tensor

@@ -13,32 +13,12 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs
-from titanrl.models.hf_common import base_hf_config
+from titanrl.models.hf_common import DENSE_HF_TO_TITAN, base_hf_config, map_name
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 """HF model_types this adapter reads (it writes qwen3_5_text)."""
 
-# HF name -> titanrl name; "{}" is the layer index.
-_HF_TO_TITAN = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{}.input_layernorm.weight": "layers.{}.attention_norm.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "layers.{}.ffn_norm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": "layers.{}.attention.wq.weight",
-    "model.layers.{}.self_attn.k_proj.weight": "layers.{}.attention.wk.weight",
-    "model.layers.{}.self_attn.v_proj.weight": "layers.{}.attention.wv.weight",
-    "model.layers.{}.self_attn.o_proj.weight": "layers.{}.attention.wo.weight",
-    "model.layers.{}.self_attn.q_proj.bias": "layers.{}.attention.wq.bias",
-    "model.layers.{}.self_attn.k_proj.bias": "layers.{}.attention.wk.bias",
-    "model.layers.{}.self_attn.v_proj.bias": "layers.{}.attention.wv.bias",
-    "model.layers.{}.self_attn.o_proj.bias": "layers.{}.attention.wo.bias",
-    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attention.q_norm.weight",
-    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attention.k_norm.weight",
-    "model.layers.{}.mlp.gate_proj.weight": "layers.{}.feed_forward.w1.weight",
-    "model.layers.{}.mlp.down_proj.weight": "layers.{}.feed_forward.w2.weight",
-    "model.layers.{}.mlp.up_proj.weight": "layers.{}.feed_forward.w3.weight",
-}
+_HF_TO_TITAN = dict(DENSE_HF_TO_TITAN)
 _LINEAR_PARAMS: tuple[str, ...] = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 _LINEAR_PARAMS += ("conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
 _HF_TO_TITAN.update({f"model.layers.{{}}.linear_attn.{p}": f"layers.{{}}.linear_attn.{p}" for p in _LINEAR_PARAMS})
@@ -46,15 +26,6 @@ _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
 _OFFSET_NORMS = re.compile(r"(norm|layers\.\d+\.(attention_norm|ffn_norm|attention\.q_norm|attention\.k_norm))\.weight")
 """titanrl names of the zero-centred RMSNorms."""
 _MULTIMODAL_ONLY = re.compile(r"(model\.visual\.|mtp\.).*")
-
-
-def _map_name(name: str, table: dict[str, str]) -> str | None:
-    layer = re.search(r"\.(\d+)\.", name)
-    template = name.replace(f".{layer.group(1)}.", ".{}.", 1) if layer else name
-    target = table.get(template)
-    if target is None:
-        return None
-    return target.format(layer.group(1)) if layer else target
 
 
 def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
@@ -131,7 +102,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
         hf_name = hf_name.replace("model.language_model.", "model.", 1)
         if _MULTIMODAL_ONLY.fullmatch(hf_name):
             continue
-        name = _map_name(hf_name, _HF_TO_TITAN)
+        name = map_name(hf_name, _HF_TO_TITAN)
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
         sd[name] = tensor + 1 if _OFFSET_NORMS.fullmatch(name) else tensor
@@ -145,7 +116,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) ->
     for name, tensor in sd.items():
         if name == "output.weight" and args.ties_output:
             continue
-        hf_name = _map_name(name, _TITAN_TO_HF)
+        hf_name = map_name(name, _TITAN_TO_HF)
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no qwen3_5 HF name")
         hf_sd[hf_name] = tensor - 1 if _OFFSET_NORMS.fullmatch(name) else tensor
