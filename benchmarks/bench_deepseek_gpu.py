@@ -16,10 +16,9 @@ import platform
 
 import torch
 
-from benchmarks.bench_gpu import PEAK_BF16_FLOPS, build_on, copy_bandwidth, decode_config
-from benchmarks.bench_moe import active_params
+from benchmarks.bench_gpu import PEAK_BF16_FLOPS, bench_train, copy_bandwidth, decode_config
 from benchmarks.gpu_workers import time_decode
-from benchmarks.harness import command_line, timeit, write_json
+from benchmarks.harness import command_line, write_json
 from benchmarks.shapes import deepseek_v3_2l
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator import Generator, SamplingParams
@@ -84,34 +83,16 @@ def decode_rows(args, device, dtype, batch_sizes, prompt_len, new_tokens, bandwi
 
 
 def train_row(args: TransformerModelArgs, device, batch: int, seq: int, peak: float | None, reps: int) -> dict:
-    """One training step (bf16 autocast on CUDA, float32 AdamW); FLOPs: 6 x active parameters a
-    token, plus causal attention, whose scores use qk_nope + qk_rope dims and values v_head_dim."""
-    torch.manual_seed(0)
-    model = build_on(args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        with autocast:
-            logits = model(tokens[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        opt.step()
-
-    seconds = timeit(step, warmup=1, repeat=reps, device=device).median
-    n_active = active_params(model)
+    """One training step (`bench_gpu.bench_train`: bf16 autocast on CUDA, float32 AdamW) with MLA's
+    FLOPs: 6 x active parameters a token, plus causal attention, whose scores use qk_nope + qk_rope
+    dims and values v_head_dim."""
+    row = bench_train(args, device, batch, seq, peak, reps)
     qk_v = args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim
-    flops = 6 * n_active * batch * seq + 6 * args.n_layers * args.n_heads * qk_v * seq * seq * batch / 2
-    return {
-        "batch": batch,
-        "seq": seq,
-        "active_params": n_active,
-        "step_s": seconds,
-        "tokens_per_s": batch * seq / seconds,
-        "tflops": flops / seconds / 1e12,
-        "mfu": flops / seconds / peak if peak else None,
-    }
+    attention = 6 * args.n_layers * args.n_heads * qk_v * seq * seq * batch / 2
+    flops = 6 * row["active_params"] * batch * seq + attention
+    row["tflops"] = flops / row["step_s"] / 1e12
+    row["mfu"] = flops / row["step_s"] / peak if peak else None
+    return row
 
 
 def main() -> None:

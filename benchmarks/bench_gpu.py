@@ -211,6 +211,7 @@ def bench_train(
     out = {
         "batch": batch,
         "seq": seq,
+        "active_params": n_params,
         "step_s": seconds,
         "tokens_per_s": batch * seq / seconds,
         "tflops": flops / seconds / 1e12,
