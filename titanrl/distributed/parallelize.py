@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed.context_parallel import validate_cp
 from titanrl.distributed.expert_parallel import ExpertParallel
+from titanrl.distributed.gated_deltanet_tp import linear_attn_tp_plan, shard_linear_attn_params
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.models.gated_deltanet import check_parallelism as check_hybrid_parallelism
 from titanrl.models.lora import LoRALinear, freeze_base, has_lora
@@ -131,11 +132,16 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
 
     for block in model.blocks():
         block_plan = _block_tp_plan(args, residual, sequence_parallel, block.moe_enabled)
+        if block.linear_attn is not None:  # Qwen3.5's gated DeltaNet in place of attention
+            block_plan = {k: v for k, v in block_plan.items() if k.split(".")[0] != "attention"}
+            block_plan |= linear_attn_tp_plan(residual, sequence_parallel)
         plan = {
             path: LoRAParallel(style) if isinstance(block.get_submodule(path), LoRALinear) else style
             for path, style in block_plan.items()
         }
         parallelize_module(block, tp_mesh, plan)
+        if block.linear_attn is not None:
+            shard_linear_attn_params(block.linear_attn, tp_mesh)
         sinks = getattr(block.attention, "sinks", None)  # MLA and linear layers have none
         if sinks is not None:  # gpt-oss: each rank's heads' sinks (Shard(0), as wq's heads)
             assert block.attention is not None, "sinks belong to an attention layer"

@@ -6,7 +6,12 @@ head, and computes the gated delta rule (`models/delta_rule.py`) with the write 
 beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias). Each of the
 `linear_num_key_heads` q/k heads serves `linear_num_value_heads / linear_num_key_heads`
 consecutive value heads. The output is RMS-normed per value head, gated by SiLU(z) and
-projected back. Parameter names are HF's, so the adapter maps them one to one.
+projected back. Parameter names are HF's, so the adapter maps them one to one, but the rows of
+`in_proj_qkv` (and the channels of `conv1d`) are grouped by key head: [q_h | k_h | v of h's value
+heads] for each key head h, where HF has [all q | all k | all v] (`qkv_hf_order` permutes).
+Tensor parallelism (`distributed/gated_deltanet_tp.py`) then shards them by plain row blocks of
+whole key-head groups; under it the conv weight, `A_log` and `dt_bias` are DTensor shards the
+forward reads locally.
 
 A forward runs over segments: by default each row is one sequence; packed rows (`starts_BT`:
 True where a document starts) are split into their documents, each starting from a zero state;
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.delta_rule import chunk_gated_delta_rule, l2norm, recurrent_gated_delta_rule
@@ -80,6 +86,23 @@ def causal_conv1d(
     C = x_SLC.shape[-1]
     new_state = full_SCX.gather(2, take_SK[:, None, :].expand(-1, C, -1))
     return out_SCL.transpose(1, 2), new_state
+
+
+def qkv_hf_order(args: TransformerModelArgs) -> torch.Tensor:
+    """Index of HF's [all q | all k | all v] row of each row of titanrl's key-head-grouped
+    `in_proj_qkv` (and conv1d channel): titanrl = hf[index], hf = titanrl[index.argsort()]."""
+    n_k, k_dim = args.linear_num_key_heads, args.linear_key_head_dim
+    v_group = args.linear_num_value_heads // n_k * args.linear_value_head_dim
+    parts = []
+    for h in range(n_k):
+        parts += [torch.arange(h * k_dim, (h + 1) * k_dim), n_k * k_dim + torch.arange(h * k_dim, (h + 1) * k_dim)]
+        parts.append(2 * n_k * k_dim + torch.arange(h * v_group, (h + 1) * v_group))
+    return torch.cat(parts)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel parameter (the parameter itself without TP)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _at_least_f32(x: torch.Tensor) -> torch.Tensor:
@@ -144,22 +167,25 @@ class GatedDeltaNet(nn.Module):
         """The gated delta rule's output [S, L, value heads, value dim] of the segments."""
         S, L, _ = x_SLD.shape
         valid_SL1 = segments.valid_SL[..., None]
-        kernel = self.conv1d.kernel_size[0]
+        conv_weight = _local(self.conv1d.weight)  # under TP: this rank's key-head groups
+        kernel = conv_weight.shape[-1]
         if states is None:
-            conv_state = x_SLD.new_zeros(S, self.conv_dim, kernel - 1)
+            conv_state = x_SLD.new_zeros(S, conv_weight.shape[0], kernel - 1)
             rec_state = None
         else:
             conv_state = states.conv[self.layer_id][states.slot_S]
             rec_state = states.recurrent[self.layer_id][states.slot_S]
         qkv_SLC = self.in_proj_qkv(x_SLD) * valid_SL1
-        qkv_SLC, new_conv = causal_conv1d(qkv_SLC, self.conv1d.weight, conv_state, segments.length_S)
-        q, k, v = F.silu(qkv_SLC).split([self.n_k_heads * self.k_dim] * 2 + [self.n_v_heads * self.v_dim], dim=-1)
+        qkv_SLC, new_conv = causal_conv1d(qkv_SLC, conv_weight, conv_state, segments.length_S)
         group = self.n_v_heads // self.n_k_heads
-        q, k = (l2norm(_at_least_f32(t.reshape(S, L, -1, self.k_dim))).repeat_interleave(group, dim=2) for t in (q, k))
+        # Key-head groups [q_h | k_h | v of h's value heads] (module docstring); -1: local heads.
+        qkv_SLHC = F.silu(qkv_SLC).view(S, L, -1, 2 * self.k_dim + group * self.v_dim)
+        q, k, v = qkv_SLHC.split([self.k_dim, self.k_dim, group * self.v_dim], dim=-1)
+        q, k = (l2norm(_at_least_f32(t)).repeat_interleave(group, dim=2) for t in (q, k))
         v = v.reshape(S, L, -1, self.v_dim)
         beta = self.in_proj_b(x_SLD).sigmoid() * valid_SL1
         a = _at_least_f32(self.in_proj_a(x_SLD))
-        g = -_at_least_f32(self.A_log).exp() * F.softplus(a + self.dt_bias) * valid_SL1
+        g = -_at_least_f32(_local(self.A_log)).exp() * F.softplus(a + _local(self.dt_bias)) * valid_SL1
         rule = recurrent_gated_delta_rule if L == 1 and states is not None else chunk_gated_delta_rule
         out, new_rec = rule(q, k * valid_SL1[..., None], v, g, beta, rec_state)
         if states is not None:
@@ -179,14 +205,16 @@ class GatedDeltaNet(nn.Module):
 
 
 def check_parallelism(args: TransformerModelArgs, tp: int, cp: int) -> None:
-    """The parallelisms a hybrid model refuses, as one-line errors naming the key and why."""
+    """The parallelisms a hybrid model refuses, as one-line errors naming the key and why: tp
+    shards the linear layers by key-head groups, so it must divide both head counts."""
     if not args.has_linear_layers:
         return
-    if tp > 1:
+    n_k, n_v = args.linear_num_key_heads, args.linear_num_value_heads
+    if n_k % tp or n_v % tp:
         raise ValueError(
-            f"[parallelism] tp = {tp} is not supported for hybrid linear-attention models (Qwen3.5) yet: the "
-            "fused in_proj_qkv (q | k | v), its conv1d and the per-head gates need a head-aware shard plan; "
-            "set tp = 1 (FSDP via dp_shard shards them)"
+            f"[parallelism] tp = {tp} must divide linear_num_key_heads ({n_k}) and linear_num_value_heads "
+            f"({n_v}) of the hybrid model's gated DeltaNet layers (each rank holds whole key-head groups); "
+            f"choose a tp that divides {n_k}"
         )
     if cp > 1:
         raise ValueError(

@@ -4,7 +4,9 @@
 Weight names map one to one (the gated DeltaNet keeps HF's names under `linear_attn`) but for
 the RMSNorms: HF stores w and scales by 1 + w (zero-centred), titanrl stores the scale, so the
 adapter adds 1 on import and subtracts it on export (exact in float32 for |w| < 1). The gated
-norm inside `linear_attn` is a plain scale. The multimodal checkpoints (`qwen3_5`, weights under
+norm inside `linear_attn` is a plain scale. The rows of `in_proj_qkv` and channels of `conv1d`
+are permuted from HF's [q | k | v] to titanrl's key-head groups (`gated_deltanet.qkv_hf_order`),
+the layout tensor parallelism shards. The multimodal checkpoints (`qwen3_5`, weights under
 `model.language_model.`) load their text model; the vision tower and MTP head are left out.
 """
 
@@ -13,6 +15,7 @@ import re
 import torch
 
 from titanrl.models.args import TransformerModelArgs
+from titanrl.models.gated_deltanet import qkv_hf_order
 from titanrl.models.hf_common import DENSE_HF_TO_TITAN, base_hf_config, map_name
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -26,6 +29,8 @@ _TITAN_TO_HF = {v: k for k, v in _HF_TO_TITAN.items()}
 _OFFSET_NORMS = re.compile(r"(norm|layers\.\d+\.(attention_norm|ffn_norm|attention\.q_norm|attention\.k_norm))\.weight")
 """titanrl names of the zero-centred RMSNorms."""
 _MULTIMODAL_ONLY = re.compile(r"(model\.visual\.|mtp\.).*")
+_QKV_ROWS = re.compile(r"layers\.\d+\.linear_attn\.(in_proj_qkv|conv1d)\.weight")
+"""titanrl names of the tensors whose dim 0 is q | k | v (`qkv_hf_order`)."""
 
 
 def args_from_hf_config(cfg: dict) -> TransformerModelArgs:
@@ -106,6 +111,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: TransformerModelArg
         if name is None:
             raise ValueError(f"Unexpected weight '{hf_name}' in the HF checkpoint; titanrl has no place for it")
         sd[name] = tensor + 1 if _OFFSET_NORMS.fullmatch(name) else tensor
+        if _QKV_ROWS.fullmatch(name):
+            sd[name] = tensor[qkv_hf_order(args)]
     if args.ties_output:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     return sd
@@ -120,4 +127,6 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: TransformerModelArgs) ->
         if hf_name is None:
             raise ValueError(f"titanrl weight '{name}' has no qwen3_5 HF name")
         hf_sd[hf_name] = tensor - 1 if _OFFSET_NORMS.fullmatch(name) else tensor
+        if _QKV_ROWS.fullmatch(name):
+            hf_sd[hf_name] = tensor[qkv_hf_order(args).argsort()]
     return hf_sd
