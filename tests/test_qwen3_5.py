@@ -186,7 +186,8 @@ def tp_launched(tmp_path_factory):
 @pytest.mark.multirank
 def test_two_rank_tensor_parallel_matches_one_rank(tp_launched):
     """2 AdamW steps with the gated DeltaNet's key-head groups, the gated attention's heads and
-    the MLP split over 2 gloo ranks (tp) equal one rank's: losses, every gradient and parameter."""
+    the MLP split over 2 gloo ranks (tp) equal one rank's: losses, every gradient and parameter;
+    then the tp = 2 generator's greedy tokens and logprobs equal a one-rank recompute's."""
     results, references = tp_launched
     placements = results["float64"]["placements"]
     for name in ("in_proj_qkv.weight", "conv1d.weight", "A_log", "out_proj.weight"):
@@ -201,6 +202,10 @@ def test_two_rank_tensor_parallel_matches_one_rank(tp_launched):
         assert max((got["grads"][k] - ref["grads"][k]).abs().max().item() for k in ref["grads"]) < tol
         assert max((got["params"][k] - ref["params"][k]).abs().max().item() for k in ref["params"]) < param_tol
         assert ref["losses"][1] < ref["losses"][0] - 0.1  # the steps did something
+    # A tp-sharded generator synced from the tp trainer (state slots of 1 / tp of the heads, chunked
+    # prefill, group samples) decodes as a one-rank full recompute.
+    generated = results["float32"]["generated"]
+    assert generated["n"] == 6 and generated["mismatches"] == 0 and generated["max_lp_diff"] < 1e-5, generated
 
 
 # ---- the paged generator: state slots beside the KV pool ----

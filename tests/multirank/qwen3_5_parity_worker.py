@@ -12,9 +12,13 @@ import torch.distributed as dist
 from moe_parity_worker import DTYPES, STEPS, full_params_and_grads
 from parity_worker import make_batch, train_steps
 
+from tests.helpers.reference import greedy_reference
 from titanrl.components.model_builder import build_model, init_full_state_dict
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.config.job_config import JobConfig
 from titanrl.distributed import ParallelDims, init_distributed
+from titanrl.generator import Generator, SamplingParams
+from titanrl.models import Transformer
 from titanrl.models.args import TransformerModelArgs
 
 # Key and value heads of different counts and sizes (2 x 8 vs 4 x 12): a q | k | v split that
@@ -41,8 +45,29 @@ QWEN3_5_ARGS = TransformerModelArgs(
 )
 
 
+def generate_check(trainer: torch.nn.Module, params: dict, tp_mesh) -> dict:
+    """Greedy completions (2 samples per prompt, prompts prefilled in chunks of 4 tokens) of a
+    generator with the same tp as `trainer`, synced from it, against a full-recompute one-rank
+    model with the full `params`."""
+    config = GeneratorConfig(block_size=4, num_blocks=64, max_num_batched_tokens=4)
+    gen = Generator(QWEN3_5_ARGS, config, torch.device("cpu"), tp_mesh=tp_mesh)
+    gen.load_weights(trainer)
+    g = torch.Generator().manual_seed(100)
+    prompts = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    completions, _ = gen.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0, n=2))
+    reference = Transformer(QWEN3_5_ARGS)
+    reference.load_state_dict(params)
+    mismatches, max_lp_diff = 0, 0.0
+    for c in completions:
+        ids, lps = greedy_reference(reference.eval(), prompts[c.prompt_index], 8)
+        mismatches += c.token_ids != ids
+        max_lp_diff = max(max_lp_diff, *(abs(a - b) for a, b in zip(c.logprobs, lps, strict=True)))
+    return {"n": len(completions), "mismatches": mismatches, "max_lp_diff": max_lp_diff}
+
+
 def run_layout(tp: int, dtype: str, world_size: int) -> dict:
-    """2 AdamW steps on tp ranks (1: the one-rank reference)."""
+    """2 AdamW steps on tp ranks (1: the one-rank reference); in float32 on tp ranks, then
+    generation by a tp-sharded generator synced from the trained model (`generate_check`)."""
     parallel_dims = ParallelDims(1, 1, tp, world_size)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
@@ -56,7 +81,10 @@ def run_layout(tp: int, dtype: str, world_size: int) -> dict:
     batch = tokens_BT[:, :-1], tokens_BT[:, 1:], mask_BT.to(DTYPES[dtype])
     losses, grad_norms = train_steps(model, optimizer, batch, None, STEPS)
     placements = {n: str(getattr(p, "placements", None)) for n, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": grad_norms, "placements": placements, **full_params_and_grads(model)}
+    result = {"losses": losses, "grad_norms": grad_norms, "placements": placements, **full_params_and_grads(model)}
+    if tp > 1 and dtype == "float32":
+        result["generated"] = generate_check(model, result["params"], parallel_dims.world_mesh["tp"])
+    return result
 
 
 def main() -> None:

@@ -116,7 +116,7 @@ class Generator:
         """A hybrid model's state slots (`StateSlots`), taken from the KV pool's memory budget."""
         if not self.args.has_linear_layers:
             return 0
-        return StateSlots.bytes_for(self.args, self.config.max_num_seqs, self.dtype)
+        return StateSlots.bytes_for(self.args, self.config.max_num_seqs, self.dtype, self.tp)
 
     def wake(self) -> None:
         """Allocate the KV pool (empty: prefix cache entries do not survive a sleep) and bring
@@ -142,7 +142,7 @@ class Generator:
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers
             self.runner.state_slots = (
-                StateSlots(self.args, self.config.max_num_seqs, self.dtype, self.device) if hybrid else None
+                StateSlots(self.args, self.config.max_num_seqs, self.dtype, self.device, self.tp) if hybrid else None
             )
             self.allocator = BlockAllocator(self.num_blocks, self.config.enable_prefix_caching and not hybrid)
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`

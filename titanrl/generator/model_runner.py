@@ -104,7 +104,7 @@ class ModelRunner:
             model = Transformer(self.args)
             if self.lora is not None:
                 add_lora(model, self.lora)  # same names and shards as the trainer's adapters
-        check_parallelism(self.args, self.tp, 1)  # hybrid models: tp refused
+        check_parallelism(self.args, self.tp, 1)  # hybrid models: tp must divide the linear heads
         if tp_mesh is not None and self.tp > 1:
             apply_tp(model, tp_mesh, sequence_parallel=False)
         if ep_mesh is not None:

@@ -17,14 +17,24 @@ from titanrl.models.args import TransformerModelArgs
 from titanrl.models.gated_deltanet import LinearStates, Segments
 
 
+def _conv_dim(args: TransformerModelArgs) -> int:
+    """Channels of a linear layer's convolution: q, k (key heads) and v (value heads)."""
+    return (
+        2 * args.linear_num_key_heads * args.linear_key_head_dim
+        + args.linear_num_value_heads * args.linear_value_head_dim
+    )
+
+
 class StateSlots:
     """`num_slots` slots (+ scratch) of every linear layer's conv and recurrent state."""
 
-    def __init__(self, args: TransformerModelArgs, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
-        conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
-        conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
+    def __init__(
+        self, args: TransformerModelArgs, num_slots: int, dtype: torch.dtype, device: torch.device, tp: int = 1
+    ) -> None:
+        """`tp`: each tensor-parallel rank holds its 1 / tp of the heads' states (whole key-head groups)."""
+        conv_dim = _conv_dim(args) // tp
         K = args.linear_conv_kernel_dim
-        heads, dk, dv = args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+        heads, dk, dv = args.linear_num_value_heads // tp, args.linear_key_head_dim, args.linear_value_head_dim
         layers = [i for i in range(args.n_layers) if args.is_linear_layer(i)]
         self.conv = {i: torch.zeros(num_slots + 1, conv_dim, K - 1, dtype=dtype, device=device) for i in layers}
         self.recurrent = {
@@ -35,14 +45,12 @@ class StateSlots:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest
 
     @staticmethod
-    def bytes_for(args: TransformerModelArgs, num_slots: int, dtype: torch.dtype) -> int:
-        """`nbytes` of `StateSlots(args, num_slots, dtype, ...)` (the scratch slot included)."""
-        conv_dim = 2 * args.linear_num_key_heads * args.linear_key_head_dim
-        conv_dim += args.linear_num_value_heads * args.linear_value_head_dim
-        conv = conv_dim * (args.linear_conv_kernel_dim - 1) * torch.empty(0, dtype=dtype).element_size()
+    def bytes_for(args: TransformerModelArgs, num_slots: int, dtype: torch.dtype, tp: int = 1) -> int:
+        """`nbytes` of `StateSlots(args, num_slots, dtype, ..., tp)` (the scratch slot included)."""
+        conv = _conv_dim(args) * (args.linear_conv_kernel_dim - 1) * torch.empty(0, dtype=dtype).element_size()
         recurrent = args.linear_num_value_heads * args.linear_key_head_dim * args.linear_value_head_dim * 4
         n_linear = sum(map(args.is_linear_layer, range(args.n_layers)))
-        return (num_slots + 1) * n_linear * (conv + recurrent)
+        return (num_slots + 1) * n_linear * (conv + recurrent) // tp
 
     @property
     def nbytes(self) -> int:
