@@ -208,6 +208,28 @@ def test_two_rank_tensor_parallel_matches_one_rank(tp_launched):
     assert generated["n"] == 6 and generated["mismatches"] == 0 and generated["max_lp_diff"] < 1e-5, generated
 
 
+@pytest.mark.parametrize(
+    "flavor,total",
+    # Text model only: the checkpoints' names also count the vision tower (and the MTP layer).
+    [("qwen3.5-0.8b", 752_393_024), ("qwen3.5-4b", 4_205_751_296), ("qwen3.5-9b", 8_953_803_264)],
+)
+def test_released_flavors_match_transformers_shapes(flavor, total):
+    """The flavor's parameter count equals transformers' Qwen3_5ForCausalLM built from the
+    config titanrl exports for it, and that config reads back to the same args."""
+    from titanrl.models.flavors import get_model_args
+    from titanrl.models.hf_qwen3_5 import args_from_hf_config, hf_config_from_args
+
+    args = get_model_args(flavor)
+    cfg = hf_config_from_args(args, torch.bfloat16)
+    with torch.device("meta"):
+        n_titan = sum(p.numel() for p in Transformer(args).parameters())
+        text_cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+        hf = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text_cfg))
+    print(f"{flavor}: {n_titan / 1e9:.3f}B parameters (text model)")
+    assert n_titan == sum(p.numel() for p in hf.parameters()) == total
+    assert args_from_hf_config(cfg) == args
+
+
 # ---- the paged generator: state slots beside the KV pool ----
 
 NEW_TOKENS = 8

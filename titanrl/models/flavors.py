@@ -35,6 +35,32 @@ def _gpt_oss(n_layers: int, num_experts: int) -> TransformerModelArgs:
     )
 
 
+def _qwen3_5(
+    dim: int, n_layers: int, n_heads: int, n_kv_heads: int, hidden_dim: int, value_heads: int, tied: bool
+) -> TransformerModelArgs:
+    """A released Qwen3.5 dense text model (the `text_config` of its config.json): every 4th layer
+    full attention, 16 linear key heads of 128, head_dim 256, partial rotary 0.25, theta 1e7."""
+    return TransformerModelArgs(
+        family="qwen3_5",
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=256,
+        hidden_dim=hidden_dim,
+        vocab_size=248320,
+        rope_theta=1e7,
+        qk_norm=True,
+        tie_word_embeddings=tied,
+        max_seq_len=262144,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (n_layers // 4),
+        attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        linear_num_key_heads=16,
+        linear_num_value_heads=value_heads,
+    )
+
+
 flavors: dict[str, TransformerModelArgs] = {
     # A few M params, trained from scratch on the embedded tasks with the byte tokenizer.
     "debug": TransformerModelArgs(
@@ -99,6 +125,10 @@ flavors: dict[str, TransformerModelArgs] = {
         linear_key_head_dim=32,
         linear_value_head_dim=64,
     ),
+    # Qwen/Qwen3.5-0.8B, -4B, -9B (multimodal checkpoints: their text model).
+    "qwen3.5-0.8b": _qwen3_5(1024, 24, 8, 2, 3584, value_heads=16, tied=True),
+    "qwen3.5-4b": _qwen3_5(2560, 32, 16, 4, 9216, value_heads=32, tied=True),
+    "qwen3.5-9b": _qwen3_5(4096, 32, 16, 4, 12288, value_heads=32, tied=False),
     "qwen2.5-0.5b": TransformerModelArgs(
         family="qwen2",
         dim=896,
