@@ -55,14 +55,22 @@ def decode_step(
     scratch: int,
     attention: AttentionKind,
     record_routes: bool = False,
+    window_table_NM: torch.Tensor | None = None,
+    window_page_index_P: torch.Tensor | None = None,
+    window_scratch: int = 0,
 ) -> DecodeStepOutput:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step, how many rows are
     still live (0-d, the host's one read per step) and, with `record_routes`, each MoE layer's
     experts for the fed tokens [MoE layers, N, top_k] (else None). `attention` 'exact':
-    batch-invariant mode (eager only)."""
-    batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, v_cache[0].shape[1], page_index_P)
-    backend = paged_attention(attention, batch, k_cache, v_cache)
+    batch-invariant mode (eager only). `window_table_NM` (sliding-window layers with a pool of
+    their own, `window_pages.py`): the rows' window tables, with that pool's page index and scratch."""
+    B = v_cache[0].shape[1]
+    batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, B, page_index_P)
+    window_batch = None
+    if window_table_NM is not None:
+        window_batch = PagedBatch.decode(window_table_NM, pos_N, live_N, window_scratch, B, window_page_index_P)
+    backend = paged_attention(attention, batch, k_cache, v_cache, window_batch)
     with batch_invariant_mode() if attention == "exact" else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -147,6 +155,8 @@ class DecodeRows:
     """Random-stream keys."""
     tables: list[list[int]]
     """Block tables, covering every position the pass may write."""
+    window_tables: list[list[int]] | None = None
+    """Sliding-window layers with a pool of their own: the window tables (`window_pages.py`)."""
 
 
 @dataclass
@@ -183,6 +193,17 @@ class _TableWidths:
                 torch._dynamo.mark_dynamic(table, 1)
             self.by_width[width] = table
         return self.by_width[width]
+
+
+def _upload_tables(tables: list[list[int]], bucket: int, scratch: int, device: torch.device) -> torch.Tensor:
+    """Block tables `[bucket, M]` padded with `scratch` (a window pool's, `_upload_rows` for the main one)."""
+    M = max(2, max(len(t) for t in tables))
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        flat += [scratch] * (M - len(table))
+    flat += [scratch] * M * (bucket - len(tables))
+    return torch.frombuffer(array.array("q", flat), dtype=torch.long).to(device).view(bucket, M)
 
 
 def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -258,17 +279,28 @@ def run_decode_pass(
     attention: AttentionKind,
     cuda_graphs: bool = False,
     record_routes: bool = False,
+    window_scratch: int = 0,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
-    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
+    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room).
+    `rows.window_tables`: sliding-window layers' tables over a pool whose scratch block is
+    `window_scratch` (`k_cache` / `v_cache` hold each layer's tensors, from either pool)."""
     N = len(rows.tokens)
     tokens_N, pos_N, left_N, key_N, table_NM = _upload_rows(rows, bucket, scratch, device)
     live_N = torch.arange(bucket, device=device) < N
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
+    B, dynamic = v_cache[0].shape[1], step_fn is not decode_step
+    tables = _TableWidths(table_NM, max(rows.positions), B, dynamic)
     # The pass's pages keep their logical index at every step: computed once, an input of the step.
-    page_index_P = logical_page_index(table_NM, scratch, v_cache[0].shape[0]) if attention == "flex" else None
+    # The scratch block is the pool's last: the pool has scratch + 1 pages.
+    page_index_P = logical_page_index(table_NM, scratch, scratch + 1) if attention == "flex" else None
+    window_tables, window_page_index_P = None, None
+    if rows.window_tables is not None:
+        window_NM = _upload_tables(rows.window_tables, bucket, window_scratch, device)
+        window_tables = _TableWidths(window_NM, max(rows.positions), B, dynamic)
+        if attention == "flex":
+            window_page_index_P = logical_page_index(window_NM, window_scratch, window_scratch + 1)
     outs = []  # per step: tokens, logprobs, stopped, routes (or None)
     for step in range(steps):
         if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
@@ -289,6 +321,9 @@ def run_decode_pass(
             scratch,
             attention,
             record_routes,
+            window_tables.at(step) if window_tables is not None else None,
+            window_page_index_P,
+            window_scratch,
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
             tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (

@@ -35,6 +35,7 @@ from titanrl.generator.weight_sync import (
     share_trainer_weights,
     weight_storage,
 )
+from titanrl.generator.window_pages import WindowPages, window_pool_blocks
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import load_hf_weights
 from titanrl.models.mla import latent_cache_dims
@@ -94,22 +95,51 @@ class Generator:
         self.compile = self.runner.compile
         self.attention = self.runner.attention
         self.shares_weights = False
+        # gpt-oss: sliding-window layers keep their pages in a smaller pool (`window_pages.py`).
+        self.sliding = [model_args.layer_window(i) > 0 for i in range(model_args.n_layers)]
+        window_cap = self._window_blocks(num_blocks=2**62)
         self.num_blocks = config.num_blocks or blocks_from_memory(
-            self.device, config.kv_cache_memory_fraction, self._bytes_per_block(), self._state_slot_bytes()
+            self.device,
+            config.kv_cache_memory_fraction,
+            self._bytes_per_block(),
+            self._state_slot_bytes() + window_cap * self._bytes_per_block(sliding=True),
         )
+        self.window_blocks = self._window_blocks(self.num_blocks)
+        """Pages of the sliding-window layers' pool; 0: no such layers, every layer in `pool`."""
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
+        self.window_pages: WindowPages | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
 
     # ---- memory: time-slicing with the trainer ----
 
-    def _bytes_per_block(self) -> int:
+    def _window_blocks(self, num_blocks: int) -> int:
+        """Pages of the window pool beside a main pool of `num_blocks` (0: no sliding layer)."""
+        if not any(self.sliding):
+            return 0
+        c = self.config
+        steps = c.decode_steps_per_schedule
+        args = self.args
+        return window_pool_blocks(
+            args.sliding_window, c.block_size, c.max_num_seqs, steps, args.max_seq_len, num_blocks
+        )
+
+    def _kv_layers(self, sliding: bool) -> list[bool]:
+        """Layers whose K/V the main pool (`sliding` False) or the window pool holds."""
+        if not any(self.sliding):  # no window pool: every attention layer in the main one
+            return [not sliding and not self.args.is_linear_layer(i) for i in range(self.args.n_layers)]
+        return [s == sliding and not self.args.is_linear_layer(i) for i, s in enumerate(self.sliding)]
+
+    def _bytes_per_block(self, sliding: bool = False) -> int:
         heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
-        n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
-        return KVCachePool.bytes_per_block(
-            n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
+        n_kv_layers = sum(self._kv_layers(sliding))
+        return max(
+            1,
+            KVCachePool.bytes_per_block(
+                n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
+            ),
         )
 
     def _state_slot_bytes(self) -> int:
@@ -136,9 +166,10 @@ class Generator:
                 head_dim,
                 self.dtype,
                 self.device,
-                kv_layers=[not self.args.is_linear_layer(i) for i in range(self.args.n_layers)],
+                kv_layers=self._kv_layers(sliding=False),
                 latent=latent,
             )
+            self.window_pages = self._window_pages(self.pool) if self.window_blocks else None
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers
             self.runner.state_slots = (
@@ -148,12 +179,32 @@ class Generator:
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self.runner.cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
+                if self.window_pages is not None:
+                    static_kv_for_cuda_graphs(self.window_pages.pool.k, self.window_pages.pool.v)
+
+    def _window_pages(self, main_pool: KVCachePool) -> WindowPages:
+        """The sliding-window layers' pool (one extra scratch block) and its allocator."""
+        kv_heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
+        pool = KVCachePool(
+            self.args.n_layers,
+            self.window_blocks + 1,
+            self.config.block_size,
+            kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            kv_layers=self._kv_layers(sliding=True),
+            latent=latent,
+        )
+        allocator = BlockAllocator(self.window_blocks, self.config.enable_prefix_caching)
+        return WindowPages(pool, allocator, self.args.sliding_window, main_pool, self.sliding)
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV pool so training can use the memory; optionally move the weights to host
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
+        self.window_pages = None
         self.runner.state_slots = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for local in weight_storage(self.model):
@@ -179,7 +230,8 @@ class Generator:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.pool.nbytes if self.pool is not None else 0
+        window = self.window_pages.pool.nbytes if self.window_pages is not None else 0
+        return (self.pool.nbytes if self.pool is not None else 0) + window
 
     # ---- weights ----
 
@@ -190,8 +242,13 @@ class Generator:
         copy_expert_bias(self.model, trainer_model)
         self._base_loaded = can_sync_trainable_only(self.model)
         # Cached prefix blocks hold K/V computed with the old weights.
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
+        if self.window_pages is not None:
+            self.window_pages.allocator.reset_prefix_cache()
 
     def share_weights(self, trainer_model: nn.Module) -> bool:
         """Use the trainer's parameter storage as this generator's weights when their layouts
@@ -205,8 +262,7 @@ class Generator:
         """Load weights from an HF safetensors folder (standalone use, without a trainer)."""
         load_hf_weights(self.model, folder)
         self._base_loaded = False
-        if self.allocator is not None:
-            self.allocator.reset_prefix_cache()
+        self._reset_prefix_cache()
 
     # ---- generation ----
 
@@ -282,6 +338,7 @@ class Generator:
             vocab_size=self.args.vocab_size,
             turns=turns,
             resume=resume,
+            window=self.window_pages,
         )
         loop = StepLoop(
             self.runner,
