@@ -12,10 +12,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_gpt_oss import VOCAB, WINDOW, _tiny_hf  # noqa: E402
+from test_gpt_oss import VOCAB, WINDOW, _reference_attention, _tiny_hf  # noqa: E402
 
 from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
 from titanrl.generator import Generator, SamplingParams  # noqa: E402
+from titanrl.generator.paged_attention import PagedBatch, SeqSlice, paged_attention  # noqa: E402
 from titanrl.generator.scheduler import Scheduler  # noqa: E402
 from titanrl.models.hf import read_hf_config  # noqa: E402
 
@@ -142,3 +143,31 @@ def test_window_layers_take_their_own_smaller_pool(hf_folder):
     window_layers = args.n_layers - full_layers
     expected = (gen.num_blocks + 1) * full_layers + (gen.window_blocks + 1) * window_layers
     assert gen.kv_cache_bytes == expected * per_layer_page
+
+
+@pytest.mark.parametrize("kind", ["flex", "gathered", "exact"])
+def test_backends_read_a_window_layer_from_its_own_pool(kind):
+    """A sliding layer attends over the window batch (its pool, window tables whose released
+    entries are the scratch block, here full of large garbage) and matches the float64
+    reference; the main batch, over another pool, is not read."""
+    Pw, P, Hkv, H, D, window = 8, 16, 2, 6, 8, 5
+    scr = Pw - 1
+    # Decode at 18 (keys 14..18), a 2-token step at 8, 9 and a 5-token chunk at 8..12 (keys from 4).
+    tables = [[scr, scr, scr, 2, 5], [scr, 1, 4], [scr, 6, 3, 0]]
+    lens_new = [(4 * B + 3, 1), (2 * B + 2, 2), (3 * B + 1, 5)]
+    window_seqs = [SeqSlice(t, c, n) for t, (c, n) in zip(tables, lens_new)]
+    main_seqs = [SeqSlice(list(range(i * 5, i * 5 + 5)), c, n) for i, (c, n) in enumerate(lens_new)]
+    g = torch.Generator().manual_seed(0)
+    k_pages, v_pages = torch.randn(Pw, B, Hkv, D, generator=g), torch.randn(Pw, B, Hkv, D, generator=g)
+    k_pages[scr], v_pages[scr] = 1e4, -1e4
+    N = sum(n for _, n in lens_new)
+    q, k, v = (torch.randn(1, N, h, D, generator=g) for h in (H, Hkv, Hkv))
+    sinks_H = 2 * torch.randn(H, generator=g)
+    cpu = torch.device("cpu")
+    main = PagedBatch.from_slices(main_seqs, P - 1, B, cpu, num_pages=P if kind == "flex" else None)
+    window_batch = PagedBatch.from_slices(window_seqs, scr, B, cpu, num_pages=Pw if kind == "flex" else None)
+    backend = paged_attention(kind, main, [k_pages], [v_pages], window_batch)
+    out = backend.attend(0, q, k, v, sinks_H=sinks_H, window=window)
+    positions = [list(range(c - n, c)) for c, n in lens_new]
+    ref = _reference_attention(q[0], k_pages, v_pages, tables, positions, sinks_H, window)
+    torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)

@@ -142,7 +142,7 @@ class BlockAccounting:
                     for _ in range(n):
                         self._append_block(seq)
                     if self.window is not None:
-                        self.window.extend_to(seq, p)
+                        self.window.extend(seq, p + 1)
                 return steps
             steps //= 2
         return 1
@@ -164,8 +164,8 @@ class BlockAccounting:
         """Whether the window pool has the pages to cover each sequence up to position `last`."""
         if self.window is None:
             return True
-        window = self.window
-        return sum(window.needed(s, p) for s, p in zip(batch, last)) <= window.allocator.num_free
+        needed = [max(0, p // self.block_size + 1 - len(s.window_table)) for s, p in zip(batch, last)]
+        return sum(needed) <= self.window.allocator.num_free
 
     def free(self, seq: Seq) -> None:
         """Give back every block `seq` holds."""

@@ -35,7 +35,7 @@ from titanrl.generator.weight_sync import (
     share_trainer_weights,
     weight_storage,
 )
-from titanrl.generator.window_pages import WindowPages, window_pool_blocks
+from titanrl.generator.window_pages import WindowPages, build_window_pages, kv_layers, window_pool_blocks
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import load_hf_weights
 from titanrl.models.mla import latent_cache_dims
@@ -96,15 +96,14 @@ class Generator:
         self.attention = self.runner.attention
         self.shares_weights = False
         # gpt-oss: sliding-window layers keep their pages in a smaller pool (`window_pages.py`).
-        self.sliding = [model_args.layer_window(i) > 0 for i in range(model_args.n_layers)]
-        window_cap = self._window_blocks(num_blocks=2**62)
+        window_cap = window_pool_blocks(model_args, config, num_blocks=2**62)
         self.num_blocks = config.num_blocks or blocks_from_memory(
             self.device,
             config.kv_cache_memory_fraction,
             self._bytes_per_block(),
             self._state_slot_bytes() + window_cap * self._bytes_per_block(sliding=True),
         )
-        self.window_blocks = self._window_blocks(self.num_blocks)
+        self.window_blocks = window_pool_blocks(model_args, config, self.num_blocks)
         """Pages of the sliding-window layers' pool; 0: no such layers, every layer in `pool`."""
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
@@ -115,26 +114,9 @@ class Generator:
 
     # ---- memory: time-slicing with the trainer ----
 
-    def _window_blocks(self, num_blocks: int) -> int:
-        """Pages of the window pool beside a main pool of `num_blocks` (0: no sliding layer)."""
-        if not any(self.sliding):
-            return 0
-        c = self.config
-        steps = c.decode_steps_per_schedule
-        args = self.args
-        return window_pool_blocks(
-            args.sliding_window, c.block_size, c.max_num_seqs, steps, args.max_seq_len, num_blocks
-        )
-
-    def _kv_layers(self, sliding: bool) -> list[bool]:
-        """Layers whose K/V the main pool (`sliding` False) or the window pool holds."""
-        if not any(self.sliding):  # no window pool: every attention layer in the main one
-            return [not sliding and not self.args.is_linear_layer(i) for i in range(self.args.n_layers)]
-        return [s == sliding and not self.args.is_linear_layer(i) for i, s in enumerate(self.sliding)]
-
     def _bytes_per_block(self, sliding: bool = False) -> int:
         heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
-        n_kv_layers = sum(self._kv_layers(sliding))
+        n_kv_layers = sum(kv_layers(self.args, in_window_pool=sliding))
         return max(
             1,
             KVCachePool.bytes_per_block(
@@ -166,10 +148,16 @@ class Generator:
                 head_dim,
                 self.dtype,
                 self.device,
-                kv_layers=self._kv_layers(sliding=False),
+                kv_layers=kv_layers(self.args, in_window_pool=False),
                 latent=latent,
             )
-            self.window_pages = self._window_pages(self.pool) if self.window_blocks else None
+            self.window_pages = None
+            if self.window_blocks:  # gpt-oss: the sliding-window layers' pages (`window_pages.py`)
+                dims = (kv_heads, head_dim, latent)
+                args = self.args
+                self.window_pages = build_window_pages(
+                    args, self.config, self.window_blocks, self.pool, dims, self.dtype, self.device
+                )
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers
             self.runner.state_slots = (
@@ -181,23 +169,6 @@ class Generator:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
                 if self.window_pages is not None:
                     static_kv_for_cuda_graphs(self.window_pages.pool.k, self.window_pages.pool.v)
-
-    def _window_pages(self, main_pool: KVCachePool) -> WindowPages:
-        """The sliding-window layers' pool (one extra scratch block) and its allocator."""
-        kv_heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
-        pool = KVCachePool(
-            self.args.n_layers,
-            self.window_blocks + 1,
-            self.config.block_size,
-            kv_heads,
-            head_dim,
-            self.dtype,
-            self.device,
-            kv_layers=self._kv_layers(sliding=True),
-            latent=latent,
-        )
-        allocator = BlockAllocator(self.window_blocks, self.config.enable_prefix_caching)
-        return WindowPages(pool, allocator, self.args.sliding_window, main_pool, self.sliding)
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV pool so training can use the memory; optionally move the weights to host
@@ -242,9 +213,6 @@ class Generator:
         copy_expert_bias(self.model, trainer_model)
         self._base_loaded = can_sync_trainable_only(self.model)
         # Cached prefix blocks hold K/V computed with the old weights.
-        self._reset_prefix_cache()
-
-    def _reset_prefix_cache(self) -> None:
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
         if self.window_pages is not None:
@@ -262,7 +230,10 @@ class Generator:
         """Load weights from an HF safetensors folder (standalone use, without a trainer)."""
         load_hf_weights(self.model, folder)
         self._base_loaded = False
-        self._reset_prefix_cache()
+        if self.allocator is not None:
+            self.allocator.reset_prefix_cache()
+        if self.window_pages is not None:
+            self.window_pages.allocator.reset_prefix_cache()
 
     # ---- generation ----
 
@@ -323,7 +294,6 @@ class Generator:
             raise
         if self.lockstep is not None:
             self.lockstep.agree(ok=True)
-        prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None or self.allocator is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         start, compile_start = time.perf_counter(), compile_seconds()
@@ -332,7 +302,7 @@ class Generator:
             self.allocator,
             self.config,
             prompts,
-            prompt_ids,
+            list(range(len(prompts))) if prompt_ids is None else prompt_ids,
             params,
             max_seq_len=self.args.max_seq_len,
             vocab_size=self.args.vocab_size,

@@ -18,22 +18,61 @@ cached too. Shared pages are reference counted in each pool: releasing drops one
 
 import math
 
+import torch
+
+from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from titanrl.generator.sequence import Seq
+from titanrl.models.args import TransformerModelArgs
 
 RELEASED = -1
 """A `Seq.window_table` entry whose page was given back (wholly behind the window)."""
 
 
-def window_pool_blocks(
-    window: int, block_size: int, max_num_seqs: int, steps_ahead: int, max_seq_len: int, num_blocks: int
-) -> int:
-    """Pages of the window pool: every sequence's window (ceil(window / B) + 1 pages) plus the
-    pages a decode pass reserves ahead, and one whole context (a prefill reserves its context in
-    both pools before the pages behind the window go back); never more than the main pool's."""
-    B = block_size
-    per_seq = math.ceil(window / B) + 1 + math.ceil(steps_ahead / B)
-    return min(num_blocks, max_num_seqs * per_seq + math.ceil(max_seq_len / B))
+def sliding_layers(args: TransformerModelArgs) -> list[bool]:
+    """Whether each block is a sliding-window layer."""
+    return [args.layer_window(i) > 0 for i in range(args.n_layers)]
+
+
+def kv_layers(args: TransformerModelArgs, in_window_pool: bool) -> list[bool]:
+    """The layers whose K/V the window pool (`in_window_pool`) or the main pool holds: without
+    a sliding layer there is no window pool and every attention layer is in the main one."""
+    sliding = sliding_layers(args) if args.sliding_window else [False] * args.n_layers
+    return [s == in_window_pool and not args.is_linear_layer(i) for i, s in enumerate(sliding)]
+
+
+def window_pool_blocks(args: TransformerModelArgs, config: GeneratorConfig, num_blocks: int) -> int:
+    """Pages of the window pool beside a main pool of `num_blocks` (0: no sliding layer): every
+    sequence's window (ceil(window / B) + 1 pages) plus the pages a decode pass reserves ahead,
+    and one whole context (a prefill reserves its context in both pools before the pages behind
+    the window go back); never more than the main pool's."""
+    if not any(kv_layers(args, in_window_pool=True)):
+        return 0
+    B = config.block_size
+    per_seq = math.ceil(args.sliding_window / B) + 1 + math.ceil(config.decode_steps_per_schedule / B)
+    return min(num_blocks, config.max_num_seqs * per_seq + math.ceil(args.max_seq_len / B))
+
+
+def build_window_pages(
+    args: TransformerModelArgs,
+    config: GeneratorConfig,
+    num_blocks: int,
+    main_pool: KVCachePool,
+    kv_dims: tuple[int, int, bool],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> "WindowPages":
+    """The window pool of `num_blocks` pages (and one scratch block) beside `main_pool`, each
+    token's entry `kv_dims` (heads, head dim, latent), and its allocator (prefix caching as
+    configured)."""
+    heads, head_dim, latent = kv_dims
+    layers = kv_layers(args, in_window_pool=True)
+    B = config.block_size
+    pool = KVCachePool(
+        args.n_layers, num_blocks + 1, B, heads, head_dim, dtype, device, kv_layers=layers, latent=latent
+    )
+    allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
+    return WindowPages(pool, allocator, args.sliding_window, main_pool, layers)
 
 
 class WindowPages:
@@ -83,7 +122,7 @@ class WindowPages:
             while len(table) * self.block_size < num_tokens:
                 table.append(self.pool.prepare(self.allocator.allocate()))
         except OutOfBlocks:
-            self._free_all(table)
+            _free_all(self.allocator, table)
             raise
         seq.window_table = table
 
@@ -113,14 +152,6 @@ class WindowPages:
         elif self.allocator.ref_count[seq.window_table[index]] > 1:
             self._copy_on_write(seq, index)
 
-    def needed(self, seq: Seq, last_pos: int) -> int:
-        """Pages to append for `seq` to cover positions up to `last_pos`."""
-        return max(0, last_pos // self.block_size + 1 - len(seq.window_table))
-
-    def extend_to(self, seq: Seq, last_pos: int) -> None:
-        for _ in range(self.needed(seq, last_pos)):
-            self._append(seq)
-
     def trim(self, seq: Seq, keep: int) -> None:
         """Give back the pages past the first `keep` blocks (reserved ahead, not reached)."""
         while len(seq.window_table) > keep:
@@ -136,13 +167,8 @@ class WindowPages:
                 seq.window_table[i] = RELEASED
 
     def free(self, seq: Seq) -> None:
-        self._free_all(seq.window_table)
+        _free_all(self.allocator, seq.window_table)
         seq.window_table = []
-
-    def _free_all(self, table: list[int]) -> None:
-        for block in table:
-            if block != RELEASED:
-                self.allocator.free(block)
 
     def _append(self, seq: Seq) -> None:
         seq.window_table.append(self.pool.prepare(self.allocator.allocate()))
@@ -153,3 +179,10 @@ class WindowPages:
         self.pool.copy_block(block, new_block)
         self.allocator.free(block)
         seq.window_table[index] = new_block
+
+
+def _free_all(allocator: BlockAllocator, table: list[int]) -> None:
+    """Drop a reference to each held page of `table`."""
+    for block in table:
+        if block != RELEASED:
+            allocator.free(block)
