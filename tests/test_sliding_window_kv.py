@@ -26,7 +26,7 @@ BOUND = WINDOW // B + 1
 which span WINDOW // B + 1 blocks when p - WINDOW + 1 is not block-aligned (B divides WINDOW;
 in general ceil(WINDOW / B) + 1)."""
 PROMPT_LENGTHS = (30, 5, 21, 13)
-NEW_TOKENS = 20
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def hf_folder(tmp_path_factory):
 
 def _generator(folder, **config) -> Generator:
     # A short context keeps the window pool small (`window_pool_blocks`: 8 samples of 4 pages,
-    # 16 for a whole context): 8 samples of up to 50 tokens would need ~100 pages without release.
+    # 16 for a whole context): 8 samples of up to 46 tokens would need ~90 pages without release.
     args = dataclasses.replace(read_hf_config(str(folder)), max_seq_len=64)
     config = dict(block_size=B, num_blocks=256, max_num_seqs=8, decode_steps_per_schedule=4) | config
     gen = Generator(args, GeneratorConfig(**config), torch.device("cpu"))
@@ -99,7 +99,7 @@ def _assert_matches_transformers(hf_model, prompts, completions, n):
 @pytest.mark.parametrize(
     "config",
     [
-        dict(),  # whole prompts at once, GRPO pairs sharing their prompt's pages, prefix-cache hits
+        dict(),  # whole prompts at once, GRPO pairs sharing their prompt's pages; then prefix-cache hits
         dict(max_num_batched_tokens=12),  # chunked prefill: pages released between chunks
         dict(num_blocks=32),  # a small pool: preemption and recompute
     ],
@@ -124,6 +124,8 @@ def test_window_pages_stay_bounded_and_generation_matches_transformers(hf_folder
         assert stats.preemptions == 0
     if "max_num_batched_tokens" in config:
         assert stats.prefill_chunks > 0
+    if config:
+        return
     # Again: prefix-cache hits over the cached full and window pages of the same prompts.
     again, stats, _ = _run_checked(gen, monkeypatch, params)
     assert stats.prefix_cache_hit_tokens > 0
