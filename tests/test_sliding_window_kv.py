@@ -2,8 +2,8 @@
 (window 8, blocks of 4, layers sliding / full alternately): between scheduler passes a decoding
 sample holds at most window // block_size + 1 window pages while its full-attention table grows,
 released pages go back to the allocator and are handed out again, and the greedy tokens and
-logprobs still equal transformers' under GRPO groups, prefix-cache hits, chunked prefill and
-preemption."""
+logprobs still equal transformers' under GRPO groups, prefix-cache hits, chunked prefill,
+preemption and multi-turn resumes; the paged backends read a window layer from its own pool."""
 
 import dataclasses
 
@@ -52,7 +52,7 @@ def _prompts():
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def _run_checked(gen: Generator, monkeypatch, params: SamplingParams):
+def _run_checked(gen: Generator, monkeypatch, params: SamplingParams, turns=None):
     """`generate`, checking the window tables of the running samples at every scheduler pass
     (before its admissions: between two passes). Returns completions, stats, the longest full
     table seen and how many window pages were handed out."""
@@ -74,7 +74,7 @@ def _run_checked(gen: Generator, monkeypatch, params: SamplingParams):
 
     monkeypatch.setattr(Scheduler, "admit", checked_admit)
     monkeypatch.setattr(window.allocator, "allocate", counted_allocate)
-    completions, stats = gen.generate(_prompts(), params)
+    completions, stats = gen.generate(_prompts(), params, turns=turns)
     return completions, stats, seen
 
 
@@ -173,3 +173,46 @@ def test_backends_read_a_window_layer_from_its_own_pool(kind):
     positions = [list(range(c - n, c)) for c, n in lens_new]
     ref = _reference_attention(q[0], k_pages, v_pages, tables, positions, sinks_H, window)
     torch.testing.assert_close(out[0].double(), ref, atol=1e-5, rtol=1e-5)
+
+
+class _Observation:
+    """A multi-turn environment: the first turn's answer gets an observation longer than the
+    window (the sample keeps its pages meanwhile), the second ends the episode."""
+
+    def __init__(self) -> None:
+        self.turns: dict[tuple[int, int], int] = {}
+        self.ready: list[tuple[tuple[int, int], list[int] | None]] = []
+
+    def submit(self, key, turn_token_ids, finish_reason) -> None:
+        self.turns[key] = self.turns.get(key, 0) + 1
+        obs = [(11 * key[0] + 3 * key[1] + i) % VOCAB for i in range(WINDOW + 3)]
+        self.ready.append((key, obs if self.turns[key] == 1 else None))
+
+    def poll(self, block: bool):
+        ready, self.ready = self.ready, []
+        return ready
+
+
+def test_multi_turn_samples_resume_over_their_window_pages(hf_folder, monkeypatch):
+    """A resumed sample extends its window table (its kept pages and the observation's) and
+    its model tokens stay transformers' greedy choices given everything before them."""
+    hf_model, folder = hf_folder
+    gen = _generator(folder)
+    params = SamplingParams(max_new_tokens=5, temperature=0, n=2)
+    completions, stats, _ = _run_checked(gen, monkeypatch, params, turns=_Observation())
+    assert stats.resumed_turns == 2 * len(PROMPT_LENGTHS)
+    prompts = [p for p in _prompts() for _ in range(2)]
+    full = [p + c.token_ids for p, c in zip(prompts, completions, strict=True)]
+    tokens_BT = torch.zeros(len(full), max(map(len, full)), dtype=torch.long)
+    for row, ids in zip(tokens_BT, full):
+        row[: len(ids)] = torch.tensor(ids)
+    with torch.no_grad():
+        logprobs_BTV = torch.log_softmax(hf_model(input_ids=tokens_BT).logits, -1)
+    for b, (prompt, c) in enumerate(zip(prompts, completions)):
+        assert c.model_mask is not None and sum(c.model_mask) == 10
+        for i, (token, lp, own) in enumerate(zip(c.token_ids, c.logprobs, c.model_mask)):
+            if own:
+                ref_V = logprobs_BTV[b, len(prompt) + i - 1]
+                assert token == ref_V.argmax().item(), (b, i)
+                assert abs(lp - ref_V[token].item()) < 1e-4
+    assert gen.window_pages is not None and gen.window_pages.allocator.num_free == gen.window_blocks
