@@ -58,13 +58,14 @@ def _run_checked(gen: Generator, monkeypatch, params: SamplingParams, turns=None
     table seen and how many window pages were handed out."""
     window = gen.window_pages
     assert window is not None
-    seen = {"full": 0, "allocated": 0}
+    seen = {"full": 0, "allocated": 0, "prefilling": 0}
     admit, allocate = Scheduler.admit, window.allocator.allocate
 
     def checked_admit(sched):
-        for seq in sched.running:
-            assert window.held(seq) <= BOUND, (len(seq.token_ids), seq.window_table)
+        for seq in sched.running + sched.prefilling:  # decoding, or between two prefill chunks
+            assert window.held(seq) <= BOUND, (seq.num_computed, seq.window_table)
             seen["full"] = max(seen["full"], len(seq.block_table))
+        seen["prefilling"] += len(sched.prefilling)
         window.allocator.check_invariants()
         return admit(sched)
 
@@ -123,7 +124,7 @@ def test_window_pages_stay_bounded_and_generation_matches_transformers(hf_folder
     else:
         assert stats.preemptions == 0
     if "max_num_batched_tokens" in config:
-        assert stats.prefill_chunks > 0
+        assert stats.prefill_chunks > 0 and seen["prefilling"] > 0
     if config:
         return
     # Again: prefix-cache hits over the cached full and window pages of the same prompts.

@@ -137,7 +137,7 @@ class BlockAccounting:
             # Positions written: len-1 .. len-2+k, k = the steps this sequence may still take.
             last = [len(s.token_ids) - 2 + min(steps, left) for s, left in zip(batch, lefts)]
             needed = [max(0, p // B + 1 - len(s.block_table)) for s, p in zip(batch, last)]
-            if sum(needed) <= self.allocator.num_free and self._window_fits(batch, last):
+            if sum(needed) <= self.allocator.num_free and _window_fits(self.window, batch, last):
                 for seq, n, p in zip(batch, needed, last):
                     for _ in range(n):
                         self._append_block(seq)
@@ -155,17 +155,25 @@ class BlockAccounting:
         if self.window is not None:
             self.window.trim(seq, keep)
 
+    def reserve_window_chunk(self, seq: Seq, can_wait: bool) -> bool:
+        """Window pages up to `seq.prefill_end`, this step's chunk, and none past it: admission
+        reserves the whole context, later chunks take theirs as they come. False if they are
+        not free and `seq` can wait; OutOfBlocks if it cannot (the pool leaves room for one)."""
+        if self.window is None:
+            return True
+        self.window.trim(seq, math.ceil(seq.prefill_end / self.block_size))
+        try:
+            self.window.extend(seq, seq.prefill_end)
+        except OutOfBlocks:
+            if can_wait:
+                return False
+            raise
+        return True
+
     def release_behind_window(self, seq: Seq) -> None:
         """Give back the window pages no query from `seq.num_computed` on reads (`window_pages.py`)."""
         if self.window is not None:
             self.window.release_behind(seq)
-
-    def _window_fits(self, batch: list[Seq], last: list[int]) -> bool:
-        """Whether the window pool has the pages to cover each sequence up to position `last`."""
-        if self.window is None:
-            return True
-        needed = [max(0, p // self.block_size + 1 - len(s.window_table)) for s, p in zip(batch, last)]
-        return sum(needed) <= self.window.allocator.num_free
 
     def free(self, seq: Seq) -> None:
         """Give back every block `seq` holds."""
@@ -185,3 +193,11 @@ class BlockAccounting:
         self.pool.copy_block(block, new_block)
         self.allocator.free(block)
         seq.block_table[index] = new_block
+
+
+def _window_fits(window: WindowPages | None, batch: list[Seq], last: list[int]) -> bool:
+    """Whether the window pool (if any) has the pages to cover each sequence up to position `last`."""
+    if window is None:
+        return True
+    needed = [max(0, p // window.block_size + 1 - len(s.window_table)) for s, p in zip(batch, last)]
+    return sum(needed) <= window.allocator.num_free

@@ -100,7 +100,11 @@ class Scheduler:
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            budget -= self._take_chunk(seq, budget)
+            n = self._take_chunk(seq, budget)
+            # A sliding-window layer's pages of this chunk (`window_pages.py`): else wait for them.
+            if not self.blocks.reserve_window_chunk(seq, can_wait=bool(admitted or self.running)):
+                break
+            budget -= n
             admitted.append(seq)
         # Sequences decoding once this step's admissions (and those being prefilled) have forked.
         num_seqs = len(self.running) + sum(self._num_after(s) for s in self.prefilling)
@@ -124,6 +128,7 @@ class Scheduler:
                 self.stats.prefix_cache_hit_tokens += seq.num_computed
             admitted.append(seq)
             budget -= self._take_chunk(seq, budget)
+            self.blocks.reserve_window_chunk(seq, can_wait=True)  # gives back the pages past the chunk
             num_seqs += n_after
         return admitted
 

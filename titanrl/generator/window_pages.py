@@ -7,8 +7,9 @@ are empty) with its own allocator, and each sequence a second block table, `Seq.
 indexed like `block_table` (logical block i holds positions i * B .. i * B + B - 1): a page behind
 the window goes back to the allocator and its entry becomes `RELEASED`, which attention reads as
 the scratch block (masked out: the window mask never reaches it). Between scheduler passes a
-decoding sequence so holds at most ceil(window / B) + 1 window pages. Full-attention layers keep
-every page in the main pool, as for any other model.
+decoding sequence, or one between two chunks of its prefill (each chunk takes its window pages
+as it comes; admission checks the whole context fits), so holds at most ceil(window / B) + 1
+window pages. Full-attention layers keep every page in the main pool, as for any other model.
 
 Prefix caching covers both pools: the window pool's full prompt pages are registered under the
 same hashes, and a prefix hit of k blocks needs only the window pages its first computed query
@@ -44,8 +45,8 @@ def kv_layers(args: TransformerModelArgs, in_window_pool: bool) -> list[bool]:
 def window_pool_blocks(args: TransformerModelArgs, config: GeneratorConfig, num_blocks: int) -> int:
     """Pages of the window pool beside a main pool of `num_blocks` (0: no sliding layer): every
     sequence's window (ceil(window / B) + 1 pages) plus the pages a decode pass reserves ahead,
-    and one whole context (a prefill reserves its context in both pools before the pages behind
-    the window go back); never more than the main pool's."""
+    and one whole context (a prefill in one piece writes its whole context before the pages
+    behind the window go back); never more than the main pool's."""
     if not any(kv_layers(args, in_window_pool=True)):
         return 0
     B = config.block_size
