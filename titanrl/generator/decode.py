@@ -55,14 +55,22 @@ def decode_step(
     scratch: int,
     attention: AttentionKind,
     record_routes: bool = False,
+    window_table_NM: torch.Tensor | None = None,
+    window_page_index_P: torch.Tensor | None = None,
+    window_scratch: int = 0,
 ) -> DecodeStepOutput:
     """One token for every live row. Returns the next state (tokens, positions, live, tokens
     left), the sampled tokens' logprobs, which rows stopped at this step, how many rows are
     still live (0-d, the host's one read per step) and, with `record_routes`, each MoE layer's
     experts for the fed tokens [MoE layers, N, top_k] (else None). `attention` 'exact':
-    batch-invariant mode (eager only)."""
-    batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, v_cache[0].shape[1], page_index_P)
-    backend = paged_attention(attention, batch, k_cache, v_cache)
+    batch-invariant mode (eager only). `window_table_NM` (sliding-window layers with a pool of
+    their own, `window_pages.py`): the rows' window tables, with that pool's page index and scratch."""
+    B = v_cache[0].shape[1]
+    batch = PagedBatch.decode(table_NM, pos_N, live_N, scratch, B, page_index_P)
+    window_batch = None
+    if window_table_NM is not None:
+        window_batch = PagedBatch.decode(window_table_NM, pos_N, live_N, window_scratch, B, window_page_index_P)
+    backend = paged_attention(attention, batch, k_cache, v_cache, window_batch)
     with batch_invariant_mode() if attention == "exact" else contextlib.nullcontext():
         logits_NV = model(tokens_N.unsqueeze(0), pos_N.unsqueeze(0), backend)[0]
     # The counter is the drawn token's position: the same draw whatever the batching.
@@ -147,6 +155,8 @@ class DecodeRows:
     """Random-stream keys."""
     tables: list[list[int]]
     """Block tables, covering every position the pass may write."""
+    window_tables: list[list[int]] | None = None
+    """Sliding-window layers with a pool of their own: the window tables (`window_pages.py`)."""
 
 
 @dataclass
@@ -183,6 +193,17 @@ class _TableWidths:
                 torch._dynamo.mark_dynamic(table, 1)
             self.by_width[width] = table
         return self.by_width[width]
+
+
+def _upload_tables(tables: list[list[int]], bucket: int, scratch: int, device: torch.device) -> torch.Tensor:
+    """Block tables `[bucket, M]` padded with `scratch` (a window pool's, `_upload_rows` for the main one)."""
+    M = max(2, max(len(t) for t in tables))
+    flat: list[int] = []
+    for table in tables:
+        flat += table
+        flat += [scratch] * (M - len(table))
+    flat += [scratch] * M * (bucket - len(tables))
+    return torch.frombuffer(array.array("q", flat), dtype=torch.long).to(device).view(bucket, M)
 
 
 def _upload_rows(rows: DecodeRows, bucket: int, scratch: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -241,6 +262,34 @@ def _collect(
     )
 
 
+def _device_tables(
+    table_NM: torch.Tensor, scratch: int, max_pos: int, block_size: int, dynamic: bool, attention: AttentionKind
+) -> tuple[_TableWidths, torch.Tensor | None]:
+    """A pass's tables cut per step (`_TableWidths`) and, for FlexAttention, their pages'
+    logical index: the pages keep it at every step, so it is computed once, an input of the
+    step (the scratch block is the pool's last: the pool has scratch + 1 pages)."""
+    page_index_P = logical_page_index(table_NM, scratch, scratch + 1) if attention == "flex" else None
+    return _TableWidths(table_NM, max_pos, block_size, dynamic), page_index_P
+
+
+class _WindowArgs:
+    """`decode_step`'s window-pool arguments at each step of a pass: none without a window pool
+    (`rows.window_tables` None), else the window tables (`_device_tables`) and scratch block."""
+
+    def __init__(self, rows: DecodeRows, bucket: int, scratch: int, device: torch.device, tables_args: tuple) -> None:
+        self.scratch, self.tables, self.page_index_P = scratch, None, None
+        if rows.window_tables is not None:
+            window_NM = _upload_tables(rows.window_tables, bucket, scratch, device)
+            self.tables, self.page_index_P = _device_tables(window_NM, scratch, *tables_args)
+
+    def kwargs(self, step: int) -> dict:
+        if self.tables is None:
+            return {}
+        return dict(
+            window_table_NM=self.tables.at(step), window_page_index_P=self.page_index_P, window_scratch=self.scratch
+        )
+
+
 def run_decode_pass(
     step_fn: Callable[..., DecodeStepOutput],
     model: Transformer,
@@ -258,26 +307,26 @@ def run_decode_pass(
     attention: AttentionKind,
     cuda_graphs: bool = False,
     record_routes: bool = False,
+    window_scratch: int = 0,
 ) -> DecodeOutput:
     """Up to `steps` decode steps over `rows` padded to `bucket` rows (padding rows are dead
     from the start). Ends early when every row stopped, when a quarter stopped (their compute
-    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room)."""
+    would be wasted), or at the first stop when `end_when_any_stops` (samples wait for room).
+    `rows.window_tables`: over the window pool (`window_scratch` its scratch block)."""
     N = len(rows.tokens)
     tokens_N, pos_N, left_N, key_N, table_NM = _upload_rows(rows, bucket, scratch, device)
     live_N = torch.arange(bucket, device=device) < N
     stop_ids_E = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    tables = _TableWidths(table_NM, max(rows.positions), v_cache[0].shape[1], dynamic=step_fn is not decode_step)
-    # The pass's pages keep their logical index at every step: computed once, an input of the step.
-    page_index_P = logical_page_index(table_NM, scratch, v_cache[0].shape[0]) if attention == "flex" else None
+    B, dynamic, max_pos = v_cache[0].shape[1], step_fn is not decode_step, max(rows.positions)
+    tables, page_index_P = _device_tables(table_NM, scratch, max_pos, B, dynamic, attention)
+    window = _WindowArgs(rows, bucket, window_scratch, device, (max_pos, B, dynamic, attention))
+    head, fixed = (model, k_cache, v_cache, params), (stop_ids_E, scratch, attention, record_routes)
     outs = []  # per step: tokens, logprobs, stopped, routes (or None)
     for step in range(steps):
         if cuda_graphs:  # CUDA graphs: the outputs kept below are copies, so the replay may reuse its buffers
             torch.compiler.cudagraph_mark_step_begin()
         tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, num_live, routes_LNK = step_fn(
-            model,
-            k_cache,
-            v_cache,
-            params,
+            *head,
             tokens_N,
             pos_N,
             live_N,
@@ -285,16 +334,14 @@ def run_decode_pass(
             key_N,
             tables.at(step),
             page_index_P,
-            stop_ids_E,
-            scratch,
-            attention,
-            record_routes,
+            *fixed,
+            **window.kwargs(step),
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
-            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
-                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N)
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK = (
+                t if t is None else t.clone()
+                for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK)
             )
-            routes_LNK = routes_LNK if routes_LNK is None else routes_LNK.clone()
         outs.append((tokens_N, logprobs_N, stopped_N, routes_LNK))
         live = int(num_live)  # the one host read per step
         if live == 0 or 4 * live <= 3 * N or (end_when_any_stops and live < N):

@@ -86,8 +86,8 @@ class EPLockstep:
 def with_tick(step_fn, lockstep: EPLockstep):
     """`step_fn` (one decode step) preceded by a `FORWARD` tick."""
 
-    def step(*args):
+    def step(*args, **kwargs):
         lockstep.before_forward()
-        return step_fn(*args)
+        return step_fn(*args, **kwargs)
 
     return step

@@ -35,6 +35,7 @@ from titanrl.generator.weight_sync import (
     share_trainer_weights,
     weight_storage,
 )
+from titanrl.generator.window_pages import WindowPages, build_window_pages, kv_layers, window_pool_blocks
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.hf import load_hf_weights
 from titanrl.models.mla import latent_cache_dims
@@ -94,22 +95,33 @@ class Generator:
         self.compile = self.runner.compile
         self.attention = self.runner.attention
         self.shares_weights = False
+        # gpt-oss: sliding-window layers keep their pages in a smaller pool (`window_pages.py`).
+        window_cap = window_pool_blocks(model_args, config, num_blocks=2**62)
         self.num_blocks = config.num_blocks or blocks_from_memory(
-            self.device, config.kv_cache_memory_fraction, self._bytes_per_block(), self._state_slot_bytes()
+            self.device,
+            config.kv_cache_memory_fraction,
+            self._bytes_per_block(),
+            self._state_slot_bytes() + window_cap * self._bytes_per_block(sliding=True),
         )
+        self.window_blocks = window_pool_blocks(model_args, config, self.num_blocks)
+        """Pages of the sliding-window layers' pool; 0: no such layers, every layer in `pool`."""
         self.pool: KVCachePool | None = None
         self.allocator: BlockAllocator | None = None
+        self.window_pages: WindowPages | None = None
         self._offloaded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._base_loaded = False  # the frozen parameters hold the trainer's values (`load_weights`)
         self.wake()
 
     # ---- memory: time-slicing with the trainer ----
 
-    def _bytes_per_block(self) -> int:
+    def _bytes_per_block(self, sliding: bool = False) -> int:
         heads, head_dim, latent = kv_cache_dims(self.args, self.tp)
-        n_kv_layers = sum(not self.args.is_linear_layer(i) for i in range(self.args.n_layers))
-        return KVCachePool.bytes_per_block(
-            n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
+        n_kv_layers = sum(kv_layers(self.args, in_window_pool=sliding))
+        return max(
+            1,
+            KVCachePool.bytes_per_block(
+                n_kv_layers, self.config.block_size, heads, head_dim, self.dtype, latent=latent
+            ),
         )
 
     def _state_slot_bytes(self) -> int:
@@ -136,9 +148,16 @@ class Generator:
                 head_dim,
                 self.dtype,
                 self.device,
-                kv_layers=[not self.args.is_linear_layer(i) for i in range(self.args.n_layers)],
+                kv_layers=kv_layers(self.args, in_window_pool=False),
                 latent=latent,
             )
+            self.window_pages = None
+            if self.window_blocks:  # gpt-oss: the sliding-window layers' pages (`window_pages.py`)
+                dims = (kv_heads, head_dim, latent)
+                args = self.args
+                self.window_pages = build_window_pages(
+                    args, self.config, self.window_blocks, self.pool, dims, self.dtype, self.device
+                )
             # Hybrid models: recurrent-state slots beside the pool; no prefix caching (`state_slots.py`).
             hybrid = self.args.has_linear_layers
             self.runner.state_slots = (
@@ -148,12 +167,15 @@ class Generator:
             self.block_routes: dict[int, torch.Tensor] = {}  # `routes.record_prefill_routes`
             if self.runner.cuda_graphs:
                 static_kv_for_cuda_graphs(self.pool.k, self.pool.v)
+                if self.window_pages is not None:
+                    static_kv_for_cuda_graphs(self.window_pages.pool.k, self.window_pages.pool.v)
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV pool so training can use the memory; optionally move the weights to host
         memory too (on a CPU device they already are, and stay put)."""
         self.pool = None
         self.allocator = None
+        self.window_pages = None
         self.runner.state_slots = None
         if offload_weights and self.device.type != "cpu" and not self.shares_weights:
             for local in weight_storage(self.model):
@@ -179,7 +201,8 @@ class Generator:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.pool.nbytes if self.pool is not None else 0
+        window = self.window_pages.pool.nbytes if self.window_pages is not None else 0
+        return (self.pool.nbytes if self.pool is not None else 0) + window
 
     # ---- weights ----
 
@@ -192,6 +215,8 @@ class Generator:
         # Cached prefix blocks hold K/V computed with the old weights.
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
+        if self.window_pages is not None:
+            self.window_pages.allocator.reset_prefix_cache()
 
     def share_weights(self, trainer_model: nn.Module) -> bool:
         """Use the trainer's parameter storage as this generator's weights when their layouts
@@ -207,6 +232,8 @@ class Generator:
         self._base_loaded = False
         if self.allocator is not None:
             self.allocator.reset_prefix_cache()
+        if self.window_pages is not None:
+            self.window_pages.allocator.reset_prefix_cache()
 
     # ---- generation ----
 
@@ -267,7 +294,6 @@ class Generator:
             raise
         if self.lockstep is not None:
             self.lockstep.agree(ok=True)
-        prompt_ids = list(range(len(prompts))) if prompt_ids is None else prompt_ids
         if self.pool is None or self.allocator is None:
             raise RuntimeError("generate() on a sleeping generator: call wake() first")
         start, compile_start = time.perf_counter(), compile_seconds()
@@ -276,12 +302,13 @@ class Generator:
             self.allocator,
             self.config,
             prompts,
-            prompt_ids,
+            list(range(len(prompts))) if prompt_ids is None else prompt_ids,
             params,
             max_seq_len=self.args.max_seq_len,
             vocab_size=self.args.vocab_size,
             turns=turns,
             resume=resume,
+            window=self.window_pages,
         )
         loop = StepLoop(
             self.runner,

@@ -70,6 +70,10 @@ class BlockAllocator:
         self.ref_count[block] += 1
         return block
 
+    def is_cached(self, block_hash: int) -> bool:
+        """Whether `lookup` would find a block with this hash."""
+        return self.enable_prefix_caching and block_hash in self._block_of_hash
+
     def register(self, block: int, block_hash: int) -> None:
         """Mark a full, computed block as reusable under `block_hash`."""
         if not self.enable_prefix_caching or block in self._hash_of_block:

@@ -31,6 +31,7 @@ from titanrl.generator.routes import has_moe_layers
 from titanrl.generator.sampling import SamplingParams
 from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.weight_sync import build_quantizer
+from titanrl.generator.window_pages import WindowPages
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.batch_invariant import batch_invariant_mode
 from titanrl.models.gated_deltanet import check_parallelism
@@ -124,10 +125,12 @@ class ModelRunner:
         decode: bool = False,
         logits_at: list[int] | None = None,
         state_slots: StateSlots | None = None,
+        window: tuple[WindowPages, list[SeqSlice]] | None = None,
     ) -> torch.Tensor:
         """Logits [N, vocab] for the packed new tokens of `slices`, or only at the packed
         positions `logits_at` ([len(logits_at), vocab]). `state_slots`: a hybrid model's
-        recurrent states, read and advanced at each slice's `state_slot`."""
+        recurrent states, read and advanced at each slice's `state_slot`. `window`: the
+        sliding-window layers' pages and the same slices over the sequences' window tables."""
         model: nn.Module = self.model
         n = len(tokens)
         scratch = pool.num_blocks - 1
@@ -137,24 +140,36 @@ class ModelRunner:
             # Pad to a power-of-two batch with 1-token rows writing into the scratch block.
             bucket = batch_bucket(n)
             slices = slices + [SeqSlice([scratch], 1, 1)] * (bucket - n)
+            if window is not None:
+                window = window[0], window[1] + [SeqSlice([window[0].scratch], 1, 1)] * (bucket - n)
             tokens = tokens + [0] * (bucket - n)
             model = self._decode_model
         attention = self.attention if model is not self.model else self.eager_attention
-        num_pages = pool.num_blocks if attention == "flex" else None
-        batch = PagedBatch.from_slices(slices, scratch, self.config.block_size, self.device, num_pages)
-        backend = paged_attention(attention, batch, pool.k, pool.v)
+        batch = self._batch(pool, slices, attention)
+        if window is None:
+            backend = paged_attention(attention, batch, pool.k, pool.v)
+        else:
+            window_batch = self._batch(window[0].pool, window[1], attention)
+            backend = paged_attention(attention, batch, window[0].k, window[0].v, window_batch)
         if state_slots is not None:  # read by the linear layers (`TransformerBlock._mix`)
             backend.linear_states = state_slots.states([s.state_slot for s in slices], [s.num_new for s in slices])
         tokens_1N = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(0)
         if model is not self.model:
             # The context length changes every step; keep it symbolic instead of recompiling.
             torch._dynamo.mark_dynamic(batch.table_SM, 1)
+            if backend.window_batch is not None:
+                torch._dynamo.mark_dynamic(backend.window_batch.table_SM, 1)
         with batch_invariant_mode() if self.config.batch_invariant else contextlib.nullcontext():
             if logits_at is None:
                 return model(tokens_1N, batch.positions_1N, backend)[0, :n]
             assert model is self.model, "logits at chosen rows: a prefill, never the compiled decode step"
             h_ND = self.model.hidden_states(tokens_1N, batch.positions_1N, backend)[0]
             return self.model.output(h_ND[logits_at])
+
+    def _batch(self, pool: KVCachePool, slices: list[SeqSlice], attention: str) -> PagedBatch:
+        """The forward's `PagedBatch` over `pool` (its last block the scratch block)."""
+        num_pages = pool.num_blocks if attention == "flex" else None
+        return PagedBatch.from_slices(slices, pool.num_blocks - 1, self.config.block_size, self.device, num_pages)
 
     def decode_pass(
         self,
@@ -165,14 +180,16 @@ class ModelRunner:
         steps: int,
         stop_ids: list[int],
         end_when_any_stops: bool,
+        window: WindowPages | None = None,
     ) -> DecodeOutput:
-        """Up to `steps` decode steps of `rows` on the device (`decode.run_decode_pass`)."""
+        """Up to `steps` decode steps of `rows` on the device (`decode.run_decode_pass`);
+        `window`: the sliding-window layers' pages (`rows.window_tables` index them)."""
         compiled = self._decode_step is not decode_step
         return run_decode_pass(
             self._decode_step if self.lockstep is None else with_tick(self._decode_step, self.lockstep),
             self.model,
-            pool.k,
-            pool.v,
+            pool.k if window is None else window.k,
+            pool.v if window is None else window.v,
             params,
             rows,
             steps=steps,
@@ -184,4 +201,5 @@ class ModelRunner:
             attention=self.attention if compiled else self.eager_attention,
             cuda_graphs=self.cuda_graphs,
             record_routes=self.record_routes,
+            window_scratch=window.scratch if window is not None else 0,
         )

@@ -17,6 +17,9 @@ to its own.
 - `GatheredPagedAttention`: each sequence's pages gathered into a copy. `exact=True` is the
   batch-invariant attention (`attend_exact_batched`, the trainer's reduction order); otherwise
   SDPA: the eager CPU path (plain PyTorch, no compiler), and the tests' oracle.
+
+A model with sliding-window layers keeps their K/V in a pool of its own (`window_pages.py`):
+those layers attend with `window_batch`, the same queries over the sequences' window tables.
 """
 
 import functools
@@ -230,8 +233,14 @@ class FlexPagedAttention:
     caches_kv = True
     """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
 
-    def __init__(self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
-        self.batch, self.k_cache, self.v_cache = batch, k_cache, v_cache
+    def __init__(
+        self,
+        batch: PagedBatch,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        window_batch: PagedBatch | None = None,
+    ) -> None:
+        self.batch, self.k_cache, self.v_cache, self.window_batch = batch, k_cache, v_cache, window_batch
         self.block_mask: BlockMask | None = None
         self.window_masks: dict[int, BlockMask] = {}
 
@@ -248,17 +257,20 @@ class FlexPagedAttention:
         cpu = k_pages.device.type == "cpu"
         if sinks_H is not None and cpu and torch.compiler.is_compiling():
             # Inductor's CPU FlexAttention has no log-sum-exp output (torch 2.13): gathered pages.
-            gathered = GatheredPagedAttention(self.batch, self.k_cache, self.v_cache, exact=False)
+            gathered = GatheredPagedAttention(self.batch, self.k_cache, self.v_cache, False, self.window_batch)
             return gathered.attend(layer_id, q_1NHD, k_1NHD, v_1NHD, sinks_H, window)
-        write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
+        # A sliding-window layer's pages are the window pool's, when it has one.
+        batch = self.window_batch if window > 0 and self.window_batch is not None else self.batch
+        write_kv(k_pages, v_pages, batch.slot_N, k_1NHD[0], v_1NHD[0])
         P, B, Hkv, D = k_pages.shape
-        q_SQHD = self.batch.queries(q_1NHD)
+        q_SQHD = batch.queries(q_1NHD)
         R = q_SQHD.shape[2] // Hkv
-        if self.block_mask is None:
-            self.block_mask = page_block_mask(self.batch, R, B, P, pad_to_pool=cpu)
         if window > 0 and window not in self.window_masks:
-            self.window_masks[window] = page_block_mask(self.batch, R, B, P, pad_to_pool=cpu, window=window)
+            self.window_masks[window] = page_block_mask(batch, R, B, P, pad_to_pool=cpu, window=window)
+        elif window == 0 and self.block_mask is None:
+            self.block_mask = page_block_mask(batch, R, B, P, pad_to_pool=cpu)
         block_mask = self.window_masks[window] if window > 0 else self.block_mask
+        assert block_mask is not None, "built above"
         # Triton's tiles must divide the KV block (a page); the CPU kernel picks its own.
         options: FlexKernelOptions | None = {"BLOCK_N": min(B, 64)} if k_pages.device.type == "cuda" else None
         k_1GLD = k_pages.view(1, P * B, Hkv, D).transpose(1, 2)
@@ -269,7 +281,7 @@ class FlexPagedAttention:
             flex = _compiled_flex_attention()
             # The pool's size never varies within a generator; left to automatic dynamic shapes
             # (a new generator's pool), a symbolic one breaks inductor's CPU kernel (torch 2.13).
-            for t in (k_pages, v_pages, self.batch.page_index_P):
+            for t in (k_pages, v_pages, batch.page_index_P):
                 torch._dynamo.mark_static(t)
             if k_pages.device.type == "cpu":  # kv_indices padded to the pool (`page_block_mask`)
                 torch._dynamo.mark_static(block_mask.kv_indices, 3)
@@ -283,7 +295,7 @@ class FlexPagedAttention:
         assert aux.lse is not None, "requested by AuxRequest(lse=True)"
         lse_SQH = unfold_heads(aux.lse.unsqueeze(-1), Q)[..., 0]
         out_SQHD = renormalize_with_sinks(unfold_heads(out_SGXD, Q), lse_SQH, sinks_H).to(q_1NHD.dtype)
-        return self.batch.packed(out_SQHD, q_1NHD.shape[1])
+        return batch.packed(out_SQHD, q_1NHD.shape[1])
 
 
 class GatheredPagedAttention:
@@ -300,10 +312,18 @@ class GatheredPagedAttention:
     """Keeps K/V in the pool: an MLA layer hands it its latent (`models/mla.py`)."""
 
     def __init__(
-        self, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], exact: bool
+        self,
+        batch: PagedBatch,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+        exact: bool,
+        window_batch: PagedBatch | None = None,
     ) -> None:
         self.batch, self.k_cache, self.v_cache, self.exact = batch, k_cache, v_cache, exact
-        self.slots_SL: torch.Tensor | None = None
+        self.window_batch = window_batch
+        self.slots: dict[bool, torch.Tensor] = {}
+        """Each sequence's slots [S, L], of its block table (False) or window table (True)."""
+        self.visible_SQL: torch.Tensor | None = None
 
     def attend(
         self,
@@ -315,14 +335,15 @@ class GatheredPagedAttention:
         window: int = 0,
     ) -> torch.Tensor:
         k_pages, v_pages = self.k_cache[layer_id], self.v_cache[layer_id]
-        write_kv(k_pages, v_pages, self.batch.slot_N, k_1NHD[0], v_1NHD[0])
-        q_SQHD = self.batch.queries(q_1NHD)
-        if self.slots_SL is None:  # at the first layer, for all
-            B, table_SM = k_pages.shape[1], self.batch.table_SM
-            self.slots_SL = (table_SM[:, :, None] * B + torch.arange(B, device=table_SM.device)).flatten(1)
-            key_pos_L = torch.arange(self.slots_SL.shape[1], device=table_SM.device)
-            self.visible_SQL = key_pos_L[None, None, :] <= self.batch.pos_SQ[:, :, None]
-        k_SLHD, v_SLHD = (t.to(q_SQHD.dtype) for t in gather_kv(k_pages, v_pages, self.slots_SL))
+        in_window_pool = window > 0 and self.window_batch is not None
+        batch = self.window_batch if in_window_pool and self.window_batch is not None else self.batch
+        write_kv(k_pages, v_pages, batch.slot_N, k_1NHD[0], v_1NHD[0])
+        q_SQHD = batch.queries(q_1NHD)
+        if in_window_pool not in self.slots:  # at the first layer of each pool, for all
+            B, table_SM = k_pages.shape[1], batch.table_SM
+            self.slots[in_window_pool] = (table_SM[:, :, None] * B + torch.arange(B, device=table_SM.device)).flatten(1)
+        slots_SL = self.slots[in_window_pool]
+        k_SLHD, v_SLHD = (t.to(q_SQHD.dtype) for t in gather_kv(k_pages, v_pages, slots_SL))
         if sinks_H is not None or window > 0:
             return self.batch.packed(self.attend_gpt_oss(q_SQHD, k_SLHD, v_SLHD, sinks_H, window), q_1NHD.shape[1])
         if self.exact:
@@ -330,6 +351,9 @@ class GatheredPagedAttention:
         else:
             Q, Hkv = q_SQHD.shape[1], k_SLHD.shape[2]
             R = q_SQHD.shape[2] // Hkv
+            if self.visible_SQL is None:  # at the first layer, for all
+                key_pos_L = torch.arange(slots_SL.shape[1], device=slots_SL.device)
+                self.visible_SQL = key_pos_L[None, None, :] <= self.batch.pos_SQ[:, :, None]
             out_SGXD = F.scaled_dot_product_attention(
                 fold_heads(q_SQHD, Hkv),
                 k_SLHD.transpose(1, 2),
@@ -377,9 +401,14 @@ def attention_kinds(config: GeneratorConfig, device: torch.device, compile: bool
 
 
 def paged_attention(
-    kind: AttentionKind, batch: PagedBatch, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
+    kind: AttentionKind,
+    batch: PagedBatch,
+    k_cache: list[torch.Tensor],
+    v_cache: list[torch.Tensor],
+    window_batch: PagedBatch | None = None,
 ) -> FlexPagedAttention | GatheredPagedAttention:
-    """The backend of one forward: 'flex', 'exact' (batch-invariant) or 'gathered' (SDPA)."""
+    """The backend of one forward: 'flex', 'exact' (batch-invariant) or 'gathered' (SDPA).
+    `window_batch`: the sliding-window layers' batch over their own pool (`window_pages.py`)."""
     if kind == "flex":
-        return FlexPagedAttention(batch, k_cache, v_cache)
-    return GatheredPagedAttention(batch, k_cache, v_cache, exact=kind == "exact")
+        return FlexPagedAttention(batch, k_cache, v_cache, window_batch)
+    return GatheredPagedAttention(batch, k_cache, v_cache, kind == "exact", window_batch)

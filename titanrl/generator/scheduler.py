@@ -12,7 +12,6 @@ so every rank builds the same schedule. Each sequence's block table is kept by
 `block_accounting.py`; multi-turn samples wait on their environment in `turn_exchange.py`.
 """
 
-import math
 from collections.abc import Sequence
 
 from titanrl.config.generation import Generator as GeneratorConfig
@@ -21,6 +20,7 @@ from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, OutOfBlocks
 from titanrl.generator.sampling import SamplingParams
 from titanrl.generator.sequence import GenerationStats, ResumedSample, Seq, TurnHandler
 from titanrl.generator.turn_exchange import TurnExchange
+from titanrl.generator.window_pages import WindowPages
 
 
 class Scheduler:
@@ -43,8 +43,9 @@ class Scheduler:
         vocab_size: int,
         turns: TurnHandler | None = None,
         resume: Sequence[ResumedSample] = (),
+        window: WindowPages | None = None,
     ) -> None:
-        self.blocks = BlockAccounting(pool, allocator, config.block_size)
+        self.blocks = BlockAccounting(pool, allocator, config.block_size, window)
         self.block_size = config.block_size
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -85,6 +86,8 @@ class Scheduler:
     def results(self) -> list[Seq]:
         """The finished samples ordered by (prompt, sample), once every block is back."""
         assert all(rc == 0 for rc in self.blocks.allocator.ref_count), "KV blocks leaked"
+        window = self.blocks.window
+        assert window is None or all(rc == 0 for rc in window.allocator.ref_count), "window KV blocks leaked"
         return sorted(self.finished, key=lambda s: (s.prompt_index, s.sample_index))
 
     # ---- prefill ----
@@ -97,7 +100,11 @@ class Scheduler:
         for seq in self.prefilling:
             if budget <= 0:
                 break
-            budget -= self._take_chunk(seq, budget)
+            n = self._take_chunk(seq, budget)
+            # A sliding-window layer's pages of this chunk (`window_pages.py`): else wait for them.
+            if not self.blocks.reserve_window_chunk(seq, can_wait=bool(admitted or self.running)):
+                break
+            budget -= n
             admitted.append(seq)
         # Sequences decoding once this step's admissions (and those being prefilled) have forked.
         num_seqs = len(self.running) + sum(self._num_after(s) for s in self.prefilling)
@@ -111,9 +118,8 @@ class Scheduler:
             if admitted and new_tokens > budget and not self.chunked_prefill:
                 break
             # Blocks for the whole context, plus one per sample to start decoding, must be free now.
-            needed = math.ceil(to_compute / self.block_size) + n_after - len(seq.block_table)
             can_wait = bool(admitted or self.running)  # others will free blocks when they finish
-            if needed > self.blocks.allocator.num_free and can_wait:
+            if not self.blocks.fits(seq, to_compute, n_after) and can_wait:
                 break
             if not self.blocks.reserve_context(seq, to_compute, can_wait):
                 break
@@ -122,6 +128,7 @@ class Scheduler:
                 self.stats.prefix_cache_hit_tokens += seq.num_computed
             admitted.append(seq)
             budget -= self._take_chunk(seq, budget)
+            self.blocks.reserve_window_chunk(seq, can_wait=True)  # gives back the pages past the chunk
             num_seqs += n_after
         return admitted
 
@@ -146,11 +153,13 @@ class Scheduler:
         sequence goes back to running."""
         if seq.num_computed < seq.context_end:
             self.stats.prefill_chunks += 1
+            self.blocks.release_behind_window(seq)
             return []
         self.prefilling.remove(seq)
         self.blocks.register_prompt_blocks(seq)
         if not seq.is_group_prompt:
             # Resumed (after preemption or an environment step): its next token is already sampled.
+            self.blocks.release_behind_window(seq)
             self.running.append(seq)
             return []
         samples = [
@@ -201,6 +210,7 @@ class Scheduler:
     def after_sample(self, seq: Seq, finish_reason: str | None) -> None:
         """`seq` has a new token: keep it running, or retire it with `finish_reason`."""
         if finish_reason is None:
+            self.blocks.release_behind_window(seq)
             self.running.append(seq)
             return
         seq.finish_reason = finish_reason

@@ -142,6 +142,8 @@ class Seq:
     route_chunks: list[tuple[int, torch.Tensor]] | None = None
     # Hybrid models: the slot of the linear layers' recurrent state (`state_slots.py`); -1: none.
     state_slot: int = -1
+    # Sliding-window layers (gpt-oss): their block table over the window pool (`window_pages.py`).
+    window_table: list[int] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:

@@ -18,6 +18,7 @@ from titanrl.generator.routes import add_route_chunk, record_packed_routes, reco
 from titanrl.generator.sampling import sample_tokens, sampled_logprobs
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import Completion, PauseWhen, Seq, TurnHandler
+from titanrl.generator.window_pages import WindowPages
 from titanrl.models.tokenizer import Tokenizer
 
 
@@ -46,6 +47,8 @@ class StepLoop:
         self.eos_ids = eos_ids
         self.tokenizer = tokenizer
         self.block_routes = block_routes
+        self.window: WindowPages | None = sched.blocks.window
+        """Sliding-window layers' pages, when the model has such layers (`window_pages.py`)."""
 
     def run(
         self,
@@ -130,7 +133,14 @@ class StepLoop:
             seq.num_computed = end
         # Logits only at each finished context's last token: the rows that are sampled (a full
         # [prompt tokens, vocab] projection would dominate prefill memory at a real vocabulary).
-        logits_SV = self.runner.forward(self.pool, slices, tokens, logits_at=last_index, state_slots=self.state_slots)
+        logits_SV = self.runner.forward(
+            self.pool,
+            slices,
+            tokens,
+            logits_at=last_index,
+            state_slots=self.state_slots,
+            window=self._window_slices(seqs, slices),
+        )
         if self.runner.record_routes:
             counts, B = [s.num_new for s in slices], self.config.block_size
             record_prefill_routes(seqs, starts, counts, self.runner.model.moe_routes(), self.block_routes, B)
@@ -164,10 +174,17 @@ class StepLoop:
             left=left,
             keys=[s.key for s in batch],
             tables=[s.block_table for s in batch],
+            window_tables=[self.window.table(s) for s in batch] if self.window is not None else None,
         )
         with torch.profiler.record_function("generator/decode"):
             out = self.runner.decode_pass(
-                self.pool, params, rows, steps=steps, stop_ids=stop_ids, end_when_any_stops=bool(sched.waiting)
+                self.pool,
+                params,
+                rows,
+                steps=steps,
+                stop_ids=stop_ids,
+                end_when_any_stops=bool(sched.waiting),
+                window=self.window,
             )
         sched.stats.steps += out.steps - 1
         sched.stats.decode_steps += out.steps
@@ -187,7 +204,14 @@ class StepLoop:
         slices = [SeqSlice(s.block_table, len(s.token_ids), 1, s.state_slot) for s in batch]
         tokens = [s.token_ids[-1] for s in batch]
         with torch.profiler.record_function("generator/decode"):
-            logits_NV = self.runner.forward(self.pool, slices, tokens, decode=True, state_slots=self.state_slots)
+            logits_NV = self.runner.forward(
+                self.pool,
+                slices,
+                tokens,
+                decode=True,
+                state_slots=self.state_slots,
+                window=self._window_slices(batch, slices),
+            )
         if self.runner.record_routes:
             starts = [len(s.token_ids) - 1 for s in batch]
             record_packed_routes(batch, starts, [1] * len(batch), self.runner.model.moe_routes())
@@ -196,6 +220,13 @@ class StepLoop:
         for seq in batch:
             seq.num_computed = len(seq.token_ids)
         self._sample(batch, logits_NV)
+
+    def _window_slices(self, seqs: list[Seq], slices: list[SeqSlice]) -> tuple[WindowPages, list[SeqSlice]] | None:
+        """`slices` over the sequences' window tables (None: the model has no window pool)."""
+        if self.window is None:
+            return None
+        window = self.window
+        return window, [SeqSlice(window.table(q), s.context_len, s.num_new) for q, s in zip(seqs, slices)]
 
     def _share_prompt_state(self, prompt: Seq, samples: list[Seq]) -> None:
         """A group's samples continue from its prompt's recurrent state: the first takes over the
