@@ -338,10 +338,10 @@ def run_decode_pass(
             **window.kwargs(step),
         )
         if cuda_graphs:  # a replay overwrites the previous one's outputs
-            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK = (
-                t if t is None else t.clone()
-                for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N, routes_LNK)
+            tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N = (
+                t.clone() for t in (tokens_N, pos_N, live_N, left_N, logprobs_N, stopped_N)
             )
+            routes_LNK = routes_LNK if routes_LNK is None else routes_LNK.clone()
         outs.append((tokens_N, logprobs_N, stopped_N, routes_LNK))
         live = int(num_live)  # the one host read per step
         if live == 0 or 4 * live <= 3 * N or (end_when_any_stops and live < N):

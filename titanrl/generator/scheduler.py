@@ -96,7 +96,8 @@ class Scheduler:
         """This step's prefill, up to the per-step token budget: the next chunk of the sequences
         being prefilled, then waiting sequences whose whole context fits into blocks now. Each
         returned sequence's `prefill_end` says how far this step computes its context."""
-        admitted, budget = [], self.max_num_batched_tokens
+        admitted: list[Seq] = []
+        budget = self.max_num_batched_tokens
         for seq in self.prefilling:
             if budget <= 0:
                 break
