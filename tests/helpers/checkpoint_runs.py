@@ -22,11 +22,16 @@ BASE = smoke_run_args(
 COMPARED = ["reward_mean", "accuracy", "response_len", "entropy", "grad_norm", "lr"]
 
 
+def args(folder, steps, nproc=1, extra=()) -> list[str]:
+    """The job's arguments: `BASE` for `steps` RL steps into `folder`, FSDP2 over `nproc` ranks."""
+    argv = [*BASE, f"--training.steps={steps}", f"--job.dump_folder={folder}", *extra]
+    return [*argv, "--parallelism.dp_shard=2"] if nproc > 1 else argv
+
+
 def run(folder, steps, nproc=1, fault=None, extra=()):
     """`BASE` for `steps` RL steps into `folder` on `nproc` ranks (FSDP2 over them), with the
     TITANRL_FAULT injection `fault` (helpers/checkpoint_faults.py's kinds) when given."""
-    args = [*BASE, f"--training.steps={steps}", f"--job.dump_folder={folder}", *extra]
-    cmd = train_cmd([*args, "--parallelism.dp_shard=2"] if nproc > 1 else args, nproc)
+    cmd = train_cmd(args(folder, steps, nproc, extra), nproc)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TITANRL_FAULT", None)
     if fault:
