@@ -4,9 +4,12 @@ over the compressed latent (greedy tokens, logprobs, cache bytes), gradients of 
 against a float64 reference, the router alone, and the published flavor sizes."""
 
 import logging
+import os
 
 import pytest
 import torch
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -368,16 +371,21 @@ def test_bench_gpu_deepseek_section_dry_run(tmp_path):
     assert 2_000_000 < train["active_params"] < sum(p.numel() for p in Transformer(args).parameters())
 
 
+background.register_torchrun(
+    "dsv3_parallel",
+    ("tests/test_deepseek_v3.py::test_two_rank_expert_and_tensor_parallel_match_one_rank",),
+    os.path.join(REPO_ROOT, "tests", "multirank", "deepseek_parity_worker.py"),
+    2,
+    lambda folder: ["--out", f"{folder}/results.pt"],
+)  # in the background from collection on (helpers/background.py)
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def launched():
     """Both layouts' results from one 2-rank launch, and the 1-rank reference for each dtype."""
-    import os
     import sys
 
-    from helpers.launch import REPO_ROOT, run_torchrun
-
-    out = tmp_path_factory.mktemp("dsv3_parallel") / "results.pt"
-    run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "deepseek_parity_worker.py"), 2, ["--out", str(out)])
+    out = os.path.join(background.torchrun_result("dsv3_parallel"), "results.pt")
     sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
     import deepseek_parity_worker as worker
 

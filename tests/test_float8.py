@@ -15,7 +15,8 @@ import os
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT
 from helpers.tiny import tiny_model_args, tiny_qwen2_args
 from torch import nn
 
@@ -294,11 +295,19 @@ def _worker_main() -> None:
     dist.destroy_process_group()
 
 
+# In the background from collection on (helpers/background.py).
+background.register_torchrun(
+    "float8_fsdp",
+    ("tests/test_float8.py::test_fsdp2_",),
+    os.path.abspath(__file__),
+    2,
+    lambda folder: ["--out", f"{folder}/results.json"],
+)
+
+
 @pytest.fixture(scope="module")
-def fsdp_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("float8_fsdp") / "results.json"
-    run_torchrun(os.path.abspath(__file__), 2, ["--out", str(out)], timeout_s=300)
-    with open(out) as f:
+def fsdp_results() -> dict:
+    with open(os.path.join(background.torchrun_result("float8_fsdp", timeout_s=300), "results.json")) as f:
         return json.load(f)
 
 

@@ -6,17 +6,29 @@ import json
 import os
 
 import pytest
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "generator_worker.py")
 
 
+LAUNCHES = [(2, "fsdp2,tp2,tp2_chunked"), (4, "fsdp2_tp2")]
+# In the background from collection on (helpers/background.py).
+for _nproc, _layouts in LAUNCHES:
+    background.register_torchrun(
+        f"generator_{_nproc}",
+        ("tests/test_generator_multirank.py::test_generation_matches_reference_across_ranks",),
+        WORKER,
+        _nproc,
+        lambda folder, layouts=_layouts: ["--layouts", layouts, "--out", f"{folder}/gen.json"],
+    )
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize("nproc,layouts", [(2, "fsdp2,tp2,tp2_chunked"), (4, "fsdp2_tp2")])
-def test_generation_matches_reference_across_ranks(tmp_path, nproc, layouts):
-    out = tmp_path / "gen.json"
-    run_torchrun(WORKER, nproc, ["--layouts", layouts, "--out", str(out)])
-    results = json.loads(out.read_text())
+@pytest.mark.parametrize("nproc,layouts", LAUNCHES)
+def test_generation_matches_reference_across_ranks(nproc, layouts):
+    with open(os.path.join(background.torchrun_result(f"generator_{nproc}"), "gen.json")) as f:
+        results = json.load(f)
     for layout in layouts.split(","):
         per_rank = results[layout]
         assert len(per_rank) == nproc

@@ -8,9 +8,12 @@ Each checkpoint, its titanrl model and its paged-generator run are built once fo
 
 import json
 import math
+import os
 
 import pytest
 import torch
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -369,22 +372,26 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+background.register_torchrun(
+    "gpt_oss_parallel",
+    ("tests/test_gpt_oss.py::test_ep2_and_tp2_training_steps_match_one_rank",),
+    os.path.join(REPO_ROOT, "tests", "multirank", "gpt_oss_parity_worker.py"),
+    2,
+    lambda folder: ["--out", f"{folder}/results.pt"],
+)  # in the background from collection on (helpers/background.py)
+
+
 @pytest.mark.multirank
-def test_ep2_and_tp2_training_steps_match_one_rank(tmp_path):
+def test_ep2_and_tp2_training_steps_match_one_rank():
     """2 float64 steps of a tiny gpt-oss under ep = 2 and tp = 2 (2 gloo ranks, one launch)
     equal 1 rank: losses, last gradients and parameters (sinks sharded with their heads under
     tp)."""
-    import os
     import sys
-
-    from helpers.launch import REPO_ROOT, run_torchrun
 
     sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
     import gpt_oss_parity_worker as worker
 
-    out = tmp_path / "results.pt"
-    run_torchrun(worker.__file__, 2, ["--out", str(out)])
-    launched = torch.load(out)
+    launched = torch.load(os.path.join(background.torchrun_result("gpt_oss_parallel"), "results.pt"))
     ref = worker.run_layout(None, world_size=1)
     assert ref["losses"][1] < ref["losses"][0]
     assert ref["params"]["layers.0.attention.sinks"].shape == (worker.GPT_OSS_ARGS.n_heads,)

@@ -7,7 +7,8 @@ import os
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT
 from helpers.tiny import tiny_model
 
 from titanrl.models import TransformerModelArgs
@@ -127,12 +128,21 @@ def test_masked_positions_only_are_projected_and_match_the_unmasked_path():
     assert sum(projected) == int(mask.sum())
 
 
+# In the background from collection on (helpers/background.py).
+background.register_torchrun(
+    "logprobs_tp",
+    ("tests/test_logprobs.py::test_tp2_",),
+    os.path.join(REPO_ROOT, "tests", "multirank", "logprobs_tp_worker.py"),
+    2,
+    lambda folder: ["--out", f"{folder}/results.json"],
+)
+
+
 @pytest.fixture(scope="module")
-def tp2_results(tmp_path_factory):
+def tp2_results():
     """One torchrun launch (2 ranks) runs every tp check; see tests/multirank/logprobs_tp_worker.py."""
-    out = tmp_path_factory.mktemp("logprobs_tp") / "results.json"
-    run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "logprobs_tp_worker.py"), 2, ["--out", str(out)])
-    return json.loads(out.read_text())
+    with open(os.path.join(background.torchrun_result("logprobs_tp"), "results.json")) as f:
+        return json.load(f)
 
 
 @pytest.mark.multirank

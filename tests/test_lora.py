@@ -9,7 +9,8 @@ import os
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_train_jobs
+from helpers import background
+from helpers.launch import REPO_ROOT
 from helpers.tiny import smoke_run_args, tiny_model, tiny_qwen2_args
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -311,14 +312,21 @@ LAYOUTS = {
 }
 
 
+# In the background from collection on (helpers/background.py).
+background.register_train_jobs(
+    "lora_two_ranks",
+    ("tests/test_lora.py::test_two_rank_lora_matches_one_rank",),
+    lambda folder: [[*SMALL, f"--job.dump_folder={folder}/{name}", *layout] for name, layout in LAYOUTS.items()],
+    2,
+)
+
+
 @pytest.fixture(scope="module")
-def two_rank_lora(tmp_path_factory):
+def two_rank_lora():
     """The run of `one_rank_lora` (without checkpoints) on 2 ranks in each of LAYOUTS, in one
     launch: {layout: folder}."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
-    jobs = [[*SMALL, f"--job.dump_folder={folders[name]}", *layout] for name, layout in LAYOUTS.items()]
-    run_train_jobs(jobs, 2, tmp_path_factory.mktemp("lora_jobs"))
-    return folders
+    folder = background.torchrun_result("lora_two_ranks")
+    return {name: os.path.join(folder, name) for name in LAYOUTS}
 
 
 @pytest.mark.multirank

@@ -8,16 +8,22 @@ import os
 
 import pytest
 import torch
-from helpers.launch import REPO_ROOT, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "moe_generator_worker.py")
 
 
+# In the background from collection on (helpers/background.py).
+background.register_torchrun(
+    "moe_gen_ep", ("tests/test_moe_generator_ep.py",), WORKER, 2, lambda f: ["--out", f"{f}/gen.pt"]
+)
+
+
 @pytest.fixture(scope="module")
-def per_rank(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe_gen_ep") / "gen.pt"
+def per_rank():
     # A broken lockstep deadlocks the ranks: the timeout turns that into a failure.
-    run_torchrun(WORKER, 2, ["--out", str(out)], timeout_s=180)
+    out = os.path.join(background.torchrun_result("moe_gen_ep", timeout_s=180), "gen.pt")
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 

@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+from helpers import background
+from helpers.launch import REPO_ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,15 +170,21 @@ def test_training_step_gradients_match_float64(hf_folder, models, monkeypatch):
         assert (hf_grad - grad).abs().max() < 1e-4 * scale, name
 
 
+background.register_torchrun(
+    "qwen3_5_tp",
+    ("tests/test_qwen3_5.py::test_two_rank_tensor_parallel_matches_one_rank",),
+    os.path.join(REPO_ROOT, "tests", "multirank", "qwen3_5_parity_worker.py"),
+    2,
+    lambda folder: ["--out", f"{folder}/results.pt"],
+)  # in the background from collection on (helpers/background.py)
+
+
 @pytest.fixture(scope="module")
-def tp_launched(tmp_path_factory):
+def tp_launched():
     """tp = 2 results from one 2-rank launch, and the 1-rank references."""
     import sys
 
-    from helpers.launch import REPO_ROOT, run_torchrun
-
-    out = tmp_path_factory.mktemp("qwen3_5_tp") / "results.pt"
-    run_torchrun(os.path.join(REPO_ROOT, "tests", "multirank", "qwen3_5_parity_worker.py"), 2, ["--out", str(out)])
+    out = os.path.join(background.torchrun_result("qwen3_5_tp"), "results.pt")
     sys.path.insert(0, os.path.join(REPO_ROOT, "tests", "multirank"))
     import qwen3_5_parity_worker as worker
 

@@ -7,7 +7,8 @@ import os
 import sys
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, run_train_jobs, train_in_process
+from helpers import background
+from helpers.launch import REPO_ROOT, run_cmd, train_in_process
 from helpers.tiny import smoke_run_args
 
 from titanrl import train
@@ -104,13 +105,20 @@ TAIL = ("response_len_p50", "response_len_p90", "response_len_max")
 LAYOUTS = {"dp_shard2": ["--parallelism.dp_shard=2"], "tp2": ["--parallelism.tp=2", "--parallelism.dp_shard=1"]}
 
 
+# In the background from collection on (helpers/background.py).
+background.register_train_jobs(
+    "train_two_ranks",
+    ("tests/test_train.py",),
+    lambda folder: [[*SMALL, f"--job.dump_folder={folder}/{name}", *layout] for name, layout in LAYOUTS.items()],
+    2,
+)
+
+
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks():
     """The job of `single_rank` on 2 ranks in each of LAYOUTS (one launch): {layout: folder}."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in LAYOUTS}
-    jobs = [[*SMALL, f"--job.dump_folder={folders[name]}", *layout] for name, layout in LAYOUTS.items()]
-    run_train_jobs(jobs, 2, tmp_path_factory.mktemp("jobs"))
-    return folders
+    folder = background.torchrun_result("train_two_ranks")
+    return {name: os.path.join(folder, name) for name in LAYOUTS}
 
 
 @pytest.mark.multirank

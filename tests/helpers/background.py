@@ -23,6 +23,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -117,17 +118,17 @@ def _lane(order: list[str]) -> None:
         job.proc.wait()
 
 
-def result(name: str, timeout_s: float = 900) -> tuple[subprocess.CompletedProcess, str]:
+def result(name: str, timeout_s: float = 900) -> tuple[subprocess.CompletedProcess, Path]:
     """(the finished job's exit code and output, its folder), starting it first if needed."""
     with _LOCK:
         job = _start(name)
     job.proc.wait(timeout=timeout_s)
     with open(job.out) as out, open(job.err) as err:
         done = subprocess.CompletedProcess(job.proc.args, job.proc.returncode, out.read(), err.read())
-    return done, job.folder
+    return done, Path(job.folder)
 
 
-def torchrun_result(name: str, timeout_s: float = 900) -> str:
+def torchrun_result(name: str, timeout_s: float = 900) -> Path:
     """The folder of a finished `register_torchrun` job; fails the test with its output if a rank failed."""
     done, folder = result(name, timeout_s)
     if done.returncode != 0:
