@@ -94,7 +94,7 @@ class _Page(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.episodes, self.tokens, self.env_tokens, self.texts, self.bad = 0, 0, 0, [], []
+        self.episodes, self.tokens, self.env_tokens, self.texts, self.titles, self.bad = 0, 0, 0, [], [], []
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
@@ -102,6 +102,7 @@ class _Page(HTMLParser):
         self.episodes += tag == "div" and "episode" in classes
         self.tokens += tag == "span" and "tok" in classes and "title" in attrs
         self.env_tokens += tag == "span" and "tok" in classes and "env" in classes and "title" in attrs
+        self.titles += [attrs["title"]] if tag == "span" and "tok" in classes and "title" in attrs else []
         if tag in ("script", "link", "img", "iframe") or any(
             v and "http" in v for k, v in attrs.items() if k in ("src", "href")
         ):
@@ -144,7 +145,7 @@ def _episode(piece: str, prompt: str, failed: str) -> dict:
         "pieces": [piece, "", "x"],
         "model_mask": [1, 0, 1],
         "logprobs": [-0.5, 0.0, -3.0],
-        "entropies": None,
+        "entropies": [1.25, None, 0.5],
         "turns": [
             {
                 "role": "model",
@@ -176,6 +177,22 @@ def test_run_text_is_escaped(tmp_path):
     assert evil in page.texts and '<b onclick="x">' in page.texts
     assert 'failed: timeout "<i>"' in page.texts and "malformed tool call: bad <call>" in page.texts
     assert f"a<b({evil})" in page.texts  # a tool call without arguments: its text
+    assert page.titles == [
+        "id 1 | logprob -0.500 | p 0.607 | entropy 1.250",
+        "id 2 | environment token",
+        "id 3 | logprob -3.000 | p 0.050 | entropy 0.500",
+    ]
+
+
+def test_a_redone_step_shows_its_latest_rows_and_a_torn_line_is_skipped(tmp_path):
+    """A resumed run redoes the steps after its checkpoint: their rows are dumped again."""
+    rows = [_episode("a", "first", None), {**_episode("b", "first", None), "index": 1}, _episode("c", "again", None)]
+    with open(tmp_path / "episodes.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.write('{"step": 6, "ind')  # a killed run's last line
+    assert cli.main(["show", str(tmp_path)]) == 0
+    page = _page(tmp_path / "episodes_step5.html")
+    assert page.episodes == 1 and "again" in page.texts and "first" not in page.texts
 
 
 def test_no_dump_or_step_is_one_clear_line(run, tmp_path, capsys):

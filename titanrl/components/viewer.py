@@ -36,6 +36,7 @@ h1 { font-size: 20px; margin: 0 0 4px; } .meta { color: #555; font-size: 13px; m
 .tok { border-radius: 2px; padding: 1px 0; } .tok.env { background: #d6d6d6; color: #444; font-style: italic; }
 .tok.special { font-size: 10px; color: #666; border: 1px dotted #999; }
 .calls { font-size: 12px; margin: 2px 0 4px; } .calls code { background: #eef3ff; padding: 1px 4px; }
+.legend { font-size: 13px; margin-bottom: 10px; }
 .legend span { display: inline-block; padding: 1px 6px; margin-right: 6px; font-size: 12px; }
 """
 
@@ -70,8 +71,8 @@ def pick_step(steps: dict[int, list[dict]], step: int | None) -> int:
     if step is None:
         return max(steps)
     if step not in steps:
-        dumped = sorted(steps)
-        shown = ", ".join(map(str, dumped if len(dumped) <= 12 else dumped[:6] + ["..."] + dumped[-5:]))
+        dumped = [str(s) for s in sorted(steps)]
+        shown = ", ".join(dumped if len(dumped) <= 12 else dumped[:6] + ["..."] + dumped[-5:])
         raise ValueError(f"--step {step} was not dumped; the dumped steps are {shown} (every metrics.log_freq steps)")
     return step
 

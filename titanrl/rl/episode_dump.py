@@ -122,10 +122,10 @@ class EpisodeDump:
         out = []
         for start, end, model in mask_runs(mask):
             ids = c.token_ids[start:end]
-            turn = {"role": "model" if model else "env", "start": start, "end": end}
-            turn["text"] = decode_turn(self.tokenizer, ids, self.keep) if model else self.tokenizer.decode(ids)
+            text = decode_turn(self.tokenizer, ids, self.keep) if model else self.tokenizer.decode(ids)
+            turn = {"role": "model" if model else "env", "start": start, "end": end, "text": text}
             if model and self.tools is not None:
-                turn.update(self.tool_calls(turn["text"]))
+                turn.update(self.tool_calls(text))
             out.append(turn)
         return out
 
