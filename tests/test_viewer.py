@@ -29,20 +29,22 @@ DUMPED = 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Two GRPO steps of the calculator recipe (30 SFT steps: the model calls the tool), every
-    completion the generator returned recorded by its tokens: (dump folder, {tokens: completion})."""
+    completion the generator returned recorded by its tokens: (dump folder, {tokens: [(prompt
+    ids, completion)]})."""
     folder = tmp_path_factory.mktemp("calc")
-    seen: dict[tuple[int, ...], Completion] = {}
+    seen: dict[tuple[int, ...], list[tuple[list[int], Completion]]] = {}
     original = Generator.generate
 
-    def recording(self, *args, **kwargs):
-        completions, stats = original(self, *args, **kwargs)
-        seen.update({tuple(c.token_ids): c for c in completions})
+    def recording(self, prompts, *args, **kwargs):
+        completions, stats = original(self, prompts, *args, **kwargs)
+        for c in completions:
+            seen.setdefault(tuple(c.token_ids), []).append((prompts[c.prompt_index], c))
         return completions, stats
 
-    args = smoke_run_args(config=CALCULATOR, steps=2, sft_steps=30, max_new_tokens=20, eval_samples=4)
+    args = smoke_run_args(config=CALCULATOR, steps=2, sft_steps=30, batch_size=2, max_new_tokens=20, eval_samples=1)
     args += [f"--job.dump_folder={folder}", "--env.num_workers=1", f"--metrics.dump_episodes={DUMPED}"]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this machine's cores are shared: one thread is the fastest here
+    torch.set_num_threads(1)  # the suite's processes share the cores
     try:
         with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(io.StringIO()):
             mp.setattr(Generator, "generate", recording)
@@ -64,10 +66,11 @@ def test_dump_rows_are_the_generators_samples(run):
     tok = ByteTokenizer()
     env_tokens = tool_calls = 0
     for row in rows:
-        c = seen[tuple(row["token_ids"])]
-        assert row["model_mask"] == (c.model_mask or [1] * len(c.token_ids))  # None: the model's turn alone
-        assert row["logprobs"] == c.logprobs
+        # The generator's sample of these tokens: its prompt, mask (None: one model turn), logprobs.
+        (prompt, c), *_ = [(p, c) for p, c in seen[tuple(row["token_ids"])] if c.logprobs == row["logprobs"]]
+        assert row["model_mask"] == (c.model_mask or [1] * len(c.token_ids))
         assert row["finish_reason"] == c.finish_reason
+        assert row["prompt"] == tok.decode(prompt) and row["prompt_tokens"] == len(prompt)
         assert "".join(row["pieces"]) == tok.decode(row["token_ids"])
         assert row["prompt"].endswith("? ") and row["entropies"] is None
         assert row["verifier_reward"] == pytest.approx(sum(row["turn_rewards"]))
