@@ -169,7 +169,7 @@ def render_page(folder: str, step: int, episodes: list[dict], all_steps: list[in
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>titanrl episodes, step {step}</title><style>{_CSS}</style></head><body>"
         f"<h1>Step {step}: {len(episodes)} sampled episodes</h1>"
-        f'<div class="meta">{html.escape(os.path.abspath(folder))} | mean reward {mean:.4g} | '
+        f'<div class="meta">{html.escape(folder)} | mean reward {mean:.4g} | '
         f"dumped steps {html.escape(_step_range(all_steps))}</div>{legend}"
         + "".join(render_episode(e) for e in episodes)
         + "</body></html>\n"
