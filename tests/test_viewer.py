@@ -136,6 +136,7 @@ def test_show_renders_each_dumped_step(run, tmp_path, capsys):
         assert page.tokens == sum(len(r["token_ids"]) for r in mine)
         assert page.env_tokens == sum(r["model_mask"].count(0) for r in mine) > 0
         assert f"Step {step}: {DUMPED} sampled episodes" in page.texts
+        assert page.texts.count("<eos>") == sum(r["token_ids"].count(258) for r in mine)  # shown by name
 
 
 def _episode(piece: str, prompt: str, failed: str) -> dict:
@@ -225,6 +226,7 @@ def test_dump_chooses_spread_samples_on_logged_steps_of_rank_0(tmp_path):
     dump.write(_rollouts(8), 2, 2)
     rows = _rows(tmp_path)
     assert [r["sample"] for r in rows] == [0, 2, 5] and rows[0]["pieces"] == ["h", "i", ""]
+    assert rows[0]["special_tokens"] == {"258": "eos"}
     assert rows[0]["turns"] == [{"role": "model", "start": 0, "end": 3, "text": "hi"}]
     for rank, n in ((1, 3), (0, 0)):  # other ranks and dump_episodes = 0 write nothing
         EpisodeDump(str(tmp_path / f"r{rank}"), rank, n, 1, tok).write(_rollouts(4), 1, 2)

@@ -96,7 +96,8 @@ def render_token(ep: dict, i: int) -> str:
     classes = ["tok"] + ([] if model else ["env"]) + ([] if piece else ["special"])
     style = f' style="background:{heat(lp)}"' if model else ""
     title = html.escape(token_title(tid, lp, entropy, model))
-    text = html.escape(piece) if piece else f"&lt;{tid}&gt;"
+    name = (ep.get("special_tokens") or {}).get(str(tid), str(tid))  # a token that adds no text
+    text = html.escape(piece) if piece else f"&lt;{html.escape(name)}&gt;"
     return f'<span class="{" ".join(classes)}"{style} title="{title}">{text}</span>'
 
 

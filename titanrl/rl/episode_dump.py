@@ -4,10 +4,11 @@ Every `metrics.log_freq` steps rank 0 appends `metrics.dump_episodes` of the ste
 samples to <dump_folder>/episodes.jsonl, one row each (`titanrl/components/viewer.py` reads them):
 
     step, index (0.. within the step), sample (its position in this rank's rollouts), prompt,
-    token_ids, pieces (each token's text), model_mask (1 sampled by the model, 0 environment),
-    logprobs (the generator's; 0 for environment tokens), entropies (None: the generator does not
-    compute them), turns ([{role: 'model' | 'env', start, end, text, tool_calls}]), reward (the
-    total the step trains on), verifier_reward, correct, failed, turn_rewards, finish_reason.
+    token_ids, pieces (each token's text), special_tokens ({id: 'eos' | 'bos' | 'pad'} of those
+    among them), model_mask (1 sampled by the model, 0 environment), logprobs (the generator's;
+    0 for environment tokens), entropies (None: the generator does not compute them), turns
+    ([{role: 'model' | 'env', start, end, text, tool_calls}]), reward (the total the step trains
+    on), verifier_reward, correct, failed, turn_rewards, finish_reason.
 
 Everything it reads is already on the host (token ids, masks and logprobs are Python lists), so
 the dump adds no device synchronisation; its cost is decoding a few samples' tokens.
@@ -99,11 +100,13 @@ class EpisodeDump:
     def episode(self, rollouts: Rollouts, i: int, prompt_ids: list[int]) -> dict:
         c, result = rollouts.completions[i], rollouts.results[i]
         mask = list(c.model_mask) if c.model_mask is not None else [1] * len(c.token_ids)
+        pieces = token_pieces(self.tokenizer, c.token_ids)
         return {
             "prompt": self.tokenizer.decode(prompt_ids),
             "prompt_tokens": len(prompt_ids),
             "token_ids": list(c.token_ids),
-            "pieces": token_pieces(self.tokenizer, c.token_ids),
+            "pieces": pieces,
+            "special_tokens": self.special_names(c.token_ids, pieces),
             "model_mask": mask,
             "logprobs": [float(x) for x in c.logprobs],
             "entropies": None,
@@ -115,6 +118,15 @@ class EpisodeDump:
             "turn_rewards": result.turn_rewards,
             "finish_reason": c.finish_reason,
         }
+
+    def special_names(self, ids: list[int], pieces: list[str]) -> dict[str, str]:
+        """{id: 'eos' | 'bos' | 'pad'} of the tokenizer's named special tokens among the sample's
+        tokens that add no text (JSON keys are strings)."""
+        tok = self.tokenizer
+        names = {tok.pad_id: "pad", tok.eos_id: "eos"}  # eos wins where the pad token is the eos
+        if tok.bos_id is not None:
+            names[tok.bos_id] = "bos"
+        return {str(i): names[i] for i, piece in zip(ids, pieces) if not piece and i in names}
 
     def turns(self, c: Completion, mask: list[int]) -> list[dict]:
         """The model's turns and the environment's observations, each with its token span; a
