@@ -4,6 +4,7 @@
     titanrl eval CONFIG.toml [--checkpoint PATH | --hf FOLDER] [--nproc N] [--out FILE] [--section.key=value ...]
     titanrl serve-env NAME [--host H] [--port P] [--token-file F]
     titanrl cp {rl,sft,dpo,reward_model} DEST.py
+    titanrl show OUTPUT_DIR [--step N] [--out FILE]
 
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
@@ -19,7 +20,8 @@ on every rank, and torchrun reports a failed rank its own way. `titanrl eval` ru
 [[eval]] suites on a checkpoint without training (`titanrl/evaluate.py`, docs/evaluation.md).
 `titanrl serve-env NAME` serves an environment over OpenEnv's protocol (`titanrl/envs/openenv_server.py`).
 `titanrl cp rl my_rl.py` copies a built-in recipe and its config to fork (job.recipe names the
-copy). `titanrl --help` and `titanrl COMMAND --help` describe each command; `titanrl --version`.
+copy). `titanrl show OUTPUT_DIR` writes an HTML page of the episodes a run dumped (docs/viewer.md).
+`titanrl --help` and `titanrl COMMAND --help` describe each command; `titanrl --version`.
 """
 
 import argparse
@@ -32,6 +34,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from titanrl.components import viewer
 from titanrl.components.console import get_logger
 
 if TYPE_CHECKING:
@@ -283,7 +286,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     cp = sub.add_parser("cp", help="copy a built-in recipe and its config to fork", description=CP_HELP)
     cp.add_argument("recipe", choices=sorted(RECIPE_CONFIGS), help="the built-in recipe to copy")
     cp.add_argument("dest", metavar="DEST.py", help="the copy's file; its config is DEST.toml beside it")
-    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp}
+    show = sub.add_parser("show", help="write an HTML page of a run's sampled episodes", description=viewer.SHOW_HELP)
+    viewer.add_show_arguments(show)
+    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp, "show": show}
 
 
 RECIPE_CONFIGS = {
@@ -369,7 +374,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return copy_main(args)
+    return show_main(args) if args.command == "show" else copy_main(args)
+
+
+def show_main(args: argparse.Namespace) -> int:
+    """`titanrl show OUTPUT_DIR [--step N] [--out FILE]`: the page of a step's dumped episodes."""
+    try:
+        path = viewer.write_page(args.folder, args.step, args.out)
+    except (ValueError, OSError) as e:
+        log.error(f"titanrl: error: {e}")
+        return 2
+    log.info(f"wrote {path}")
+    return 0
 
 
 def run_main(argv: list[str]) -> int:

@@ -113,9 +113,16 @@ class Metrics:
     wandb_mode: Literal["offline", "online"] = "offline"
     """W&B mode when enabled; offline never needs a network."""
 
+    dump_episodes: int = 4
+    """RL: every log_freq steps rank 0 appends this many of the step's sampled episodes (tokens,
+    generator logprobs, environment turns, reward, failure reason) to <dump_folder>/episodes.jsonl,
+    which `titanrl show` renders as an HTML page (docs/viewer.md); 0 writes none."""
+
     def validate(self) -> None:
         if self.log_freq < 1:
             raise ValueError(f"[metrics] log_freq must be >= 1, got {self.log_freq}")
+        if self.dump_episodes < 0:
+            raise ValueError(f"[metrics] dump_episodes must be >= 0 (0 writes none), got {self.dump_episodes}")
         if self.eval_freq < 0:
             raise ValueError(f"[metrics] eval_freq must be >= 0, got {self.eval_freq}")
 

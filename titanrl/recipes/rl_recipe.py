@@ -47,6 +47,7 @@ from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardOutputLog
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
+from titanrl.rl.episode_dump import EpisodeDump
 from titanrl.rl.evaluation import EvalSuites, load_suites
 from titanrl.rl.groups import Rollouts, balance_groups
 from titanrl.rl.moe_replay import MoEMonitor, routes_batch
@@ -140,10 +141,14 @@ class RLRecipe(Recipe):
         r = cfg.reward
         self.rewards = build_reward_runner(cfg, self.task)
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
-        self.envs = None
+        self.envs, tools = None, None
         if cfg.env.name:
-            kwargs = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template).env_kwargs
-            self.envs = build_env_pool(cfg.env, r.memory_limit_mb, kwargs)
+            tools = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template)
+            self.envs = build_env_pool(cfg.env, r.memory_limit_mb, tools.env_kwargs)
+        m = cfg.metrics  # a few episodes per logged step for `titanrl show`
+        self.episode_dump = EpisodeDump(
+            cfg.job.dump_folder, trainer.rank, m.dump_episodes, m.log_freq, trainer.tokenizer, tools, trainer.resuming
+        )
         reward_model = None
         if r.model_path:
             reward_model = build_reward_model(r.model_path, trainer.dims, cfg, trainer.device, trainer.model_args)
@@ -199,6 +204,7 @@ class RLRecipe(Recipe):
         train, generated = balance_groups(train, generated, self.trainer, timer)  # whole groups between dp ranks
         stats.add_rollouts(generated)
         self.reward_log.write(generated.results, step)
+        self.episode_dump.write(generated, step, cfg.algorithm.group_size)
         batch = self.build_batch(train, stats)
 
         # 2. Reference logprobs, old logprobs (only when updates go off-policy), critic values.
