@@ -45,6 +45,7 @@ from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardOutputLog
+from titanrl.rl.agent_episodes import build_agent_pool
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.evaluation import EvalSuites, load_suites
@@ -141,7 +142,9 @@ class RLRecipe(Recipe):
         self.rewards = build_reward_runner(cfg, self.task)
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs = None
-        if cfg.env.name:
+        if cfg.agent.function:
+            self.envs = build_agent_pool(cfg)
+        elif cfg.env.name:
             kwargs = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template).env_kwargs
             self.envs = build_env_pool(cfg.env, r.memory_limit_mb, kwargs)
         reward_model = None

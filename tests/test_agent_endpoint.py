@@ -1,0 +1,151 @@
+"""Agents as users write them, against the OpenAI-compatible endpoint over the generator
+(`titanrl/envs/agent_pool.py`, `agent_rollout.py`): a raw `openai` client loop and the OpenAI
+Agents SDK drive a scripted model at the real Qwen2.5 vocabulary and ChatML template through a
+tool episode, and the sample is token for token the template's rendering of the conversation
+with the model's own tokens for its turns (which differ from the encoding of their text, so a
+re-tokenising endpoint fails); faults end only their episode, each with its counted reason."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("jinja2")
+pytest.importorskip("tokenizers")
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+from helpers.agent_fns import ADD_TOOL  # noqa: E402
+from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
+
+from titanrl.config.agent import Agent  # noqa: E402
+from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
+from titanrl.envs.agent_pool import AgentPool  # noqa: E402
+from titanrl.envs.agent_rollout import AgentRollout  # noqa: E402
+from titanrl.envs.openai_endpoint import Served  # noqa: E402
+from titanrl.generator import Generator, SamplingParams  # noqa: E402
+from titanrl.models import TransformerModelArgs  # noqa: E402
+from titanrl.models.chat_template import ChatTemplate  # noqa: E402
+from titanrl.models.tokenizer import HFTokenizer  # noqa: E402
+
+ARGS = TransformerModelArgs(
+    family="qwen3", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
+    vocab_size=151936, qk_norm=True, max_seq_len=1024,
+)  # fmt: skip
+MAX_NEW = 96
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER = "The answer is 5."
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen")
+    write_qwen_layout_folder(path)
+    return str(path)
+
+
+def char_tokens(tok, text: str) -> list[int]:
+    """`text` one character per token: what a model may sample, never what encode(text) gives."""
+    return [t for ch in text for t in tok.encode(ch)]
+
+
+class TurnScript(nn.Module):
+    """A 'model' that writes `turns[k]` in its k-th turn: the k-th time the fed tokens end with the
+    generation prompt `opener`, the tokens after it are turns[k] (one sequence at a time)."""
+
+    def __init__(self, turns: list[list[int]], vocab: int, opener: list[int]) -> None:
+        super().__init__()
+        self.turns, self.vocab, self.opener = turns, vocab, opener
+        self.history: dict[int, int] = {}
+        self.output = nn.Identity()
+
+    def hidden_states(self, tokens_1N, positions_1N, backend):
+        self.history.update(zip(positions_1N[0].tolist(), tokens_1N[0].tolist()))
+        last, n = int(positions_1N[0, -1]), len(self.opener)
+        ends = [
+            p for p in sorted(self.history) if [self.history.get(q) for q in range(p - n + 1, p + 1)] == self.opener
+        ]
+        ends = [p for p in ends if p <= last]
+        script = self.turns[min(len(ends) - 1, len(self.turns) - 1)] if ends else [0]
+        logits = torch.full((1, tokens_1N.shape[1], self.vocab), -1e4)
+        logits[0, :, script[min(last - ends[-1], len(script) - 1) if ends else 0]] = 0.0
+        return logits
+
+    def forward(self, tokens_1N, positions_1N, backend):
+        return self.output(self.hidden_states(tokens_1N, positions_1N, backend))
+
+
+def run_agent(folder, function, rows, model=None, temperature=1.0, **agent):
+    """(prompts, completions, rollout, pool.refused) of one episode per row of agent `function`."""
+    tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
+    gen = Generator(ARGS, GeneratorConfig(block_size=8, num_blocks=512), torch.device("cpu"), tokenizer=tok)
+    if model is not None:
+        gen.model = model
+    settings = Agent(function=function, num_workers=agent.pop("num_workers", 1), timeout_s=agent.pop("timeout_s", 60))
+    pool = AgentPool(settings, Served("policy", temperature, 1.0, MAX_NEW))
+    try:
+        rollout = AgentRollout(pool, tok, template, "hermes", 4, 400, -1.0, gen.eos_ids)
+        prompts = rollout.start(rows, 1)
+        gen.wake()
+        try:
+            completions, _ = gen.generate(
+                prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature), turns=rollout
+            )
+        finally:
+            rollout.finish()
+        refused = pool.refused
+    finally:
+        pool.close()
+    return prompts, completions, rollout, refused
+
+
+def expected_tokens(tok, template, messages, tools, turns):
+    """The template's rendering of `messages` (assistant turns as the model's text), encoded
+    between the assistant turns, with the model's own `turns` tokens for them: computed from the
+    final rendering, not from the endpoint's turn-by-turn deltas."""
+    text = template.render(messages, add_generation_prompt=False, tools=tools)
+    out, pos = [], 0
+    for message, ids in zip([m for m in messages if m["role"] == "assistant"], turns):
+        start = text.index(message["content"], pos)
+        between = tok.encode(text[pos:start])
+        if out and between[:1] == [tok.eos_id]:  # the model's <|im_end|> ended its turn already
+            between = between[1:]
+        out += between + ids
+        pos = start + len(message["content"])
+    return out
+
+
+@pytest.mark.parametrize("function", ["openai_loop", "agents_sdk"])
+def test_a_harness_drives_a_tool_episode_and_the_sample_is_token_exact(folder, function):
+    if function == "agents_sdk":
+        pytest.importorskip("agents")
+    tok = HFTokenizer(folder)
+    turns = [char_tokens(tok, CALL) + [tok.eos_id], char_tokens(tok, ANSWER) + [tok.eos_id]]
+    assert tok.encode(tok.decode(turns[0][:-1])) != turns[0][:-1]  # re-tokenising would change them
+    rows = [{"prompt": "What is 2 plus 3?", "answer": "5", "metadata": {}}]
+    (prompt,), (c,), rollout, _ = run_agent(
+        folder,
+        f"helpers.agent_fns:{function}",
+        rows,
+        TurnScript(turns, ARGS.vocab_size, tok.encode("<|im_start|>assistant\n")),
+    )
+    episode = rollout.episodes[(0, 0)]
+    assert episode.failed is None and episode.reward == 1.0 and episode.turns == 2 and episode.tool_calls == 1
+    template = ChatTemplate.from_folder(folder)
+    system = [{"role": "system", "content": "Use the add tool."}] if function == "agents_sdk" else []
+    messages = [*system, {"role": "user", "content": rows[0]["prompt"]}, {"role": "assistant", "content": CALL},
+                {"role": "tool", "content": "5"}, {"role": "assistant", "content": ANSWER}]  # fmt: skip
+    tools = [ADD_TOOL] if function == "openai_loop" else None
+    full = prompt + c.token_ids
+    if tools is None:  # the SDK's schema of `add`: compare the conversation after the tools section
+        tools = rollout_tools(rollout)
+    assert full == expected_tokens(tok, template, messages, tools, turns)
+    # Only the model's tokens are in the loss: its two turns, eos included.
+    model_ids = [t for t, m in zip(c.token_ids, c.model_mask) if m]
+    assert model_ids == turns[0] + turns[1]
+
+
+def rollout_tools(rollout):
+    (conv,) = rollout._conv.values()
+    return conv.tools
