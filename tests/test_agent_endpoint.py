@@ -5,7 +5,9 @@ tool episode, and the sample is token for token the template's rendering of the 
 with the model's own tokens for its turns (which differ from the encoding of their text, so a
 re-tokenising endpoint fails); faults end only their episode, each with its counted reason."""
 
-import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from helpers import contained_envs  # noqa: E402
 from helpers.agent_fns import ADD_TOOL  # noqa: E402
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
@@ -28,6 +31,10 @@ from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models import TransformerModelArgs  # noqa: E402
 from titanrl.models.chat_template import ChatTemplate  # noqa: E402
 from titanrl.models.tokenizer import HFTokenizer  # noqa: E402
+from titanrl.rewards.runner import RewardResult, RewardStats  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS)
 
 ARGS = TransformerModelArgs(
     family="qwen3", dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32,
@@ -78,26 +85,29 @@ class TurnScript(nn.Module):
 
 def run_agent(folder, function, rows, model=None, temperature=1.0, **agent):
     """(prompts, completions, rollout, pool.refused) of one episode per row of agent `function`."""
+    settings = Agent(function=function, num_workers=agent.pop("num_workers", 1), timeout_s=agent.pop("timeout_s", 60))
+    pool = AgentPool(settings, Served("policy", temperature, 1.0, MAX_NEW))
+    try:
+        return (*run_on(pool, folder, rows, model, temperature), pool.refused)
+    finally:
+        pool.close()
+
+
+def run_on(pool, folder, rows, model=None, temperature=1.0):
+    """(prompts, completions, rollout) of one episode per row on `pool`."""
     tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
     gen = Generator(ARGS, GeneratorConfig(block_size=8, num_blocks=512), torch.device("cpu"), tokenizer=tok)
     if model is not None:
         gen.model = model
-    settings = Agent(function=function, num_workers=agent.pop("num_workers", 1), timeout_s=agent.pop("timeout_s", 60))
-    pool = AgentPool(settings, Served("policy", temperature, 1.0, MAX_NEW))
+    rollout = AgentRollout(pool, tok, template, "hermes", 4, 400, -1.0, gen.eos_ids)
+    prompts = rollout.start(rows, 1)
+    gen.wake()
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
     try:
-        rollout = AgentRollout(pool, tok, template, "hermes", 4, 400, -1.0, gen.eos_ids)
-        prompts = rollout.start(rows, 1)
-        gen.wake()
-        try:
-            completions, _ = gen.generate(
-                prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature), turns=rollout
-            )
-        finally:
-            rollout.finish()
-        refused = pool.refused
+        completions, _ = gen.generate(prompts, params, turns=rollout)
     finally:
-        pool.close()
-    return prompts, completions, rollout, refused
+        rollout.finish()
+    return prompts, completions, rollout
 
 
 def expected_tokens(tok, template, messages, tools, turns):
@@ -149,3 +159,108 @@ def test_a_harness_drives_a_tool_episode_and_the_sample_is_token_exact(folder, f
 def rollout_tools(rollout):
     (conv,) = rollout._conv.values()
     return conv.tools
+
+
+class EosModel(nn.Module):
+    """A 'model' whose every turn is its end-of-turn token alone."""
+
+    def __init__(self, eos: int, vocab: int) -> None:
+        super().__init__()
+        self.eos, self.vocab = eos, vocab
+        self.output = nn.Identity()
+
+    def forward(self, tokens_1N, positions_1N, backend):
+        logits = torch.full((1, tokens_1N.shape[1], self.vocab), -1e4)
+        logits[0, :, self.eos] = 0.0
+        return logits
+
+    hidden_states = forward
+
+
+def reasons(rollout, modes):
+    return {m: (rollout.episodes[(i, 0)].failed or "").split(":")[0] for i, m in enumerate(modes)}
+
+
+def test_faults_end_only_their_episode_each_with_its_counted_reason(folder):
+    modes = ["ok", "raises", "hangs", "unknown_model", "bad_tool_json", "rewrite", "wrong_key"]
+    rows = [{"prompt": f"Task {i}", "answer": "", "metadata": {"mode": m}} for i, m in enumerate(modes)]
+    tok = HFTokenizer(folder)
+    _, completions, rollout, refused = run_agent(
+        folder, "helpers.agent_fns:faulty", rows, EosModel(tok.eos_id, ARGS.vocab_size), timeout_s=4, num_workers=2
+    )
+    assert reasons(rollout, modes) == {
+        "ok": "", "raises": "error", "hangs": "timeout", "unknown_model": "unknown_model",
+        "bad_tool_json": "invalid", "rewrite": "rewrite", "wrong_key": "",
+    }  # fmt: skip
+    assert refused == 1  # the wrong key's call
+    assert [rollout.episodes[(i, 0)].reward for i in range(len(modes))] == [1.0, -1, -1, -1, -1, -1, 1.0]
+    assert len(completions) == len(modes)
+    stats = RewardStats()
+    stats.add_reward_results([RewardResult(e.reward, e.correct, e.failed) for e in rollout.episodes.values()])
+    assert stats.reward_metrics() == {
+        "reward_failures": 5, "reward_output_dropped_bytes": 0, "reward_failures_error": 1,
+        "reward_failures_timeout": 1, "reward_failures_unknown_model": 1, "reward_failures_invalid": 1,
+        "reward_failures_rewrite": 1,
+    }  # fmt: skip
+
+
+def test_an_agent_that_exits_or_blocks_its_worker_fails_alone_and_the_pool_goes_on(folder):
+    tok = HFTokenizer(folder)
+    model = EosModel(tok.eos_id, ARGS.vocab_size)
+    pool = AgentPool(
+        Agent(function="helpers.agent_fns:faulty", num_workers=3, timeout_s=5), Served("policy", 1.0, 1.0, MAX_NEW)
+    )
+    try:
+        modes = ["exits", "blocks", "ok"]
+        rows = [{"prompt": f"Task {i}", "answer": "", "metadata": {"mode": m}} for i, m in enumerate(modes)]
+        _, _, rollout = run_on(pool, folder, rows, model)
+        assert reasons(rollout, modes) == {"exits": "crash", "blocks": "timeout", "ok": ""}
+        rows = [{"prompt": f"Task {i}", "answer": "", "metadata": {"mode": "ok"}} for i in range(3)]
+        _, _, rollout = run_on(pool, folder, rows, model)  # on the replaced workers
+        assert [e.reward for e in rollout.episodes.values()] == [1.0, 1.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_requests_without_the_runs_key_are_refused(folder):
+    import httpx
+
+    pool = AgentPool(Agent(function="helpers.agent_fns:faulty", num_workers=1), Served("policy", 1.0, 1.0, MAX_NEW))
+    try:
+        assert httpx.get(pool.base_url + "/models").status_code == 401
+        body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+        headers = {"Authorization": f"Bearer {pool.secret}"}  # the run's secret alone names no episode
+        assert httpx.post(pool.base_url + "/chat/completions", json=body, headers=headers).status_code == 401
+        assert pool.refused == 2
+        assert pool.base_url.startswith("http://127.0.0.1:")
+    finally:
+        pool.close()
+
+
+_RANK = (
+    "import sys; from titanrl.config.agent import Agent; from titanrl.envs.agent_pool import AgentPool\n"
+    "from titanrl.envs.openai_endpoint import Served\n"
+    "pool = AgentPool(Agent(function='helpers.agent_fns:spawns_children', num_workers=2), Served('policy', 1, 1, 8))\n"
+    "for e in range(2): pool.reset(pool.next_episode_id(), {'prompt': 'p', 'answer': '', 'metadata': {}})\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_nothing_the_agents_started_is_left_after_a_sigkill_of_the_rank(tmp_path):
+    """A rank SIGKILLed while its agents have left plain and `setsid` sleeps running -> none alive within 10 s."""
+    env = {**os.environ, "AGENT_PID_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([REPO_ROOT, TESTS])}
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _RANK], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert rank.stdout.readline().startswith("agent workers contained by")
+        assert rank.stdout.readline().strip() == "ready"
+        assert contained_envs.alive_when_settled(str(tmp_path), 4) == 4
+        rank.kill()
+        rank.wait()
+        assert contained_envs.alive_when_settled(str(tmp_path), 0) == 0
+    finally:
+        rank.kill()
+        rank.wait()
+        contained_envs.kill_leftovers(str(tmp_path))

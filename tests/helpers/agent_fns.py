@@ -7,6 +7,8 @@ import os
 import subprocess
 import time
 
+from openai import AsyncOpenAI, AuthenticationError
+
 ADD_TOOL = {
     "type": "function",
     "function": {
@@ -23,8 +25,6 @@ ADD_TOOL = {
 
 async def openai_loop(base_url, api_key, model, row):
     """Model call -> tool -> model call with the `openai` client until the model answers."""
-    from openai import AsyncOpenAI
-
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": row["prompt"]}]
     for _ in range(4):
@@ -42,7 +42,6 @@ async def openai_loop(base_url, api_key, model, row):
 async def agents_sdk(base_url, api_key, model, row):
     """The OpenAI Agents SDK: an `Agent` with a `function_tool`, `Runner.run` against base_url."""
     from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
-    from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
 
@@ -65,8 +64,6 @@ async def agents_sdk(base_url, api_key, model, row):
 async def text_loop(base_url, api_key, model, row):
     """/v1/completions: the prompt grows by the model's text and a harness line each call; the
     reward is left to [reward] (None)."""
-    from openai import AsyncOpenAI
-
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     prompt = row["prompt"]
     for _ in range(2):
@@ -77,8 +74,6 @@ async def text_loop(base_url, api_key, model, row):
 
 async def faulty(base_url, api_key, model, row):
     """Faults by row['metadata']['mode'], each after one good call (or none)."""
-    from openai import AsyncOpenAI, AuthenticationError
-
     mode = row["metadata"]["mode"]
     client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [{"role": "user", "content": row["prompt"]}]
@@ -117,6 +112,6 @@ async def spawns_children(base_url, api_key, model, row):
     folder = os.environ["AGENT_PID_DIR"]
     for argv in (["sleep", "300"], ["setsid", "sleep", "300"]):
         proc = subprocess.Popen(argv)
-        with open(os.path.join(folder, str(proc.pid)), "w"):
-            pass
+        with open(os.path.join(folder, str(proc.pid)), "w") as f:
+            f.write(f"sleep {proc.pid}\n")
     await asyncio.sleep(3600)
