@@ -5,6 +5,7 @@ tool episode, and the sample is token for token the template's rendering of the 
 with the model's own tokens for its turns (which differ from the encoding of their text, so a
 re-tokenising endpoint fails); faults end only their episode, each with its counted reason."""
 
+import json
 import os
 import subprocess
 import sys
@@ -264,3 +265,57 @@ def test_nothing_the_agents_started_is_left_after_a_sigkill_of_the_rank(tmp_path
         rank.kill()
         rank.wait()
         contained_envs.kill_leftovers(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Qwen2-like checkpoint at the real vocabulary (and its tokenizer folder)."""
+    from helpers.tiny import tiny_model
+
+    from titanrl.models.hf import export_hf
+
+    root = tmp_path_factory.mktemp("qwen_like")
+    (root / "tokenizer").mkdir()
+    write_qwen_layout_folder(root / "tokenizer")
+    args = TransformerModelArgs(
+        family="qwen2", dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, vocab_size=151_936,
+        qkv_bias=True, tie_word_embeddings=True, max_seq_len=1024,
+    )  # fmt: skip
+    export_hf(tiny_model(args, 0), str(root / "model"))
+    return root
+
+
+@pytest.mark.slow  # ~40 s on 2 cores
+@pytest.mark.parametrize("function", ["openai_loop", "agents_sdk"])
+def test_grpo_steps_through_the_trainer_with_an_agent_function(checkpoint, tmp_path, function):
+    """train_configs/grpo_agent_debug.toml with a chat model and a real harness: two GRPO steps
+    whose every episode ran through the endpoint, none failed."""
+    if function == "agents_sdk":
+        pytest.importorskip("agents")
+    from titanrl.config import load_config
+    from titanrl.train import build_trainer
+
+    config = os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")
+    args = [
+        f"--job.config_file={config}",
+        f"--job.dump_folder={tmp_path}",
+        f"--agent.function=helpers.agent_fns:{function}",
+    ]
+    args += [f"--model.hf_checkpoint={checkpoint / 'model'}", f"--model.tokenizer={checkpoint / 'tokenizer'}"]
+    args += ["--data.chat_template=true", "--model.max_seq_len=1024", "--generator.max_new_tokens=12"]
+    args += ["--agent.max_total_tokens=200", "--agent.max_turns=3", "--training.steps=2", "--sft_warmup.steps=0"]
+    args += [
+        "--training.batch_size=2",
+        "--algorithm.group_size=2",
+        "--data.num_eval_samples=2",
+        "--metrics.eval_freq=0",
+    ]
+    args += ["--checkpoint.enable=false", "--checkpoint.export_hf=false", "--generator.num_blocks=256"]
+    trainer = build_trainer(load_config(args))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["env_failures"] == 0 and r["env_turns"] >= 1.0 and r["reward_failures"] == 0 for r in steps), steps

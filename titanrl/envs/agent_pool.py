@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from titanrl.components.containment import announce, spawn_contained, stop_contained
+from titanrl.components.plugins import find_file
 from titanrl.config.agent import Agent
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.openai_endpoint import EndpointError, Served, build_app, parse_request
@@ -106,8 +107,10 @@ class AgentPool(AsyncEnvPool):
         self._episodes: dict[int, _Episode] = {}
         self._by_key: dict[str, int] = {}
         self._next_id = -1
+        module, _, name = agent.function.rpartition(":")
+        spec = f"{find_file(module, '[agent] function')}:{name}" if module.endswith(".py") else agent.function
         self._init = {
-            "spec": agent.function,
+            "spec": spec,  # a file's path made absolute: the workers need not share the current directory
             "memory_limit_mb": agent.memory_limit_mb,
             "sys_path": list(sys.path),
         }
