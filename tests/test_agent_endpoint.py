@@ -242,7 +242,7 @@ _RANK = (
     "import sys; from titanrl.config.agent import Agent; from titanrl.envs.agent_pool import AgentPool\n"
     "from titanrl.envs.openai_endpoint import Served\n"
     "pool = AgentPool(Agent(function='helpers.agent_fns:spawns_children', num_workers=2), Served('policy', 1, 1, 8))\n"
-    "for e in range(2): pool.reset(pool.next_episode_id(), {'prompt': 'p', 'answer': '', 'metadata': {}})\n"
+    "for e in range(2): pool.reset(next(pool.episode_ids), {'prompt': 'p', 'answer': '', 'metadata': {}})\n"
     "print('ready', flush=True)\n"
     "sys.stdin.read()\n"
 )

@@ -17,24 +17,22 @@ A request without a valid key is refused (401) and counted in `refused`.
 """
 
 import asyncio
+import itertools
 import json
-import os
 import queue
 import secrets
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
-from titanrl.components.containment import announce, spawn_contained, stop_contained
+from titanrl.components.containment import announce
 from titanrl.components.plugins import find_file
 from titanrl.config.agent import Agent
+from titanrl.envs.agent_workers import AgentWorker, AgentWorkers
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.openai_endpoint import EndpointError, Served, build_app, parse_request
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CANCEL_GRACE_S = 3.0
 """How long a cancelled agent may take to let go before its worker is replaced."""
 
@@ -50,41 +48,11 @@ class AgentEvent:
     error: str | None = None
 
 
-class _Worker:
-    """The pool's handle on one agent worker: its keeper, its socket and its episodes."""
-
-    def __init__(self, init: dict, startup_timeout_s: float) -> None:
-        parent, child = socket.socketpair()
-        try:
-            self.proc = spawn_contained("titanrl.envs.agent_worker:agent_worker_main", (child.fileno(),), None, _ROOT)
-        finally:
-            child.close()
-        self.conn = Connection(parent.detach())
-        self.episodes: set[int] = set()
-        self.conn.send(init)
-        try:
-            if not self.conn.poll(startup_timeout_s):
-                raise ValueError(f"[agent] a worker did not load {init['spec']!r} in {startup_timeout_s:g} s")
-            message = self.conn.recv()
-        except EOFError:
-            message = ("fatal", -1, f"[agent] the worker exited loading {init['spec']!r} (see its output above)")
-        except BaseException:
-            self.stop()
-            raise
-        if message[0] != "ready":
-            self.stop()
-            raise ValueError(message[2])
-
-    def stop(self) -> None:
-        self.conn.close()
-        stop_contained(self.proc)
-
-
 @dataclass
 class _Episode:
     eid: int
     key: str
-    worker: _Worker
+    worker: AgentWorker
     deadline: float
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     pending: asyncio.Future | None = None
@@ -96,57 +64,51 @@ class _Episode:
     """The sample ended (refused call): later calls are refused at once."""
     cancelled_at: float | None = None
 
+    def answer(self, answer: dict | EndpointError) -> None:
+        """Reply to the pending call (if any) with `answer`."""
+        if self.pending is not None and not self.pending.done():
+            self.pending.set_result(answer)
+        self.pending = None
+
+    def cancel(self) -> None:
+        """Have the worker cancel the agent (once)."""
+        if self.running and self.cancelled_at is None:
+            self.cancelled_at = time.monotonic()
+            self.worker.send(("cancel", self.eid))
+
 
 class AgentPool(AsyncEnvPool):
     def __init__(self, agent: Agent, served: Served, startup_timeout_s: float = 60.0) -> None:
         self.agent, self.served = agent, served
         self.secret = secrets.token_hex(16)
+        """The run's secret: an episode's key is it and the episode's number."""
         self.refused = 0
         """Requests refused for a missing or wrong key (touched on the loop thread)."""
+        self.episode_ids = itertools.count()
+        """Numbers for new episodes (the trainer's thread): no two episodes of the pool share one."""
         self._events: queue.SimpleQueue[AgentEvent] = queue.SimpleQueue()
         self._episodes: dict[int, _Episode] = {}
         self._by_key: dict[str, int] = {}
-        self._next_id = -1
         module, _, name = agent.function.rpartition(":")
         spec = f"{find_file(module, '[agent] function')}:{name}" if module.endswith(".py") else agent.function
-        self._init = {
-            "spec": spec,  # a file's path made absolute: the workers need not share the current directory
-            "memory_limit_mb": agent.memory_limit_mb,
-            "sys_path": list(sys.path),
-        }
-        self.startup_timeout_s = startup_timeout_s
+        init = {"spec": spec, "memory_limit_mb": agent.memory_limit_mb, "sys_path": list(sys.path)}
         announce("agent")
-        self._workers: list[_Worker] = []
+        self.workers = AgentWorkers(init, agent.num_workers, startup_timeout_s)
         super().__init__("agent-endpoint")
         self.poll_backstop_s = agent.timeout_s + 2 * _CANCEL_GRACE_S + 30.0
         try:
-            for _ in range(agent.num_workers):
-                self._workers.append(_Worker(self._init, startup_timeout_s))
             self.port = asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=startup_timeout_s)
         except BaseException:
             self.close()
             raise
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
-    def next_episode_id(self) -> int:
-        """A number no episode of this pool had (the trainer's thread)."""
-        self._next_id += 1
-        return self._next_id
-
-    @property
-    def in_flight(self) -> int:
-        """Calls submitted whose event has not been collected."""
-        return self._in_flight
-
-    def key_of(self, eid: int) -> str:
-        return f"{self.secret}-{eid}"
-
     # ---- the trainer's thread ----
 
     def refuse(self, eid: int, error: EndpointError) -> None:
         """Answer the episode's pending call with `error` and end its sample; the next event is
         its agent's end (or failure)."""
-        self._submit(self._refuse(eid, error))
+        self.step(eid, json.dumps({"refused": [error.status, error.message, error.code]}))
 
     def events(self, block: bool) -> list[AgentEvent]:
         """Events of the calls submitted (`reset`, `step`, `refuse`); with `block`, at least one."""
@@ -164,17 +126,30 @@ class AgentPool(AsyncEnvPool):
     def close(self) -> None:
         """Cancel every episode, stop the server, the loop thread and the workers."""
         self._stop_loop(close_timeout_s=10.0)
-        for w in self._workers:
-            w.stop()
-        self._workers = []
+        self.workers.stop()
 
     # ---- the loop thread ----
 
     async def _start(self) -> int:
         import uvicorn
 
-        app = build_app(self._handle, self._models)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off", access_log=False)
+        def models(key: str) -> tuple[int, dict]:
+            if key not in self._by_key:
+                self.refused += 1
+                return 401, EndpointError(401, "a valid API key is required", "invalid_api_key").body()
+            return 200, {
+                "object": "list",
+                "data": [{"id": self.served.model, "object": "model", "owned_by": "titanrl"}],
+            }
+
+        config = uvicorn.Config(
+            build_app(self._handle, models),
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+        )
         self._server = uvicorn.Server(config)
         self._serving = asyncio.create_task(self._server.serve())
         while not self._server.started:
@@ -182,17 +157,9 @@ class AgentPool(AsyncEnvPool):
                 self._serving.result()
                 raise RuntimeError("the agent endpoint stopped at start")
             await asyncio.sleep(0.01)
-        loop = asyncio.get_running_loop()
-        for w in self._workers:
-            loop.add_reader(w.conn.fileno(), self._receive, w)
+        self.workers.attach(self._on_message, self._on_exit)
         self._watchdog = asyncio.create_task(self._watch())
         return self._server.servers[0].sockets[0].getsockname()[1]
-
-    def _models(self, key: str) -> tuple[int, dict]:
-        if key not in self._by_key:
-            self.refused += 1
-            return 401, EndpointError(401, "a valid API key is required", "invalid_api_key").body()
-        return 200, {"object": "list", "data": [{"id": self.served.model, "object": "model", "owned_by": "titanrl"}]}
 
     async def _handle(self, route: str, key: str, body: Any) -> tuple[int, dict]:
         eid = self._by_key.get(key)
@@ -223,72 +190,48 @@ class AgentPool(AsyncEnvPool):
             return
         ep.failed = reason
         ep.events.put_nowait(("fail", reason))
-        self._answer(ep, EndpointError(409, f"the episode failed: {reason}", "episode_failed"))
-        self._cancel(ep)
-
-    def _answer(self, ep: _Episode, answer: dict | EndpointError) -> None:
-        if ep.pending is not None and not ep.pending.done():
-            ep.pending.set_result(answer)
-        ep.pending = None
-
-    def _cancel(self, ep: _Episode) -> None:
-        if ep.running and ep.cancelled_at is None:
-            ep.cancelled_at = time.monotonic()
-            try:
-                ep.worker.conn.send(("cancel", ep.eid))
-            except OSError:
-                pass
-
-    def _least_loaded(self) -> _Worker:
-        return min(self._workers, key=lambda w: len(w.episodes))
+        ep.answer(EndpointError(409, f"the episode failed: {reason}", "episode_failed"))
+        ep.cancel()
 
     async def _reset(self, episode: int, sample: dict) -> None:
-        key = self.key_of(episode)
-        worker = self._least_loaded()
+        key = f"{self.secret}-{episode}"
+        worker = self.workers.least_loaded()
         ep = _Episode(episode, key, worker, time.monotonic() + self.agent.timeout_s)
         self._episodes[episode], self._by_key[key] = ep, episode
         worker.episodes.add(episode)
         kwargs = {"base_url": self.base_url, "api_key": key, "model": self.served.model, "row": sample}
-        try:
-            worker.conn.send(("run", episode, kwargs))
-        except OSError:
-            await self._worker_died(worker)
+        if not worker.send(("run", episode, kwargs)):
+            self._on_exit(worker)
         await self._next(ep)
 
     async def _step(self, episode: int, text: str) -> None:
-        """Answer the episode's pending call with the reply `text` (JSON), then wait for its next event."""
+        """Answer the episode's pending call with `text` (the reply's JSON, or a refusal's: then
+        the sample is over), then wait for the episode's next event."""
         ep = self._episodes.get(episode)
         if ep is None:
             self._events.put(AgentEvent(episode, "fail", error="crash: the episode is gone"))
             return
-        self._answer(ep, json.loads(text))
-        await self._next(ep)
-
-    async def _refuse(self, episode: int, error: EndpointError) -> None:
-        ep = self._episodes.get(episode)
-        if ep is None:
-            self._events.put(AgentEvent(episode, "fail", error="crash: the episode is gone"))
-            return
-        ep.over = True
-        self._answer(ep, error)
+        answer = json.loads(text)
+        if "refused" in answer:
+            ep.over = True
+            answer = EndpointError(*answer["refused"])
+        ep.answer(answer)
         await self._next(ep)
 
     async def _next(self, ep: _Episode) -> None:
         kind, value = await ep.events.get()
-        if kind == "request":
-            self._events.put(AgentEvent(ep.eid, "request", value))
-        elif kind == "end":
-            self._events.put(AgentEvent(ep.eid, "end", value))
-        else:
+        if kind == "fail":
             self._events.put(AgentEvent(ep.eid, "fail", error=value))
+        else:
+            self._events.put(AgentEvent(ep.eid, kind, value))
 
     async def _close(self, episode: int) -> None:
         ep = self._episodes.pop(episode, None)
         if ep is None:
             return
         self._by_key.pop(ep.key, None)
-        self._answer(ep, EndpointError(409, "this episode's sample is over", "episode_over"))
-        self._cancel(ep)
+        ep.answer(EndpointError(409, "this episode's sample is over", "episode_over"))
+        ep.cancel()
         if not ep.running:
             ep.worker.episodes.discard(episode)
 
@@ -298,55 +241,33 @@ class AgentPool(AsyncEnvPool):
         self._watchdog.cancel()
         self._server.should_exit = True
         await asyncio.wait([self._serving], timeout=5.0)
-        loop = asyncio.get_running_loop()
-        for w in self._workers:
-            loop.remove_reader(w.conn.fileno())
+        self.workers.detach_all()
 
     # ---- workers ----
 
-    def _receive(self, w: _Worker) -> None:
-        """A worker's messages: an agent's end, failure or cancellation; EOF: the worker died."""
-        try:
-            while True:
-                self._on_message(w, w.conn.recv())
-                if not w.conn.poll():
-                    return
-        except (EOFError, OSError):
-            asyncio.get_running_loop().remove_reader(w.conn.fileno())
-            asyncio.get_running_loop().create_task(self._worker_died(w))
-
-    def _on_message(self, w: _Worker, message: tuple) -> None:
+    def _on_message(self, w: AgentWorker, message: tuple) -> None:
+        """A worker's message: an agent's end ('done'), failure ('error') or cancellation."""
         kind, eid = message[0], message[1]
         w.episodes.discard(eid)
         ep = self._episodes.get(eid)
         if ep is None:
             return
         ep.running = False
-        self._answer(ep, EndpointError(409, "the agent has returned", "episode_over"))
+        ep.answer(EndpointError(409, "the agent has returned", "episode_over"))
         if kind == "done":
             ep.events.put_nowait(("end", message[2]))
         elif kind == "error":
             self._fail(ep, "error: " + message[2].splitlines()[0][:480])
 
-    async def _worker_died(self, w: _Worker, reason: str = "crash: the agent worker exited") -> None:
-        """Replace worker `w`; the episodes it ran fail (`reason`)."""
-        if w not in self._workers:
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            loop.remove_reader(w.conn.fileno())
-        except (ValueError, OSError):
-            pass
+    def _on_exit(self, w: AgentWorker, reason: str = "crash: the agent worker exited") -> None:
+        """Worker `w` exited (or is stuck): the episodes it ran fail with `reason`; it is replaced."""
         for eid in list(w.episodes):
             ep = self._episodes.get(eid)
             if ep is not None:
                 ep.running = False
                 self._fail(ep, reason)
         w.episodes.clear()
-        await loop.run_in_executor(None, w.stop)
-        fresh = await loop.run_in_executor(None, _Worker, self._init, self.startup_timeout_s)
-        self._workers[self._workers.index(w)] = fresh
-        loop.add_reader(fresh.conn.fileno(), self._receive, fresh)
+        asyncio.get_running_loop().create_task(self.workers.replace(w))
 
     async def _watch(self) -> None:
         """Episodes past their deadline fail ('timeout'); a worker that does not let a cancelled
@@ -358,5 +279,5 @@ class AgentPool(AsyncEnvPool):
                 if ep.running and now > ep.deadline and not ep.failed:
                     self._fail(ep, "timeout")
                 stuck = ep.cancelled_at is not None and now > ep.cancelled_at + _CANCEL_GRACE_S
-                if ep.running and stuck and ep.worker in self._workers:
-                    await self._worker_died(ep.worker, "crash: the agent worker was replaced (an agent would not stop)")
+                if ep.running and stuck and ep.worker in self.workers.workers:
+                    self._on_exit(ep.worker, "crash: the agent worker was replaced (an agent would not stop)")

@@ -74,6 +74,19 @@ def _content(text: str, calls: list[ToolCall], tool_format: str) -> str | None:
     return prose.strip() or None
 
 
+def _first_completion(tokenizer: Tokenizer, conv: _Conversation, request: Request) -> list[int]:
+    """The prompt ids of an episode's first text completion (its text encoded, or its ids)."""
+    if isinstance(request.prompt, str):
+        conv.text, conv.ids = request.prompt, tokenizer.encode(request.prompt)
+    else:
+        if any(not 0 <= t < tokenizer.vocab_size for t in request.prompt):
+            raise EndpointError(400, "prompt token ids outside the vocabulary", reason="invalid: token ids")
+        conv.ids = list(request.prompt)
+    if not conv.ids:
+        raise EndpointError(400, "the prompt has no tokens", reason="invalid: empty prompt")
+    return list(conv.ids)
+
+
 class AgentRollout:
     def __init__(
         self,
@@ -103,6 +116,8 @@ class AgentRollout:
         self._ended: list[tuple[Key, list[int] | None]] = []
         self._closing: set[Key] = set()
         """Samples that are over whose agent has not returned yet (its last call refused)."""
+        self._pending = 0
+        """Calls submitted to the pool whose event has not come back."""
 
     # ---- the first call ----
 
@@ -111,14 +126,17 @@ class AgentRollout:
         group's first call (see the module docstring)."""
         for i, sample in enumerate(samples):
             for j in range(group_size):
-                eid = self.pool.next_episode_id()
+                eid = next(self.pool.episode_ids)
                 self._ids[(i, j)], self._keys[eid] = eid, (i, j)
                 self.episodes[(i, j)] = AgentEpisode(sample)
                 self._lengths[(i, j)] = 0
                 self.pool.reset(eid, sample)
+                self._pending += 1
         first: dict[Key, list[int] | None] = {}
         while len(first) < len(self.episodes):
-            for event in self.pool.events(block=True):
+            events = self.pool.events(block=True)
+            self._pending -= len(events)
+            for event in events:
                 key = self._keys[event.episode]
                 if key in self._closing:
                     self._closed(key, event)
@@ -146,7 +164,7 @@ class AgentRollout:
         conv = self._conv[key] = _Conversation(request.route, request=request)
         try:
             if request.route == "completions":
-                return self._first_completion(conv, request)
+                return _first_completion(self.tokenizer, conv, request)
             if self.template is None:
                 raise EndpointError(
                     400, "chat completions need data.chat_template = true", reason="invalid: no chat template"
@@ -157,17 +175,6 @@ class AgentRollout:
             return None
         conv.tools, conv.fixed = request.tools, sum(m["role"] == "assistant" for m in request.messages)
         return self.tokenizer.encode(conv.rendered)
-
-    def _first_completion(self, conv: _Conversation, request: Request) -> list[int]:
-        if isinstance(request.prompt, str):
-            conv.text, conv.ids = request.prompt, self.tokenizer.encode(request.prompt)
-        else:
-            if any(not 0 <= t < self.tokenizer.vocab_size for t in request.prompt):
-                raise EndpointError(400, "prompt token ids outside the vocabulary", reason="invalid: token ids")
-            conv.ids = list(request.prompt)
-        if not conv.ids:
-            raise EndpointError(400, "the prompt has no tokens", reason="invalid: empty prompt")
-        return list(conv.ids)
 
     # ---- TurnHandler ----
 
@@ -209,14 +216,17 @@ class AgentRollout:
             conv.ids += turn_token_ids
             conv.text += text
         self.pool.step(self._ids[key], json.dumps(out))
+        self._pending += 1
 
     def poll(self, block: bool) -> list[tuple[Key, list[int] | None]]:
         out, self._ended = self._ended, []
         while True:
-            for event in self.pool.events(block and not out):
+            events = self.pool.events(block and not out)
+            self._pending -= len(events)
+            for event in events:
                 self._on_event(event, out)
             # Only calls of samples already over are in flight: nothing the generator waits for.
-            if out or not block or self.pool.in_flight <= len(self._closing):
+            if out or not block or self._pending <= len(self._closing):
                 return out
 
     def _on_event(self, event: AgentEvent, out: list[tuple[Key, list[int] | None]]) -> None:
@@ -316,6 +326,7 @@ class AgentRollout:
         self.episodes[key].done = True
         self._closing.add(key)
         self.pool.refuse(self._ids[key], error)
+        self._pending += 1
 
     def _closed(self, key: Key, event: AgentEvent) -> None:
         """The agent's end after its sample ended: the reward of a truncated sample."""
@@ -331,7 +342,9 @@ class AgentRollout:
     def finish(self) -> None:
         """Wait for the agents whose sample ended early (their calls refused), then end every episode."""
         while self._closing:
-            for event in self.pool.events(block=True):
+            events = self.pool.events(block=True)
+            self._pending -= len(events)
+            for event in events:
                 key = self._keys[event.episode]
                 if key in self._closing:
                     self._closed(key, event)
