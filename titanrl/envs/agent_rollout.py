@@ -148,7 +148,8 @@ class AgentRollout:
             prompt = found[0][1] if found else self.tokenizer.encode(sample["prompt"]) or [self.tokenizer.eos_id]
             for j, ids in found[1:]:
                 if ids != prompt:
-                    self._end((i, j), "invalid: the agent's first call differs between the samples of one prompt")
+                    reason = "invalid: the agent's first call differs between the samples of one prompt"
+                    self._end((i, j), reason, EndpointError(409, reason))
             for j in range(group_size):
                 self._prompt_lens[(i, j)] = len(prompt)
             prompts.append(prompt)
@@ -278,10 +279,10 @@ class AgentRollout:
         if len(mine) != len(conv.replies):
             raise Rewrite(f"{len(mine)} assistant turns after the first call's, the episode has {len(conv.replies)}")
         messages = list(request.messages)
-        for k, (i, (content, ids)) in enumerate(zip(mine, conv.replies)):
+        for k, (i, (content, call_ids)) in enumerate(zip(mine, conv.replies)):
             said = messages[i]
             got = [c["id"] for c in said.get("tool_calls", [])]
-            if got != ids or (not ids and said["content"].strip() != content.strip()):
+            if got != call_ids or (not call_ids and said["content"].strip() != content.strip()):
                 raise Rewrite(f"model turn {k + 1} is not what the model said")
             messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
         before = conv.rendered + _PLACEHOLDER

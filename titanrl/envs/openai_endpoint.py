@@ -173,10 +173,11 @@ def parse_request(route: str, body: Any, served: Served) -> Request:
         messages, tools = _messages(body.get("messages")), _tools(body.get("tools"))
         return Request("chat", messages, tools, parse_tools=body.get("tool_choice") != "none", logprobs=logprobs)
     prompt = body.get("prompt")
-    ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) and prompt) and not ids:
-        raise EndpointError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
-    return Request("completions", prompt=prompt, logprobs=logprobs)
+    if isinstance(prompt, str) and prompt:
+        return Request("completions", prompt=prompt, logprobs=logprobs)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Request("completions", prompt=[int(t) for t in prompt], logprobs=logprobs)
+    raise EndpointError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
 
 
 def _logprobs(tokens: list[str], logprobs: list[float], chat: bool) -> dict:

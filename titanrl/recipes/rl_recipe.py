@@ -37,8 +37,10 @@ from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.multi_turn import tool_setup
+from titanrl.envs.pool import EnvPool
 from titanrl.envs.pool_builder import build_env_pool
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
@@ -141,7 +143,7 @@ class RLRecipe(Recipe):
         r = cfg.reward
         self.rewards = build_reward_runner(cfg, self.task)
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
-        self.envs = None
+        self.envs: EnvPool | AsyncEnvPool | None = None
         if cfg.agent.function:
             self.envs = build_agent_pool(cfg)
         elif cfg.env.name:

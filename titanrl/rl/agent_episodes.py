@@ -5,21 +5,17 @@ by [reward] (the reward function, or the task's verifier), as a single-turn comp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from titanrl.config import JobConfig
 from titanrl.data.tasks import Sample
 from titanrl.envs.agent_pool import AgentPool
 from titanrl.envs.agent_rollout import AgentRollout
 from titanrl.envs.openai_endpoint import Served
 from titanrl.envs.tool_calls import resolve_tool_format
-from titanrl.generator import Completion, GenerationStats, SamplingParams
+from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.chat_template import ChatTemplate
 from titanrl.rewards.runner import RewardResult
-from titanrl.rl.scoring import reward_item
-
-if TYPE_CHECKING:
-    from titanrl.rl.rollouts import RolloutCollector
+from titanrl.rl.host import RolloutHost
+from titanrl.rl.scoring import Scorer, reward_item
 
 
 def build_agent_pool(config: JobConfig) -> AgentPool:
@@ -36,11 +32,16 @@ def agent_tool_format(tool_format: str, template: ChatTemplate | None) -> str:
 
 
 def generate_agent_episodes(
-    collector: RolloutCollector, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
+    pool: AgentPool,
+    host: RolloutHost,
+    generator: Generator,
+    scorer: Scorer,
+    samples: list[Sample],
+    params: SamplingParams,
+    prompt_ids: list[int],
 ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
     """G agent episodes per sample through the generator; their results (rewards, failures)."""
-    cfg, pool, host = collector.config, collector.envs, collector.host
-    assert isinstance(pool, AgentPool), "agent episodes run on an AgentPool"
+    cfg = host.config
     pool.served = Served(cfg.agent.model, params.temperature, params.top_p, params.max_new_tokens)
     template = host.encode_prompt.template
     turns = AgentRollout(
@@ -51,13 +52,13 @@ def generate_agent_episodes(
         cfg.agent.max_turns,
         cfg.agent.max_total_tokens,
         cfg.reward.failure_reward,
-        collector.generator.eos_ids,
+        generator.eos_ids,
     )
     try:
         rows = [{"prompt": s.prompt, "answer": s.answer, "metadata": s.metadata} for s in samples]
         prompts = turns.start(rows, params.n)
         params.stop_strings = []
-        completions, gen_stats = collector.generator.generate(prompts, params, prompt_ids, turns=turns)
+        completions, gen_stats = generator.generate(prompts, params, prompt_ids, turns=turns)
     finally:
         turns.finish()
     results = []
@@ -66,9 +67,7 @@ def generate_agent_episodes(
         results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
     scored = [k for k, c in enumerate(completions) if turns.episodes[(c.prompt_index, c.sample_index)].score_transcript]
     if scored:  # the agents that returned None: their transcripts, scored as single-turn completions are
-        verdicts = collector.scorer.rewards(
-            [reward_item(samples[completions[k].prompt_index], completions[k]) for k in scored]
-        )
+        verdicts = scorer.rewards([reward_item(samples[completions[k].prompt_index], completions[k]) for k in scored])
         for k, verdict in zip(scored, verdicts):
             results[k] = verdict
     return prompts, completions, results, gen_stats

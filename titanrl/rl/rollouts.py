@@ -103,7 +103,9 @@ class RolloutCollector:
     ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
         if isinstance(self.envs, AgentPool):  # the user's agent plays each episode ([agent])
-            return generate_agent_episodes(self, samples, params, prompt_ids)
+            return generate_agent_episodes(
+                self.envs, self.host, self.generator, self.scorer, samples, params, prompt_ids
+            )
         env, tools = self.config.env, self.tool_calls
         assert self.envs is not None, "multi-turn rollouts need an environment pool"
         turns = MultiTurnRollout(
