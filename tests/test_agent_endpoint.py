@@ -27,7 +27,7 @@ from titanrl.config.agent import Agent  # noqa: E402
 from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
 from titanrl.envs.agent_pool import AgentPool  # noqa: E402
 from titanrl.envs.agent_rollout import AgentRollout  # noqa: E402
-from titanrl.envs.openai_endpoint import Served  # noqa: E402
+from titanrl.envs.openai_endpoint import EndpointError, Served, parse_request  # noqa: E402
 from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models import TransformerModelArgs  # noqa: E402
 from titanrl.models.chat_template import ChatTemplate  # noqa: E402
@@ -319,3 +319,54 @@ def test_grpo_steps_through_the_trainer_with_an_agent_function(checkpoint, tmp_p
     steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["env_failures"] == 0 and r["env_turns"] >= 1.0 and r["reward_failures"] == 0 for r in steps), steps
+
+
+def test_text_completions_extend_by_text_and_a_none_reward_leaves_scoring_to_the_reward(folder):
+    tok = HFTokenizer(folder)
+    rows = [{"prompt": "Say ok.", "answer": "", "metadata": {}}]
+    (prompt,), (c,), rollout, _ = run_agent(
+        folder, "helpers.agent_fns:text_loop", rows, EosModel(tok.eos_id, ARGS.vocab_size)
+    )
+    assert prompt == tok.encode("Say ok.")
+    assert c.token_ids == [tok.eos_id] + tok.encode("\nok\n") + [tok.eos_id]
+    assert c.model_mask == [1] + [0] * len(tok.encode("\nok\n")) + [1]
+    episode = rollout.episodes[(0, 0)]
+    assert episode.failed is None and episode.score_transcript and episode.turns == 2
+
+
+@pytest.mark.parametrize(
+    "change,status,named",
+    [
+        ({"temperature": 0.7}, 400, "temperature 0.7"),
+        ({"top_p": 0.5}, 400, "top_p 0.5"),
+        ({"n": 2}, 400, "n 2"),
+        ({"stream": True}, 400, "stream"),
+        ({"stop": ["\n"]}, 400, "stop"),
+        ({"max_tokens": 4}, 400, "max_tokens 4"),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
+        ({"model": "gpt-5"}, 404, "gpt-5"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools"),
+    ],
+)
+def test_what_the_policy_does_not_sample_is_a_400_naming_it(change, status, named):
+    served = Served("policy", 1.0, 1.0, 16)
+    body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "max_tokens": 64}
+    assert parse_request("chat", body, served).messages == [{"role": "user", "content": "hi"}]
+    with pytest.raises(EndpointError) as e:
+        parse_request("chat", {**body, **change}, served)
+    assert e.value.status == status and named in e.value.message
+
+
+@pytest.mark.slow  # ~25 s on 2 cores
+def test_the_shipped_agent_recipe_runs(tmp_path):
+    """train_configs/grpo_agent_debug.toml as the docs say, from the repository root: GRPO steps
+    whose episodes ran examples/agent_reverse.py through the endpoint."""
+    from helpers.launch import run_cmd, train_cmd
+
+    args = ["--job.config_file=train_configs/grpo_agent_debug.toml", f"--job.dump_folder={tmp_path}"]
+    args += ["--training.steps=2", "--sft_warmup.steps=2", "--data.num_eval_samples=4", "--metrics.eval_freq=0"]
+    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
+    proc = run_cmd(train_cmd(args), env, timeout_s=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["env_failures"] == 0 for r in steps), steps

@@ -30,6 +30,7 @@ async def openai_loop(base_url, api_key, model, row):
     for _ in range(4):
         out = await client.chat.completions.create(model=model, messages=messages, tools=[ADD_TOOL], logprobs=True)
         message = out.choices[0].message
+        assert out.choices[0].logprobs.content, "the endpoint returns the generator's logprobs when asked"
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             break
