@@ -94,13 +94,13 @@ def run_agent(folder, function, rows, model=None, temperature=1.0, **agent):
         pool.close()
 
 
-def run_on(pool, folder, rows, model=None, temperature=1.0):
+def run_on(pool, folder, rows, model=None, temperature=1.0, max_turns=4):
     """(prompts, completions, rollout) of one episode per row on `pool`."""
     tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
     gen = Generator(ARGS, GeneratorConfig(block_size=8, num_blocks=512), torch.device("cpu"), tokenizer=tok)
     if model is not None:
         gen.model = model
-    rollout = AgentRollout(pool, tok, template, "hermes", 4, 400, -1.0, gen.eos_ids)
+    rollout = AgentRollout(pool, tok, template, "hermes", max_turns, 400, -1.0, gen.eos_ids)
     prompts = rollout.start(rows, 1)
     gen.wake()
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
@@ -370,3 +370,25 @@ def test_the_shipped_agent_recipe_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["env_failures"] == 0 for r in steps), steps
+
+
+def test_a_call_past_max_turns_ends_the_sample_and_adds_no_tokens(folder):
+    """The second call of a one-turn budget is refused (400 context_length_exceeded): the sample
+    is the first turn alone; the agent raising at the refusal fails its episode ('error')."""
+    tok = HFTokenizer(folder)
+    call = char_tokens(tok, CALL) + [tok.eos_id]
+    model = TurnScript([call], ARGS.vocab_size, tok.encode("<|im_start|>assistant\n"))
+    pool = AgentPool(
+        Agent(function="helpers.agent_fns:openai_loop", num_workers=1), Served("policy", 1.0, 1.0, MAX_NEW)
+    )
+    try:
+        rows = [{"prompt": "What is 2 plus 3?", "answer": "5", "metadata": {}}]
+        _, (c,), rollout = run_on(pool, folder, rows, model, max_turns=1)
+    finally:
+        pool.close()
+    episode = rollout.episodes[(0, 0)]
+    assert c.token_ids == call and episode.truncated and episode.turns == 1
+    assert (
+        episode.failed.startswith("error: the agent failed after its budget was spent")
+        and "BadRequestError" in episode.failed
+    )

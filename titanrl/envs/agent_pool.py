@@ -231,6 +231,7 @@ class AgentPool(AsyncEnvPool):
             return
         self._by_key.pop(ep.key, None)
         ep.answer(EndpointError(409, "this episode's sample is over", "episode_over"))
+        ep.events.put_nowait(("fail", "closed"))  # a call still waiting for its event gets one
         ep.cancel()
         if not ep.running:
             ep.worker.episodes.discard(episode)

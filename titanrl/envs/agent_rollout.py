@@ -235,6 +235,8 @@ class AgentRollout:
         if key in self._closing:
             self._closed(key, event)
             return
+        if self.episodes[key].done:  # the sample is over (its episode failed at the start)
+            return
         if event.kind == "request":
             out.append((key, self._next_turn(key, event.value)))
             return
@@ -341,7 +343,13 @@ class AgentRollout:
         self.pool.close_episode(event.episode)
 
     def finish(self) -> None:
-        """Wait for the agents whose sample ended early (their calls refused), then end every episode."""
+        """End every episode: a sample the generator ended while its call waited (the model's
+        context is full) is truncated as at max_total_tokens; wait for the agents whose sample
+        ended early to return, then close every episode and collect the calls still in flight."""
+        for key, conv in self._conv.items():
+            if conv.request is not None and not self.episodes[key].done:
+                self.episodes[key].truncated = True
+                self._end(key, None, EndpointError(400, "the model's context is full", "context_length_exceeded"))
         while self._closing:
             events = self.pool.events(block=True)
             self._pending -= len(events)
@@ -351,3 +359,5 @@ class AgentRollout:
                     self._closed(key, event)
         for eid in self._keys:
             self.pool.close_episode(eid)
+        while self._pending > 0:  # closing answers every call still waiting for its episode's event
+            self._pending -= len(self.pool.events(block=True))
