@@ -392,3 +392,30 @@ def test_a_call_past_max_turns_ends_the_sample_and_adds_no_tokens(folder):
         episode.failed.startswith("error: the agent failed after its budget was spent")
         and "BadRequestError" in episode.failed
     )
+
+
+@pytest.mark.parametrize(
+    "function,message",
+    [
+        ("helpers.agent_fns:ADD_TOOL", "must be an async function"),
+        ("helpers.no_such_module:run", "cannot be imported"),
+    ],
+)
+def test_an_agent_function_that_cannot_run_is_a_one_line_error_at_start(function, message):
+    with pytest.raises(ValueError, match=message):
+        AgentPool(Agent(function=function, num_workers=1), Served("policy", 1.0, 1.0, MAX_NEW))
+
+
+def test_agent_config_errors_name_the_key():
+    for bad, key in [({"function": "no_colon"}, "function"), ({"on_rewrite": "keep"}, "on_rewrite"),
+                     ({"tool_format": "tag"}, "tool_format"), ({"max_turns": 0}, "max_turns")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"\[agent\] {key}"):
+            Agent(**{"function": "m:f", **bad}).validate()
+
+    from titanrl.config import load_config
+
+    config = os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")
+    with pytest.raises(ValueError, match="unset env.name"):
+        load_config([f"--job.config_file={config}", "--env.name=calculator", "--data.task=calculator"])
+    with pytest.raises(ValueError, match=r"partial = true does not support .*\[agent\]"):
+        load_config([f"--job.config_file={config}", "--rollout.partial=true", "--algorithm.off_policy_correction=tis"])

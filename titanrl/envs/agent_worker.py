@@ -91,7 +91,11 @@ def agent_worker_main(fd: int) -> None:
     conn = Connection(fd)
     init = conn.recv()
     sys.path[:] = init["sys_path"]
-    fn = load_object(init["spec"], "[agent] function")
+    try:
+        fn = load_object(init["spec"], "[agent] function")
+    except ValueError as e:  # one line naming the module (or file:line), for the trainer to raise
+        conn.send(("fatal", -1, str(e)))
+        return
     if not asyncio.iscoroutinefunction(fn):
         conn.send(("fatal", -1, f"[agent] function {init['spec']!r} must be an async function (async def)"))
         return
