@@ -147,6 +147,7 @@ class AgentPool(AsyncEnvPool):
             host="127.0.0.1",
             port=0,
             log_level="warning",
+            log_config=None,  # the trainer's logging stays as it is; uvicorn's warnings reach its handlers
             lifespan="off",
             access_log=False,
         )

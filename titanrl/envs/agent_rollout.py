@@ -87,6 +87,14 @@ def _first_completion(tokenizer: Tokenizer, conv: _Conversation, request: Reques
     return list(conv.ids)
 
 
+def _render(template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> str:
+    """The conversation rendered with the generation prompt; a template that fails on it refuses the call."""
+    try:
+        return template.render(messages, add_generation_prompt=True, tools=tools)
+    except ValueError as e:
+        raise EndpointError(400, str(e), reason=f"invalid: {e}"[:500]) from None
+
+
 class AgentRollout:
     def __init__(
         self,
@@ -170,7 +178,7 @@ class AgentRollout:
                 raise EndpointError(
                     400, "chat completions need data.chat_template = true", reason="invalid: no chat template"
                 )
-            conv.rendered = self.template.render(request.messages, add_generation_prompt=True, tools=request.tools)
+            conv.rendered = _render(self.template, request.messages, request.tools)
         except EndpointError as e:
             self._end(key, e.reason or "invalid: " + e.message, e)
             return None
@@ -288,7 +296,7 @@ class AgentRollout:
                 raise Rewrite(f"model turn {k + 1} is not what the model said")
             messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
         before = conv.rendered + _PLACEHOLDER
-        after = self.template.render(messages, add_generation_prompt=True, tools=request.tools)
+        after = _render(self.template, messages, request.tools)
         if request.tools != conv.tools or not after.startswith(before):
             raise Rewrite("the conversation before the model's last turn renders differently")
         conv.rendered = after
