@@ -419,3 +419,10 @@ def test_agent_config_errors_name_the_key():
         load_config([f"--job.config_file={config}", "--env.name=calculator", "--data.task=calculator"])
     with pytest.raises(ValueError, match=r"partial = true does not support .*\[agent\]"):
         load_config([f"--job.config_file={config}", "--rollout.partial=true", "--algorithm.off_policy_correction=tis"])
+    from titanrl.rl.agent_episodes import agent_tool_format
+
+    plain = ChatTemplate("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    with pytest.raises(
+        ValueError, match=r"\[agent\] tool_format 'auto'.*set agent.tool_format to 'hermes' or 'llama3'$"
+    ):
+        agent_tool_format("auto", plain)

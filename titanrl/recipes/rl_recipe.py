@@ -145,7 +145,7 @@ class RLRecipe(Recipe):
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
         self.envs: EnvPool | AsyncEnvPool | None = None
         if cfg.agent.function:
-            self.envs = build_agent_pool(cfg)
+            self.envs = build_agent_pool(cfg, trainer.encode_prompt.template)
         elif cfg.env.name:
             kwargs = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template).env_kwargs
             self.envs = build_env_pool(cfg.env, r.memory_limit_mb, kwargs)

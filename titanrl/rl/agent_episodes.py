@@ -18,8 +18,10 @@ from titanrl.rl.host import RolloutHost
 from titanrl.rl.scoring import Scorer, reward_item
 
 
-def build_agent_pool(config: JobConfig) -> AgentPool:
-    """The rank's endpoint and agent workers for `[agent]`."""
+def build_agent_pool(config: JobConfig, template: ChatTemplate | None) -> AgentPool:
+    """The rank's endpoint and agent workers for `[agent]` (its tool format checked against the
+    chat template first: a one-line error at start, not at the first rollout)."""
+    agent_tool_format(config.agent.tool_format, template)
     gen = config.generator
     return AgentPool(config.agent, Served(config.agent.model, gen.temperature, gen.top_p, gen.max_new_tokens))
 
@@ -28,7 +30,11 @@ def agent_tool_format(tool_format: str, template: ChatTemplate | None) -> str:
     """[agent] tool_format with 'auto' read from the chat template ('hermes' without one)."""
     if template is None:
         return "hermes" if tool_format == "auto" else tool_format
-    return resolve_tool_format(tool_format, list(template.templates.values()))
+    try:
+        return resolve_tool_format(tool_format, list(template.templates.values()))
+    except ValueError as e:
+        message = str(e).replace("env.tool_format", "agent.tool_format").replace(", 'llama3' or 'tag'", " or 'llama3'")
+        raise ValueError(message.replace("[env] tool_format", "[agent] tool_format")) from None
 
 
 def generate_agent_episodes(
