@@ -248,9 +248,13 @@ _RANK = (
 )
 
 
-def test_nothing_the_agents_started_is_left_after_a_sigkill_of_the_rank(tmp_path):
-    """A rank SIGKILLed while its agents have left plain and `setsid` sleeps running -> none alive within 10 s."""
+@pytest.mark.parametrize("mode", ["cgroup", "subreaper"])
+def test_nothing_the_agents_started_is_left_after_a_sigkill_of_the_rank(tmp_path, mode):
+    """A rank SIGKILLed while its agents have left plain and `setsid` sleeps running -> none alive
+    within 10 s (with the workers' cgroups, and with the subreaper fallback)."""
     env = {**os.environ, "AGENT_PID_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join([REPO_ROOT, TESTS])}
+    if mode == "subreaper":
+        env["TITANRL_NO_CGROUPS"] = "1"
     rank = subprocess.Popen(
         [sys.executable, "-c", _RANK], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
