@@ -63,6 +63,8 @@ def max_response_length(config: JobConfig) -> int:
     """The most completion tokens of one sample: generator.max_new_tokens, or with an environment
     env.max_total_tokens (model and environment tokens of an episode). The constant C that
     loss_agg = 'seq-mean-token-sum-norm' divides by when loss_agg_norm is 0."""
+    if config.agent.function:
+        return config.agent.max_total_tokens
     return config.env.max_total_tokens if config.env.name else config.generator.max_new_tokens
 
 

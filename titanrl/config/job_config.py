@@ -10,6 +10,7 @@ concerns.
 import dataclasses
 from dataclasses import dataclass, field
 
+from titanrl.config.agent import Agent
 from titanrl.config.algorithm import Algorithm, Critic, Distillation
 from titanrl.config.data import Data
 from titanrl.config.evaluation import EvalSuite, validate_suites
@@ -46,6 +47,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     critic: Critic = field(default_factory=Critic)
     env: Env = field(default_factory=Env)
+    agent: Agent = field(default_factory=Agent)
     sft_warmup: SFTWarmup = field(default_factory=SFTWarmup)
     dpo: DPO = field(default_factory=DPO)
     lora: LoRA = field(default_factory=LoRA)
@@ -69,6 +71,10 @@ class JobConfig:
             )
         if self.data.task in MULTI_TURN_TASKS and not self.env.name:
             raise ValueError(f"[data] task '{self.data.task}' is multi-turn: set env.name = '{self.data.task}'")
+        if self.agent.function and (self.env.name or self.job.recipe != "rl"):
+            raise ValueError(
+                "[agent] function plays the episodes of the RL recipe: unset env.name and set job.recipe = 'rl'"
+            )
         if self.env.name and self.reward.function:
             raise ValueError("[reward] function is not used with an [env]: the environment's steps give the rewards")
         if self.lora.enable:
@@ -126,8 +132,8 @@ class JobConfig:
                 "[rollout] partial = true continues samples under newer weights: set algorithm.off_policy_correction "
                 "= 'tis' (or 'mis') so that tokens sampled by older weights are importance-weighted"
             )
-        if self.env.name:
-            raise ValueError("[rollout] partial = true does not support multi-turn environments ([env] name)")
+        if self.env.name or self.agent.function:
+            raise ValueError("[rollout] partial = true does not support multi-turn environments ([env] name, [agent])")
         if self.rollout.dynamic_sampling:
             raise ValueError("[rollout] partial = true and rollout.dynamic_sampling cannot be combined")
 
@@ -139,6 +145,7 @@ class JobConfig:
             )
         unsupported = {
             "env.name": self.env.name,
+            "agent.function": self.agent.function,
             "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
             "reward.model_path": self.reward.model_path,
             "parallelism.tp > 1": self.parallelism.tp > 1,

@@ -144,7 +144,7 @@ def fit_prompts(
     completion (generator.max_new_tokens) in the context; with an SFT warm-up, every training
     row's prompt + solution fits it too. Embedded tasks (short, generated) and environments (the
     first prompt is the environment's observation, not the row's) are not checked."""
-    if not config.data.path or config.env.name:
+    if not config.data.path or config.env.name or config.agent.function:
         return train, held_out
     max_prompt, limit = prompt_room(max_seq_len, config.generator.max_new_tokens)
     on_long = config.data.on_long_prompt

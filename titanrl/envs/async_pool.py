@@ -42,6 +42,10 @@ class AsyncEnvPool(ABC):
     @abstractmethod
     async def _close_all(self) -> None: ...
 
+    @abstractmethod
+    def close(self) -> None:
+        """End every episode and stop the loop thread (`_stop_loop`), and what the pool started."""
+
     def _submit(self, coro: Any) -> None:
         self._in_flight += 1
         asyncio.run_coroutine_threadsafe(coro, self._loop)

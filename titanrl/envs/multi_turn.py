@@ -153,14 +153,17 @@ class ChatTurns:
             )
         self.messages[key], self.rendered[key] = messages, after
         tokenizer = self.encoder.tokenizer
-        ids = tokenizer.encode(after[len(before) :])
-        # A special token (it has no text of its own) that ended the turn is already in the sample,
-        # and stands for the template's end of turn when that is another end-of-turn token.
-        if ids and last_token is not None and not tokenizer.decode([last_token]):
-            ends = self.end_of_turn_ids
-            if ids[0] == last_token or (last_token in ends and ids[0] in ends):
-                ids = ids[1:]
-        return ids
+        return drop_turn_end(tokenizer, tokenizer.encode(after[len(before) :]), last_token, self.end_of_turn_ids)
+
+
+def drop_turn_end(tokenizer: Tokenizer, ids: list[int], last_token: int | None, ends: frozenset[int]) -> list[int]:
+    """`ids` (the text a template writes after an assistant turn, encoded) less its first token
+    when that is the special token `last_token` that ended the turn, already in the sample (a
+    special token has no text of its own), or another end-of-turn token of `ends` it stands for."""
+    if ids and last_token is not None and not tokenizer.decode([last_token]):
+        if ids[0] == last_token or (last_token in ends and ids[0] in ends):
+            return ids[1:]
+    return ids
 
 
 class MultiTurnRollout:

@@ -28,7 +28,11 @@ class TurnExchange:
                 continue
             key = (seq.prompt_index, seq.sample_index)
             self.paused[key] = seq
-            self.turns.submit(key, seq.turn_token_ids, reason)
+            turn = seq.turn_token_ids
+            record = getattr(self.turns, "record_logprobs", None)
+            if record is not None:  # a handler that returns the turn's logprobs (the agent endpoint)
+                record(key, seq.logprobs[len(seq.logprobs) - len(turn) :])
+            self.turns.submit(key, turn, reason)
         return kept
 
     def collect(self, block: bool) -> tuple[list[Seq], list[Seq]]:

@@ -37,14 +37,17 @@ from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
+from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.multi_turn import tool_setup
+from titanrl.envs.pool import EnvPool
 from titanrl.envs.pool_builder import build_env_pool
 from titanrl.generator import SamplingParams
 from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardOutputLog
+from titanrl.rl.agent_episodes import build_agent_pool
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.episode_dump import EpisodeDump
@@ -141,8 +144,11 @@ class RLRecipe(Recipe):
         r = cfg.reward
         self.rewards = build_reward_runner(cfg, self.task)
         self.reward_log = RewardOutputLog(cfg.job.dump_folder, trainer.rank)
-        self.envs, tools = None, None
-        if cfg.env.name:
+        self.envs: EnvPool | AsyncEnvPool | None = None
+        tools = None
+        if cfg.agent.function:
+            self.envs = build_agent_pool(cfg, trainer.encode_prompt.template)
+        elif cfg.env.name:
             tools = tool_setup(cfg.env.name, cfg.env.tool_format, trainer.encode_prompt.template)
             self.envs = build_env_pool(cfg.env, r.memory_limit_mb, tools.env_kwargs)
         m = cfg.metrics  # a few episodes per logged step for `titanrl show`

@@ -46,7 +46,7 @@ __all__ = [
     "RewardStats",
 ]
 
-FAILURE_REASONS = ("error", "memory", "invalid", "crash", "timeout")
+FAILURE_REASONS = ("error", "memory", "invalid", "crash", "timeout", "unknown_model", "rewrite")
 """The values of `RewardResult.failed` when a reward function failed."""
 
 _MAX_DEATHS_IN_A_ROW = 2  # a slot whose workers die this often in a row rests for the batch
@@ -268,6 +268,8 @@ class RewardStats:
     reward_failures_invalid: float = 0.0
     reward_failures_crash: float = 0.0
     reward_failures_timeout: float = 0.0
+    reward_failures_unknown_model: float = 0.0
+    reward_failures_rewrite: float = 0.0
     reward_output_dropped: float = 0.0
 
     def add_reward_results(self, results: list[RewardResult]) -> None:

@@ -22,12 +22,14 @@ from titanrl.components.faults import fault_active
 from titanrl.components.timer import PhaseTimer
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max
+from titanrl.envs.agent_pool import AgentPool
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.multi_turn import MultiTurnRollout, ToolSetup, tool_setup
 from titanrl.envs.pool import EnvPool
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.model import Transformer
 from titanrl.rewards.runner import RewardResult, RewardRunner
+from titanrl.rl.agent_episodes import generate_agent_episodes
 from titanrl.rl.cp_split import RolloutShare, cp_split
 from titanrl.rl.groups import RolloutCounts, Rollouts
 from titanrl.rl.scoring import Pending, Scorer
@@ -100,6 +102,10 @@ class RolloutCollector:
         self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int]
     ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
         """Multi-turn: every sample is an environment episode; its reward is summed over turns."""
+        if isinstance(self.envs, AgentPool):  # the user's agent plays each episode ([agent])
+            return generate_agent_episodes(
+                self.envs, self.host, self.generator, self.scorer, samples, params, prompt_ids
+            )
         env, tools = self.config.env, self.tool_calls
         assert self.envs is not None, "multi-turn rollouts need an environment pool"
         turns = MultiTurnRollout(

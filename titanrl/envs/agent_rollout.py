@@ -1,0 +1,371 @@
+"""Agent episodes as the generator's multi-turn samples: the `TurnHandler` over an `AgentPool`.
+
+Every model call of an episode's agent is its sample's next turn, with exact tokens:
+
+- the first call's conversation (chat: its messages and tools, rendered by the chat template with
+  the generation prompt; completions: its prompt text, or token ids) is the prompt, shared by the
+  group's G episodes (an episode whose first call differs from its group's fails);
+- the model's turn is the generator's tokens, returned decoded, with tool calls in the template's
+  format (`tool_calls.py`) as OpenAI `tool_calls` and, if asked, the generator's logprobs;
+- a later call must extend the previous one: its assistant messages past those of the first call
+  are the model's turns as returned (same tool-call ids, or same text), each rendered as a
+  placeholder since its tokens are already in the sample (`multi_turn.py`'s delta of two
+  renderings), and the text the template writes before the placeholder must be what it wrote
+  before. The rest of the rendering, encoded, is the harness's tokens: appended to the sample and
+  masked out of the loss. The model's text is never encoded back into the sample.
+
+A call that does not extend the previous one (the harness rewrote history) fails the episode
+('rewrite: ...', [agent] on_rewrite = 'drop') and is refused with HTTP 409. A call past
+[agent] max_turns or max_total_tokens ends the sample (400 'context_length_exceeded'); the
+agent's return is still its reward ('length' if it raises). An agent that returns None has its
+final transcript scored by [reward] (`Episode.score_transcript`).
+"""
+
+import json
+from dataclasses import dataclass, field
+
+from titanrl.envs.agent_pool import AgentEvent, AgentPool
+from titanrl.envs.multi_turn import Episode, Key, decode_turn, drop_turn_end, special_token_ids
+from titanrl.envs.openai_endpoint import EndpointError, Request, reply
+from titanrl.envs.tool_calls import HERMES_OPEN, PYTHON_TAG, ToolCall, ToolCallError, parse_tool_calls, tool_name
+from titanrl.models.chat_template import ChatTemplate
+from titanrl.models.tokenizer import Tokenizer
+
+_PLACEHOLDER = "TITANRL_ASSISTANT_TURN"
+
+
+class Rewrite(Exception):
+    """A call whose conversation is not the previous call's plus new messages."""
+
+
+@dataclass
+class AgentEpisode(Episode):
+    score_transcript: bool = False
+    """The agent returned None: [reward] scores the sample's transcript."""
+    truncated: bool = False
+    """A call past max_turns / max_total_tokens ended the sample."""
+
+
+@dataclass
+class _Conversation:
+    """One episode's calls so far, as the sample holds them."""
+
+    route: str
+    rendered: str = ""
+    """chat: the last rendering (assistant turns as placeholders), ending with the generation prompt."""
+    fixed: int = 0
+    """chat: assistant messages of the first call (the harness's own, rendered as text)."""
+    tools: list[dict] | None = None
+    replies: list[tuple[str, list[str]]] = field(default_factory=list)
+    """chat: each model turn as returned: (content, tool-call ids)."""
+    ids: list[int] = field(default_factory=list)
+    """completions: prompt and completion tokens so far."""
+    text: str = ""
+    """completions with a text prompt: the prompt and the turns' text so far."""
+    request: Request | None = None
+
+
+def _content(text: str, calls: list[ToolCall], tool_format: str) -> str | None:
+    """A turn's prose, without its tool calls (None if there is none)."""
+    if not calls:
+        return text
+    cut = text.find(HERMES_OPEN if tool_format == "hermes" else PYTHON_TAG)
+    prose = text[:cut] if cut >= 0 else ("" if tool_format == "llama3" else text)
+    return prose.strip() or None
+
+
+def _first_completion(tokenizer: Tokenizer, conv: _Conversation, request: Request) -> list[int]:
+    """The prompt ids of an episode's first text completion (its text encoded, or its ids)."""
+    if isinstance(request.prompt, str):
+        conv.text, conv.ids = request.prompt, tokenizer.encode(request.prompt)
+    else:
+        if any(not 0 <= t < tokenizer.vocab_size for t in request.prompt):
+            raise EndpointError(400, "prompt token ids outside the vocabulary", reason="invalid: token ids")
+        conv.ids = list(request.prompt)
+    if not conv.ids:
+        raise EndpointError(400, "the prompt has no tokens", reason="invalid: empty prompt")
+    return list(conv.ids)
+
+
+def _render(template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> str:
+    """The conversation rendered with the generation prompt; a template that fails on it refuses the call."""
+    try:
+        return template.render(messages, add_generation_prompt=True, tools=tools)
+    except ValueError as e:
+        raise EndpointError(400, str(e), reason=f"invalid: {e}"[:500]) from None
+
+
+class AgentRollout:
+    def __init__(
+        self,
+        pool: AgentPool,
+        tokenizer: Tokenizer,
+        template: ChatTemplate | None,
+        tool_format: str,
+        max_turns: int,
+        max_total_tokens: int,
+        failure_reward: float = 0.0,
+        end_of_turn_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        self.pool, self.tokenizer, self.template, self.tool_format = pool, tokenizer, template, tool_format
+        self.max_turns, self.max_total_tokens, self.failure_reward = max_turns, max_total_tokens, failure_reward
+        eos = tokenizer.eos_id
+        self.end_of_turn_ids = frozenset(end_of_turn_ids) | ({eos} if eos is not None else set())
+        self.keep = special_token_ids(tokenizer, (PYTHON_TAG,) if tool_format == "llama3" else ())
+        self.episodes: dict[Key, AgentEpisode] = {}
+        self._ids: dict[Key, int] = {}
+        self._keys: dict[int, Key] = {}
+        self._conv: dict[Key, _Conversation] = {}
+        self._lengths: dict[Key, int] = {}
+        """Completion tokens (model and harness) so far."""
+        self._prompt_lens: dict[Key, int] = {}
+        self._last_token: dict[Key, int | None] = {}
+        self._logprobs: dict[Key, list[float]] = {}
+        self._ended: list[tuple[Key, list[int] | None]] = []
+        self._closing: set[Key] = set()
+        """Samples that are over whose agent has not returned yet (its last call refused)."""
+        self._pending = 0
+        """Calls submitted to the pool whose event has not come back."""
+
+    # ---- the first call ----
+
+    def start(self, samples: list[dict], group_size: int) -> list[list[int]]:
+        """Start one agent episode per (prompt, sample) and return the prompts' token ids: each
+        group's first call (see the module docstring)."""
+        for i, sample in enumerate(samples):
+            for j in range(group_size):
+                eid = next(self.pool.episode_ids)
+                self._ids[(i, j)], self._keys[eid] = eid, (i, j)
+                self.episodes[(i, j)] = AgentEpisode(sample)
+                self._lengths[(i, j)] = 0
+                self.pool.reset(eid, sample)
+                self._pending += 1
+        first: dict[Key, list[int] | None] = {}
+        while len(first) < len(self.episodes):
+            events = self.pool.events(block=True)
+            self._pending -= len(events)
+            for event in events:
+                key = self._keys[event.episode]
+                if key in self._closing:
+                    self._closed(key, event)
+                else:
+                    first[key] = self._first(key, event)
+        prompts = []
+        for i, sample in enumerate(samples):
+            found = [(j, ids) for j in range(group_size) if (ids := first[(i, j)]) is not None]
+            prompt = found[0][1] if found else self.tokenizer.encode(sample["prompt"]) or [self.tokenizer.eos_id]
+            for j, ids in found[1:]:
+                if ids != prompt:
+                    reason = "invalid: the agent's first call differs between the samples of one prompt"
+                    self._end((i, j), reason, EndpointError(409, reason))
+            for j in range(group_size):
+                self._prompt_lens[(i, j)] = len(prompt)
+            prompts.append(prompt)
+        return prompts
+
+    def _first(self, key: Key, event: AgentEvent) -> list[int] | None:
+        """The prompt ids of an episode's first call, or None (the episode failed)."""
+        if event.kind != "request":
+            reason = event.error if event.kind == "fail" else "invalid: the agent returned before calling the model"
+            self._fail(key, reason or "error")
+            return None
+        request: Request = event.value
+        conv = self._conv[key] = _Conversation(request.route, request=request)
+        try:
+            if request.route == "completions":
+                return _first_completion(self.tokenizer, conv, request)
+            if self.template is None:
+                raise EndpointError(
+                    400, "chat completions need data.chat_template = true", reason="invalid: no chat template"
+                )
+            conv.rendered = _render(self.template, request.messages, request.tools)
+        except EndpointError as e:
+            self._end(key, e.reason or "invalid: " + e.message, e)
+            return None
+        conv.tools, conv.fixed = request.tools, sum(m["role"] == "assistant" for m in request.messages)
+        return self.tokenizer.encode(conv.rendered)
+
+    # ---- TurnHandler ----
+
+    def record_logprobs(self, key: Key, logprobs: list[float]) -> None:
+        """The generator's logprobs of the turn `submit` gets next (`TurnExchange.hand_over`)."""
+        self._logprobs[key] = logprobs
+
+    def submit(self, key: Key, turn_token_ids: list[int], finish_reason: str) -> None:
+        episode = self.episodes[key]
+        episode.turns += 1
+        self._lengths[key] += len(turn_token_ids)
+        self._last_token[key] = turn_token_ids[-1] if turn_token_ids else None
+        logprobs = self._logprobs.pop(key, None)
+        if episode.done:
+            self._ended.append((key, None))
+            return
+        conv = self._conv[key]
+        assert conv.request is not None, "a turn answers the episode's pending call"
+        request, conv.request = conv.request, None
+        text = decode_turn(self.tokenizer, turn_token_ids, self.keep)
+        calls: list[ToolCall] = []
+        if request.route == "chat" and request.tools and request.parse_tools:
+            try:
+                calls = parse_tool_calls(text, self.tool_format, [tool_name(t) for t in request.tools])
+            except ToolCallError:
+                episode.tool_errors += 1  # a malformed call stays text: the harness sees what the model wrote
+        episode.tool_calls += int(bool(calls))
+        content = _content(text, calls, self.tool_format)
+        finish = "length" if finish_reason == "length" else "stop"
+        usage = (self._prompt_lens[key] + self._lengths[key] - len(turn_token_ids), len(turn_token_ids))
+        lp = None
+        if request.logprobs and logprobs is not None:
+            lp = ([self.tokenizer.decode([t]) for t in turn_token_ids], logprobs)
+        out = reply(request, self.pool.served.model, text, calls, content, finish, usage, lp)
+        if request.route == "chat":
+            ids = [c["id"] for c in out["choices"][0]["message"].get("tool_calls", [])]
+            conv.replies.append((content or "", ids))
+        else:
+            conv.ids += turn_token_ids
+            conv.text += text
+        self.pool.step(self._ids[key], json.dumps(out))
+        self._pending += 1
+
+    def poll(self, block: bool) -> list[tuple[Key, list[int] | None]]:
+        out, self._ended = self._ended, []
+        while True:
+            events = self.pool.events(block and not out)
+            self._pending -= len(events)
+            for event in events:
+                self._on_event(event, out)
+            # Only calls of samples already over are in flight: nothing the generator waits for.
+            if out or not block or self._pending <= len(self._closing):
+                return out
+
+    def _on_event(self, event: AgentEvent, out: list[tuple[Key, list[int] | None]]) -> None:
+        key = self._keys[event.episode]
+        if key in self._closing:
+            self._closed(key, event)
+            return
+        if self.episodes[key].done:  # the sample is over (its episode failed at the start)
+            return
+        if event.kind == "request":
+            out.append((key, self._next_turn(key, event.value)))
+            return
+        if event.kind == "fail":
+            self._fail(key, event.error or "error")
+        else:
+            self._reward(key, event.value)
+        self.pool.close_episode(event.episode)
+        out.append((key, None))
+
+    def _next_turn(self, key: Key, request: Request) -> list[int] | None:
+        """The harness's tokens of a later call, or None: the sample ends (rewrite, limits)."""
+        episode, conv = self.episodes[key], self._conv[key]
+        try:
+            obs = self._extend(key, conv, request)
+        except Rewrite as e:
+            self._end(key, f"rewrite: {e}", EndpointError(409, f"the conversation is not the episode's: {e}"))
+            return None
+        except EndpointError as e:
+            self._end(key, e.reason or "invalid: " + e.message, e)
+            return None
+        if not obs:
+            self._end(key, "invalid: a call that adds no tokens", EndpointError(400, "the call adds no tokens"))
+            return None
+        if episode.turns >= self.max_turns or self._lengths[key] + len(obs) > self.max_total_tokens:
+            episode.truncated = True
+            self._end(
+                key, None, EndpointError(400, "the episode's token or turn budget is spent", "context_length_exceeded")
+            )
+            return None
+        conv.request = request
+        self._lengths[key] += len(obs)
+        return obs
+
+    def _extend(self, key: Key, conv: _Conversation, request: Request) -> list[int]:
+        if request.route != conv.route:
+            raise Rewrite(f"the episode called {conv.route!r} first, now {request.route!r}")
+        if request.route == "completions":
+            return self._extend_completion(conv, request)
+        assert self.template is not None, "a chat episode started with a template"
+        mine = [i for i, m in enumerate(request.messages) if m["role"] == "assistant"][conv.fixed :]
+        if len(mine) != len(conv.replies):
+            raise Rewrite(f"{len(mine)} assistant turns after the first call's, the episode has {len(conv.replies)}")
+        messages = list(request.messages)
+        for k, (i, (content, call_ids)) in enumerate(zip(mine, conv.replies)):
+            said = messages[i]
+            got = [c["id"] for c in said.get("tool_calls", [])]
+            if got != call_ids or (not call_ids and said["content"].strip() != content.strip()):
+                raise Rewrite(f"model turn {k + 1} is not what the model said")
+            messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
+        before = conv.rendered + _PLACEHOLDER
+        after = _render(self.template, messages, request.tools)
+        if request.tools != conv.tools or not after.startswith(before):
+            raise Rewrite("the conversation before the model's last turn renders differently")
+        conv.rendered = after
+        ids = self.tokenizer.encode(after[len(before) :])
+        return drop_turn_end(self.tokenizer, ids, self._last_token[key], self.end_of_turn_ids)
+
+    def _extend_completion(self, conv: _Conversation, request: Request) -> list[int]:
+        if isinstance(request.prompt, list):
+            if request.prompt[: len(conv.ids)] != conv.ids:
+                raise Rewrite("the prompt's token ids do not start with the episode's")
+            obs = request.prompt[len(conv.ids) :]
+        else:
+            if not conv.text or not request.prompt.startswith(conv.text):
+                raise Rewrite("the prompt does not start with the episode's text")
+            obs = self.tokenizer.encode(request.prompt[len(conv.text) :])
+            conv.text = request.prompt
+        conv.ids += obs
+        return obs
+
+    # ---- ends ----
+
+    def _fail(self, key: Key, reason: str) -> None:
+        episode = self.episodes[key]
+        episode.failed, episode.done, episode.rewards = reason, True, [self.failure_reward]
+
+    def _reward(self, key: Key, reward: float | None) -> None:
+        episode = self.episodes[key]
+        episode.done = True
+        episode.score_transcript = reward is None
+        episode.rewards = [0.0 if reward is None else reward]
+        episode.correct = reward is not None and reward > 0
+
+    def _end(self, key: Key, reason: str | None, error: EndpointError) -> None:
+        """End the sample at a refused call: failed with `reason`, or (None) waiting for the
+        agent's reward."""
+        if reason is not None:
+            self._fail(key, reason)
+        self.episodes[key].done = True
+        self._closing.add(key)
+        self.pool.refuse(self._ids[key], error)
+        self._pending += 1
+
+    def _closed(self, key: Key, event: AgentEvent) -> None:
+        """The agent's end after its sample ended: the reward of a truncated sample."""
+        self._closing.discard(key)
+        episode = self.episodes[key]
+        if episode.failed is None:
+            if event.kind == "end":
+                self._reward(key, event.value)
+            else:
+                self._fail(key, f"error: the agent failed after its budget was spent ({event.error})"[:500])
+        self.pool.close_episode(event.episode)
+
+    def finish(self) -> None:
+        """End every episode: a sample the generator ended while its call waited (the model's
+        context is full) is truncated as at max_total_tokens; wait for the agents whose sample
+        ended early to return, then close every episode and collect the calls still in flight."""
+        for key, conv in self._conv.items():
+            if conv.request is not None and not self.episodes[key].done:
+                self.episodes[key].truncated = True
+                self._end(key, None, EndpointError(400, "the model's context is full", "context_length_exceeded"))
+        while self._closing:
+            events = self.pool.events(block=True)
+            self._pending -= len(events)
+            for event in events:
+                key = self._keys[event.episode]
+                if key in self._closing:
+                    self._closed(key, event)
+        for eid in self._keys:
+            self.pool.close_episode(eid)
+        while self._pending > 0:  # closing answers every call still waiting for its episode's event
+            self._pending -= len(self.pool.events(block=True))
