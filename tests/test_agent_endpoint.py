@@ -19,7 +19,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-from helpers import contained_envs  # noqa: E402
+from helpers import background, contained_envs  # noqa: E402
 from helpers.agent_fns import ADD_TOOL  # noqa: E402
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
@@ -361,18 +361,29 @@ def test_what_the_policy_does_not_sample_is_a_400_naming_it(change, status, name
     assert e.value.status == status and named in e.value.message
 
 
-@pytest.mark.slow  # ~25 s on 2 cores
-def test_the_shipped_agent_recipe_runs(tmp_path):
-    """train_configs/grpo_agent_debug.toml as the docs say, from the repository root: GRPO steps
-    whose episodes ran examples/agent_reverse.py through the endpoint."""
-    from helpers.launch import run_cmd, train_cmd
+def _shipped_recipe(folder: str) -> list[str]:
+    from helpers.launch import train_cmd
 
-    args = ["--job.config_file=train_configs/grpo_agent_debug.toml", f"--job.dump_folder={tmp_path}"]
+    args = ["--job.config_file=train_configs/grpo_agent_debug.toml", f"--job.dump_folder={folder}"]
     args += ["--training.steps=2", "--sft_warmup.steps=2", "--data.num_eval_samples=4", "--metrics.eval_freq=0"]
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"}
-    proc = run_cmd(train_cmd(args), env, timeout_s=600)
+    return train_cmd(args)
+
+
+background.register(
+    "agent_recipe",
+    ("tests/test_agent_endpoint.py::test_the_shipped_agent_recipe_runs",),
+    _shipped_recipe,
+    {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
+)  # in the background from collection on (helpers/background.py)
+
+
+@pytest.mark.slow  # ~25 s on 2 cores
+def test_the_shipped_agent_recipe_runs():
+    """train_configs/grpo_agent_debug.toml as the docs say, from the repository root: GRPO steps
+    whose episodes ran train_configs/agent_reverse.py through the endpoint."""
+    proc, folder = background.result("agent_recipe", timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+    steps = [r for r in map(json.loads, open(folder / "metrics.jsonl")) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["env_failures"] == 0 for r in steps), steps
 
 

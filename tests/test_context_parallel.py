@@ -220,13 +220,19 @@ def test_cp2_checkpoint_resumes_with_cp1(tmp_path):
     assert want[3]["loss"] < want[1]["loss"]
 
 
+background.register(
+    "bench_long_context",
+    ("tests/test_context_parallel.py::test_bench_gpu_long_context_entry_dry_run",),
+    lambda folder: ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--long-context-only", "--dry-run"],
+    {"PYTHONPATH": REPO_ROOT},
+)  # in the background from collection on (helpers/background.py)
+
+
 @pytest.mark.multirank
 def test_bench_gpu_long_context_entry_dry_run():
     """scripts/bench_gpu.sh --long-context-only --dry-run: the 32k entry's code path on 2 gloo
     ranks (cp = 2, the debug model, 512 tokens) prints its JSON line."""
-    env = {**os.environ, "PYTHONPATH": REPO_ROOT}
-    cmd = ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--long-context-only", "--dry-run"]
-    proc = run_cmd(cmd, env, timeout_s=300)
+    proc, _ = background.result("bench_long_context", timeout_s=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])["long_context"]
     assert line["cp"] == 2 and line["seq"] == 512 and line["tokens_per_s"] > 0

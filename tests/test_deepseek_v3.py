@@ -339,25 +339,28 @@ def test_context_parallelism_refuses_multi_head_latent_attention():
         parallelize_model(model, SimpleNamespace(cp=2), JobConfig())  # type: ignore[arg-type]  # refused first
 
 
-def test_bench_gpu_deepseek_section_dry_run(tmp_path):
-    """scripts/bench_gpu.sh --deepseek-only on the CPU (debug flavor): every number present and
-    consistent, so that a GPU run of the two DeepSeek-V3-shaped layers is right the first time."""
-    import json
-    import os
-    import subprocess
-
-    from helpers.launch import REPO_ROOT
-
-    out = tmp_path / "bench.json"
-    cmd = [
+background.register(
+    "bench_deepseek",
+    ("tests/test_deepseek_v3.py::test_bench_gpu_deepseek_section_dry_run",),
+    lambda folder: [
         "bash",
-        os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"),
+        f"{REPO_ROOT}/scripts/bench_gpu.sh",
         "--deepseek-only",
         "--dry-run",
         "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        f"{folder}/bench.json",
+    ],
+    {"OMP_NUM_THREADS": "1"},
+)  # in the background from collection on (helpers/background.py)
+
+
+def test_bench_gpu_deepseek_section_dry_run():
+    """scripts/bench_gpu.sh --deepseek-only on the CPU (debug flavor): every number present and
+    consistent, so that a GPU run of the two DeepSeek-V3-shaped layers is right the first time."""
+    import json
+
+    proc, folder = background.result("bench_deepseek", timeout_s=300)
+    out = folder / "bench.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["results"]
     args = get_model_args("debug-deepseek-v3")

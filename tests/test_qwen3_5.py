@@ -463,22 +463,21 @@ def test_batch_invariant_generation_is_refused(gen_folder):
         _generate(gen_folder, [[1, 2, 3]], batch_invariant=True)
 
 
+background.register(
+    "bench_hybrid",
+    ("tests/test_qwen3_5.py::test_bench_gpu_hybrid_section_dry_run",),
+    lambda folder: ["bash", f"{REPO_ROOT}/scripts/bench_gpu.sh", "--hybrid-only", "--dry-run"],
+    {"PYTHONPATH": REPO_ROOT},
+)  # in the background from collection on (helpers/background.py)
+
+
 def test_bench_gpu_hybrid_section_dry_run():
     """scripts/bench_gpu.sh --hybrid-only --dry-run: the section's code path on the CPU. Per
     context length, the hybrid holds a quarter of the dense model's KV and a state that does not
     grow with the context."""
     import ast
-    import subprocess
 
-    from helpers.launch import REPO_ROOT
-
-    proc = subprocess.run(
-        ["bash", f"{REPO_ROOT}/scripts/bench_gpu.sh", "--hybrid-only", "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-    )
+    proc, _ = background.result("bench_hybrid", timeout_s=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [ast.literal_eval(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     dense, hybrid = rows[0::2], rows[1::2]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import torch
+from helpers import background
 from helpers.launch import REPO_ROOT
 from helpers.reference import greedy_reference
 from helpers.tiny import tiny_model, tiny_model_args
@@ -47,17 +48,31 @@ def test_generate_cli_on_hf_folder(tmp_path):
     assert stats["decode_tokens"] > 0
 
 
-def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
+# The dry runs, in the background from collection on (helpers/background.py).
+background.register(
+    "bench_gpu",
+    ("tests/test_scripts.py::test_bench_gpu_dry_run_writes_a_complete_report",),
+    lambda folder: [
+        "bash",
+        os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"),
+        "--dry-run",
+        "--out",
+        f"{folder}/bench_gpu.json",
+    ],
+    {"OMP_NUM_THREADS": "1"},
+)
+background.register(
+    "bench_gpt_oss",
+    ("tests/test_scripts.py::test_bench_gpu_gpt_oss_dry_run",),
+    lambda folder: ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--gpt-oss-only", "--dry-run"],
+)
+
+
+def test_bench_gpu_dry_run_writes_a_complete_report():
     """The GPU benchmark's own code path, on a tiny model on CPU: every number is present,
     positive and self-consistent, so that the one H200 run is right on the first try."""
-    out = tmp_path / "bench_gpu.json"
-    proc = subprocess.run(
-        ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--dry-run", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    proc, folder = background.result("bench_gpu", timeout_s=300)
+    out = folder / "bench_gpu.json"
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())
     assert written["device"].startswith("cpu: ") and len(written["commit"]) == 40
@@ -102,12 +117,7 @@ def test_bench_gpu_dry_run_writes_a_complete_report(tmp_path):
 
 def test_bench_gpu_gpt_oss_dry_run():
     """`--gpt-oss-only --dry-run`: the gpt-oss section's code path on debug-gpt-oss on the CPU."""
-    proc = subprocess.run(
-        ["bash", os.path.join(REPO_ROOT, "scripts", "bench_gpu.sh"), "--gpt-oss-only", "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, _ = background.result("bench_gpt_oss", timeout_s=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith('{"gpt_oss_bench"'))
     report = json.loads(line)["gpt_oss_bench"]
