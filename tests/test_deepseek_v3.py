@@ -150,14 +150,19 @@ def test_mtp_layers_are_skipped_with_one_notice(hf_folder, tmp_path, caplog):
     mtp["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)
     save_safetensors_folder({**hf_sd, **mtp}, str(tmp_path))
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    # The "titanrl" logger does not propagate (components/console.py): caplog's handler goes on it.
+    # The "titanrl" logger does not propagate once components/console.py set it up: caplog's
+    # handler goes on it, with propagation off either way (else a run of this test alone sees
+    # each record twice, through the logger and through the root).
     titanrl_logger = logging.getLogger("titanrl")
+    propagate = titanrl_logger.propagate
     titanrl_logger.addHandler(caplog.handler)
+    titanrl_logger.propagate = False
     try:
         with caplog.at_level(logging.WARNING):
             model = _titan_from_folder(tmp_path)
     finally:
         titanrl_logger.removeHandler(caplog.handler)
+        titanrl_logger.propagate = propagate
     notices = [r for r in caplog.records if "multi-token-prediction" in r.getMessage()]
     assert len(notices) == 1 and f"Skipping {len(mtp)} weights" in notices[0].getMessage()
     with torch.no_grad():
