@@ -13,12 +13,10 @@ job nobody reads yet). Jobs still running when the session ends are killed.
 """
 
 import atexit
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -27,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import launch
+
+REPO_ROOT = launch.REPO_ROOT
 _FOLDER = tempfile.mkdtemp(prefix="titanrl-test-jobs-")
 
 
@@ -64,22 +64,16 @@ def register(
 def register_torchrun(name: str, users: tuple[str, ...], script: str, nproc: int, args: Callable[[str], list[str]]):
     """A job that runs `script` on `nproc` gloo ranks under `torchrun --standalone`, with the
     environment `launch.run_torchrun` gives its ranks (`args`: given the job's folder)."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])}
-    register(name, users, lambda folder: [*torchrun, script, *args(folder)], env)
+    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": launch.TESTS_PYTHONPATH}
+    register(name, users, lambda folder: [*launch.torchrun_cmd(nproc), script, *args(folder)], env)
 
 
 def register_train_jobs(name: str, users: tuple[str, ...], jobs: Callable[[str], list[list[str]]], nproc: int):
     """A job that runs several `titanrl.train` jobs (`jobs`: their arguments, given the job's
     folder) one after the other in one torchrun launch, as `launch.run_train_jobs` does."""
-
-    def args(folder: str) -> list[str]:
-        path = os.path.join(folder, "jobs.json")
-        with open(path, "w") as f:
-            json.dump(jobs(folder), f)
-        return ["--jobs", path]
-
-    register_torchrun(name, users, os.path.join(REPO_ROOT, "tests", "multirank", "jobs_worker.py"), nproc, args)
+    register_torchrun(
+        name, users, launch.JOBS_WORKER, nproc, lambda folder: launch.jobs_worker_args(jobs(folder), folder)
+    )
 
 
 def _start(name: str) -> _Running:

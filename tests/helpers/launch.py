@@ -10,6 +10,9 @@ import tempfile
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The path of ranks that import `helpers....` and test modules besides titanrl.
+TESTS_PYTHONPATH = os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")])
+JOBS_WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "jobs_worker.py")
 
 
 def run_cmd(cmd: list[str], env: dict, timeout_s: float = 600) -> subprocess.CompletedProcess:
@@ -52,21 +55,17 @@ def _run_forked(
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
+def torchrun_cmd(nproc: int) -> list[str]:
+    """`torchrun --standalone` with `nproc` ranks, as this interpreter's module."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
 def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
     """The command line of a titanrl job: `python -m titanrl.train` on one rank, else under
     `torchrun --standalone` with `nproc` ranks."""
     if nproc == 1:
         return [sys.executable, "-m", "titanrl.train", *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "titanrl.train",
-        *args,
-    ]
+    return [*torchrun_cmd(nproc), "-m", "titanrl.train", *args]
 
 
 def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 600, env: dict | None = None) -> str:
@@ -74,7 +73,7 @@ def run_torchrun(script: str, nproc: int, args: list[str], timeout_s: float = 60
     add or replace); fail with its output. The ranks are forked from pre-imported interpreters
     (helpers/rank_zygote.py); TITANRL_TEST_TORCHRUN=1 starts them with torchrun instead."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO_ROOT, **(env or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    cmd = [*torchrun_cmd(nproc), script, *args]
     proc = run_cmd(cmd, env, timeout_s)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
@@ -87,12 +86,17 @@ def run_train_jobs(jobs: list[list[str]], nproc: int, folder, env: dict | None =
     `nproc` ranks (tests/multirank/jobs_worker.py): each further job skips every rank's
     interpreter start-up. tests/ is on the path (for `helpers....` and `test_...` functions a job
     names); `env` as `run_torchrun`. Fails with the output if any job fails."""
-    env = {"PYTHONPATH": os.pathsep.join([REPO_ROOT, os.path.join(REPO_ROOT, "tests")]), **(env or {})}
+    env = {"PYTHONPATH": TESTS_PYTHONPATH, **(env or {})}
+    return run_torchrun(JOBS_WORKER, nproc, jobs_worker_args(jobs, folder), env=env)
+
+
+def jobs_worker_args(jobs: list[list[str]], folder) -> list[str]:
+    """JOBS_WORKER's arguments for `jobs` (each a `titanrl.train` argument list), written to
+    `folder`/jobs.json."""
     path = os.path.join(folder, "jobs.json")
     with open(path, "w") as f:
         json.dump(jobs, f)
-    worker = os.path.join(REPO_ROOT, "tests", "multirank", "jobs_worker.py")
-    return run_torchrun(worker, nproc, ["--jobs", path], env=env)
+    return ["--jobs", path]
 
 
 def train_here(argv: list[str]) -> str:
