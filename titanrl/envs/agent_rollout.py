@@ -22,6 +22,7 @@ final transcript scored by [reward] (`Episode.score_transcript`).
 """
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from titanrl.envs.agent_pool import AgentEvent, AgentPool
@@ -142,14 +143,9 @@ class AgentRollout:
                 self._pending += 1
         first: dict[Key, list[int] | None] = {}
         while len(first) < len(self.episodes):
-            events = self.pool.events(block=True)
-            self._pending -= len(events)
-            for event in events:
+            for event in self._events(block=True):
                 key = self._keys[event.episode]
-                if key in self._closing:
-                    self._closed(key, event)
-                else:
-                    first[key] = self._first(key, event)
+                first[key] = self._first(key, event)
         prompts = []
         for i, sample in enumerate(samples):
             found = [(j, ids) for j in range(group_size) if (ids := first[(i, j)]) is not None]
@@ -230,19 +226,33 @@ class AgentRollout:
     def poll(self, block: bool) -> list[tuple[Key, list[int] | None]]:
         out, self._ended = self._ended, []
         while True:
-            events = self.pool.events(block and not out)
-            self._pending -= len(events)
-            for event in events:
+            for event in self._events(block and not out):
                 self._on_event(event, out)
             # Only calls of samples already over are in flight: nothing the generator waits for.
             if out or not block or self._pending <= len(self._closing):
                 return out
 
+    def _events(self, block: bool) -> Iterator[AgentEvent]:
+        """The pool's next events. That of an episode being closed (its sample ended) is the
+        agent's end, handled here: the reward of a truncated sample, then the episode closed.
+        The others are yielded, lazily: handling one can close its episode before the next."""
+        events = self.pool.events(block)
+        self._pending -= len(events)
+        for event in events:
+            key = self._keys[event.episode]
+            if key not in self._closing:
+                yield event
+                continue
+            self._closing.discard(key)
+            if self.episodes[key].failed is None:
+                if event.kind == "end":
+                    self._reward(key, event.value)
+                else:
+                    self._fail(key, f"error: the agent failed after its budget was spent ({event.error})"[:500])
+            self.pool.close_episode(event.episode)
+
     def _on_event(self, event: AgentEvent, out: list[tuple[Key, list[int] | None]]) -> None:
         key = self._keys[event.episode]
-        if key in self._closing:
-            self._closed(key, event)
-            return
         if self.episodes[key].done:  # the sample is over (its episode failed at the start)
             return
         if event.kind == "request":
@@ -339,17 +349,6 @@ class AgentRollout:
         self.pool.refuse(self._ids[key], error)
         self._pending += 1
 
-    def _closed(self, key: Key, event: AgentEvent) -> None:
-        """The agent's end after its sample ended: the reward of a truncated sample."""
-        self._closing.discard(key)
-        episode = self.episodes[key]
-        if episode.failed is None:
-            if event.kind == "end":
-                self._reward(key, event.value)
-            else:
-                self._fail(key, f"error: the agent failed after its budget was spent ({event.error})"[:500])
-        self.pool.close_episode(event.episode)
-
     def finish(self) -> None:
         """End every episode: a sample the generator ended while its call waited (the model's
         context is full) is truncated as at max_total_tokens; wait for the agents whose sample
@@ -359,12 +358,8 @@ class AgentRollout:
                 self.episodes[key].truncated = True
                 self._end(key, None, EndpointError(400, "the model's context is full", "context_length_exceeded"))
         while self._closing:
-            events = self.pool.events(block=True)
-            self._pending -= len(events)
-            for event in events:
-                key = self._keys[event.episode]
-                if key in self._closing:
-                    self._closed(key, event)
+            for _ in self._events(block=True):  # the other episodes are over: their events are dropped
+                pass
         for eid in self._keys:
             self.pool.close_episode(eid)
         while self._pending > 0:  # closing answers every call still waiting for its episode's event
