@@ -8,8 +8,10 @@ A test module registers its jobs when it is imported (collected). When collectio
 tests one after the other, in the order their first users were collected; `result(name)` waits
 for a job, starting it at once if the lane has not reached it yet (or when the module is run
 alone without the hook). Jobs run at a lower priority (nice 10), so they take idle time and
-barely slow the tests that run meanwhile; their output goes to files (a full pipe would stall a
-job nobody reads yet). Jobs still running when the session ends are killed.
+barely slow the tests that run meanwhile, and on one intra-op thread (OMP_NUM_THREADS=1 unless the
+job sets it), as the test process and every rank: two OpenMP threads sharing the one core left
+would wait for each other at every op. Their output goes to files (a full pipe would stall a job
+nobody reads yet). Jobs still running when the session ends are killed.
 """
 
 import atexit
@@ -38,7 +40,7 @@ class Job:
     command: Callable[[str], list[str]]
     """The command line, given the job's own empty folder (for its outputs)."""
     env: dict[str, str]
-    """Variables added to this process's environment."""
+    """Variables added to this process's environment (after OMP_NUM_THREADS=1)."""
 
 
 @dataclass
@@ -87,7 +89,7 @@ def _start(name: str) -> _Running:
             proc = subprocess.Popen(
                 ["nice", "-n", "10", *job.command(folder)],
                 cwd=REPO_ROOT,
-                env={**os.environ, **job.env},
+                env={**os.environ, "OMP_NUM_THREADS": "1", **job.env},
                 stdout=out_f,
                 stderr=err_f,
                 start_new_session=True,  # its own process group: killed with its ranks
