@@ -58,7 +58,7 @@ def test_nan_loss_with_stop_policy_ends_the_run_with_the_cause(tmp_path):
 
 def test_hung_phase_is_reported_by_the_watchdog(tmp_path):
     """A phase hangs (generation stalls) -> the watchdog exits the rank after job.phase_timeout_s, naming rank and phase"""
-    proc = _run(tmp_path, ["--job.phase_timeout_s=10"], fault="hang_generate:2:0")
+    proc = _run(tmp_path, ["--job.phase_timeout_s=5"], fault="hang_generate:2:0")
     assert proc.returncode == 3
     assert "titanrl watchdog: rank 0 stuck in phase 'generate'" in proc.stderr
 

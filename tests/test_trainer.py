@@ -174,7 +174,7 @@ def test_offline_recipe_hang_is_reported_by_the_watchdog(tmp_path):
     """An SFT step that hangs -> the watchdog exits the rank (code 3) naming rank and phase."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_FAULT": "hang_train:2:0"}
     proc = run_cmd(
-        [sys.executable, "-m", "titanrl.train", *_offline_args("sft", tmp_path), "--job.phase_timeout_s=10"],
+        [sys.executable, "-m", "titanrl.train", *_offline_args("sft", tmp_path), "--job.phase_timeout_s=5"],
         env,
         timeout_s=120,
     )
