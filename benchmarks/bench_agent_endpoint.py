@@ -1,0 +1,308 @@
+"""Agent episodes through the OpenAI-compatible endpoint (`[agent] function`, a raw `openai` loop) vs
+the same episodes as an in-process environment, one rank, in one run: episodes/s and the
+generator's idle fraction.
+
+    python -m benchmarks.bench_agent_endpoint --out benchmarks/bench_agent_endpoint.json
+    python -m benchmarks.bench_agent_endpoint --quick     # a smoke run (tests/test_bench_agent.py)
+
+`prompts * group_size` episodes (256 by default) in flight at once on the paged generator, each
+one tool call: the model's first turn calls `add` (Hermes `<tool_call>` JSON), the tool's result
+comes back as a 'tool' message, the model's second turn answers (reward 1 if it has the sum). Both sides
+render the conversation with the same ChatML template and tools at byte tokens, so their samples
+are the same tokens:
+  endpoint    AgentPool + AgentRollout: `agent` below, a raw `openai` client loop (one
+              AsyncOpenAI client per episode) in `--workers` agent worker processes, every model
+              call an HTTP request to the rank's endpoint (titanrl/envs/agent_pool.py)
+  in_process  EnvPool + MultiTurnRollout: `AddEnv`, a ToolEnv-style environment doing the same
+              tool in `--workers` environment worker processes (titanrl/envs/pool.py)
+The model is tiny (`--dim`, 2 layers, random weights) with a position-indexed logit bias that
+writes its turns (the call, then a short answer): the generator does real decode steps while
+its output is fixed, so the harnesses' own cost shows. Generator idle time is measured from the generator's step loop:
+the scheduler calls the turn handler's `poll(block=True)` only when it has no sequence to
+prefill or decode (titanrl/generator/scheduler.py), and those calls are timed; the wait for
+the episodes' first calls (`start`, before the generator has anything to run) is idle too.
+idle fraction = (start + blocked polls) / rollout seconds (start + generate + finish). Median
+of `--repeats` alternating runs after one warm-up run of each.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from benchmarks.harness import write_json
+from titanrl.config.agent import Agent
+from titanrl.config.generation import Generator as GeneratorConfig
+from titanrl.data.encode import PromptEncoder
+from titanrl.envs.agent_pool import AgentPool
+from titanrl.envs.agent_rollout import AgentRollout
+from titanrl.envs.base import Environment
+from titanrl.envs.multi_turn import MultiTurnRollout
+from titanrl.envs.openai_endpoint import Served
+from titanrl.envs.pool import EnvPool
+from titanrl.envs.tool_calls import ToolCall, tool_step
+from titanrl.generator import Generator, SamplingParams
+from titanrl.models import TransformerModelArgs
+from titanrl.models.chat_template import ChatTemplate
+from titanrl.models.tokenizer import ByteTokenizer
+
+DOC_TABLES = [
+    ("Episodes/s and generator idle fraction (median)", ["summary"], None),
+    ("Ratios", ["ratios"], None),
+]
+ENV_SPEC = "benchmarks.bench_agent_endpoint:AddEnv"
+AGENT_SPEC = "benchmarks.bench_agent_endpoint:agent"
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    },
+}
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+ANSWER = "It is 5."
+# ChatML with a Hermes tools section, as Qwen2.5's template writes it (shortened).
+TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
+    "{%- for t in tools %}{{- '\\n' + (t | tojson) }}{%- endfor %}{{- '\\n</tools><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def add(a: int, b: int) -> int:
+    """The tool: both sides run it on the model's call."""
+    return a + b
+
+
+async def agent(base_url: str, api_key: str, model: str, row: dict) -> float:
+    """A raw `openai` loop: model call with `tools`, the tool, model call with its result."""
+    from openai import AsyncOpenAI
+
+    # A worker runs many episodes at once on one event loop: the client's default 5 s connect
+    # timeout can pass before the loop gets to the connection.
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0) as client:
+        messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            out = await client.chat.completions.create(model=model, messages=messages, tools=[ADD])
+            message = out.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls or []:
+                result = str(add(**json.loads(call.function.arguments)))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            if not message.tool_calls:
+                break
+    return 1.0 if row["answer"] in (message.content or "") else 0.0
+
+
+class AddEnv(Environment):
+    """The same episode in-process: the first turn's `add` call answered, the next turn ends it."""
+
+    tools = (ADD,)
+    tool_formats = ("hermes",)
+
+    def __init__(self, tool_format: str = "hermes") -> None:
+        self.tool_format = tool_format
+
+    def reset(self, sample: dict) -> str:
+        self.answer = sample["answer"]
+        return sample["prompt"]
+
+    def step(self, model_text: str) -> tuple[str, float, bool, dict]:
+        answered = tool_step(model_text, self.tool_format, self.tools, self.call)
+        if answered is not None:
+            return answered
+        correct = self.answer in model_text
+        return "", float(correct), True, {"correct": correct}
+
+    def call(self, call: ToolCall) -> str:
+        return str(add(**call.arguments))
+
+
+class ScriptedTiny(nn.Module):
+    """A tiny transformer whose logits get `bias_PV[position]`: a fed token at position p is
+    followed by the forced token of position p + 1, if any, and never by eos otherwise."""
+
+    def __init__(self, inner: nn.Module, bias_PV: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.bias_PV = inner, bias_PV
+        self.output = nn.Identity()
+
+    def hidden_states(self, tokens_1N, positions_1N, backend):
+        logits_1NV = self.inner.output(self.inner.hidden_states(tokens_1N, positions_1N, backend))
+        return logits_1NV + self.bias_PV[positions_1N]
+
+    def forward(self, tokens_1N, positions_1N, backend):
+        return self.hidden_states(tokens_1N, positions_1N, backend)
+
+
+def script_bias(turns: list[tuple[int, list[int]]], eos: int, vocab: int, max_seq_len: int) -> torch.Tensor:
+    """The bias that writes each (start, tokens) of `turns` + eos from position `start`, and
+    never eos elsewhere."""
+    bias_PV = torch.zeros(max_seq_len, vocab)
+    bias_PV[:, eos] = -1e9
+    for start, tokens in turns:
+        for k, token in enumerate([*tokens, eos]):
+            bias_PV[start + k - 1] = -1e9
+            bias_PV[start + k - 1, token] = 0.0
+    return bias_PV
+
+
+class Idle:
+    """Seconds a turn handler's `poll(block=True)` blocked: the generator had nothing to run."""
+
+    def __init__(self, turns) -> None:
+        self.turns, self.seconds = turns, 0.0
+        poll = turns.poll
+
+        def timed(block: bool):
+            t0 = time.perf_counter()
+            out = poll(block)
+            if block:
+                self.seconds += time.perf_counter() - t0
+            return out
+
+        turns.poll = timed
+
+
+def run_rollout(gen, turns, start, a) -> dict:
+    """One rollout: `start()` the episodes, generate, finish; its seconds and idle seconds."""
+    idle = Idle(turns)
+    t0 = time.perf_counter()
+    prompts = start()
+    started = time.perf_counter()
+    gen.allocator.reset_prefix_cache()
+    params = SamplingParams(max_new_tokens=a.turn_tokens, n=a.group_size, seed=0)
+    try:
+        completions, _ = gen.generate(prompts, params, turns=turns)
+    finally:
+        if hasattr(turns, "finish"):
+            turns.finish()
+    seconds = time.perf_counter() - t0
+    episodes = list(turns.episodes.values())
+    assert all(e.failed is None and e.turns == 2 and e.reward == 1.0 for e in episodes), [
+        (e.failed, e.turns, e.reward) for e in episodes
+    ][:4]
+    start_s = started - t0
+    return {
+        "seconds": seconds,
+        "episodes_per_s": len(episodes) / seconds,
+        "start_s": start_s,
+        "blocked_poll_s": idle.seconds,
+        "generator_idle_fraction": (start_s + idle.seconds) / seconds,
+        "sample_tokens": sum(len(c.token_ids) for c in completions),
+    }
+
+
+def endpoint_run(gen, pool: AgentPool, tok, template, rows, a) -> dict:
+    turns = AgentRollout(pool, tok, template, "hermes", 4, 10_000, 0.0, gen.eos_ids)
+    return run_rollout(gen, turns, lambda: turns.start(rows, a.group_size), a)
+
+
+def in_process_run(gen, pool: EnvPool, tok, template, rows, a) -> dict:
+    encoder = PromptEncoder(tok, template)
+    turns = MultiTurnRollout(
+        pool, tok, 4, 10_000, prompt_encoder=encoder, observation_role="tool", tools=[ADD], end_of_turn_ids=gen.eos_ids
+    )
+    return run_rollout(gen, turns, lambda: turns.start(rows, a.group_size), a)
+
+
+def turn_starts(tok: ByteTokenizer, template: ChatTemplate, prompt: str) -> tuple[int, int]:
+    """The positions where the model's first and second turns start: every episode's prompt
+    has the same length, and so has what the template writes between the turns."""
+    messages = [{"role": "user", "content": prompt}]
+    first = template.render(messages, True, [ADD])
+    messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "5"}]
+    second = template.render(messages, True, [ADD])
+    assert second.startswith(first + CALL)
+    # The model's eos ends its turn; the template's text after the turn is the harness's.
+    return len(tok.encode(first)), len(tok.encode(second)) + 1
+
+
+def build_generator(a, tok: ByteTokenizer, starts: tuple[int, int]) -> Generator:
+    args = TransformerModelArgs(
+        family="qwen3", dim=a.dim, n_layers=2, n_heads=2, n_kv_heads=1, hidden_dim=2 * a.dim,
+        vocab_size=tok.vocab_size, qk_norm=True, max_seq_len=1024,
+    )  # fmt: skip
+    gen = Generator(args, GeneratorConfig(block_size=16, num_blocks=8192), torch.device("cpu"), tokenizer=tok)
+    gen.wake()
+    turns = [(starts[0], tok.encode(CALL)), (starts[1], tok.encode(ANSWER))]
+    gen.model = ScriptedTiny(gen.model, script_bias(turns, tok.eos_id, tok.vocab_size, args.max_seq_len))
+    return gen
+
+
+def summarize(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
+    keys = ("episodes_per_s", "generator_idle_fraction", "seconds", "start_s", "blocked_poll_s")
+    summary = {name: {f"median_{k}": statistics.median(r[k] for r in v) for k in keys} for name, v in runs.items()}
+    end, inp = summary["endpoint"], summary["in_process"]
+    ratios = {
+        "endpoint_over_in_process_episodes_per_s": end["median_episodes_per_s"] / inp["median_episodes_per_s"],
+        "endpoint_minus_in_process_idle_fraction": end["median_generator_idle_fraction"]
+        - inp["median_generator_idle_fraction"],
+    }
+    return summary, ratios
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--turn-tokens", type=int, default=72, help="a turn's max_new_tokens (the second turn's length)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="agent workers / environment workers")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the generator (the workers are processes)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="8 episodes, one repeat: a smoke run")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.prompts, a.group_size, a.repeats = 4, 2, 1
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    tok, template = ByteTokenizer(), ChatTemplate(TEMPLATE)
+    rows = [{"prompt": f"Task {i:04d}: add 2 and 3.", "answer": "5", "metadata": {}} for i in range(a.prompts)]
+    starts = turn_starts(tok, template, rows[0]["prompt"])
+    gen = build_generator(a, tok, starts)
+    settings = Agent(function=AGENT_SPEC, num_workers=a.workers, timeout_s=600.0)
+    agents = AgentPool(settings, Served("policy", 1.0, 1.0, a.turn_tokens))
+    envs = EnvPool(ENV_SPEC, {}, num_workers=a.workers)
+    sides = {
+        "endpoint": lambda: endpoint_run(gen, agents, tok, template, rows, a),
+        "in_process": lambda: in_process_run(gen, envs, tok, template, rows, a),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    try:
+        for run in sides.values():
+            run()  # warm-up: worker imports, first HTTP connections
+        for _ in range(a.repeats):
+            for name, run in sides.items():
+                runs[name].append(run())
+    finally:
+        agents.close()
+        envs.close()
+    assert runs["endpoint"][0]["sample_tokens"] == runs["in_process"][0]["sample_tokens"], "the sides differ"
+    summary, ratios = summarize(runs)
+    model = f"qwen3 dim {a.dim}, 2 layers, byte vocabulary, random weights, scripted first turn"
+    report = {
+        "benchmark": "agent episodes: OpenAI-compatible endpoint vs in-process environment (one rank, CPU)",
+        "config": vars(a) | {"concurrent_episodes": a.prompts * a.group_size, "turn_starts": starts, "model": model},
+        "summary": summary,
+        "ratios": ratios,
+        "runs": runs,
+    }
+    print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
+    if a.out:
+        write_json(a.out, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
