@@ -7,22 +7,26 @@ generator's idle fraction.
 
 `prompts * group_size` episodes (256 by default) in flight at once on the paged generator, each
 one tool call: the model's first turn calls `add` (Hermes `<tool_call>` JSON), the tool's result
-comes back as a 'tool' message, the model's second turn answers (reward 1 if it has the sum). Both sides
-render the conversation with the same ChatML template and tools at byte tokens, so their samples
-are the same tokens:
-  endpoint    AgentPool + AgentRollout: `agent` below, a raw `openai` client loop (one
-              AsyncOpenAI client per episode) in `--workers` agent worker processes, every model
-              call an HTTP request to the rank's endpoint (titanrl/envs/agent_pool.py)
+comes back as a 'tool' message, the model's second turn answers (reward 1 if it has the sum).
+Both sides render the conversation with the same ChatML template and tools at byte tokens, so
+their samples are the same tokens:
+  endpoint    AgentPool + AgentRollout: `agent` below, a raw `openai` client loop in
+              `--workers` agent worker processes, every model call an HTTP request to the
+              rank's endpoint (titanrl/envs/agent_pool.py); each episode's AsyncOpenAI client
+              on the worker's one httpx connection pool
+  endpoint_own_client  the same, each episode's client with a connection pool of its own (as
+              `AsyncOpenAI(base_url=..., api_key=...)` alone makes it: an SSL context each)
   in_process  EnvPool + MultiTurnRollout: `AddEnv`, a ToolEnv-style environment doing the same
               tool in `--workers` environment worker processes (titanrl/envs/pool.py)
 The model is tiny (`--dim`, 2 layers, random weights) with a position-indexed logit bias that
 writes its turns (the call, then a short answer): the generator does real decode steps while
-its output is fixed, so the harnesses' own cost shows. Generator idle time is measured from the generator's step loop:
-the scheduler calls the turn handler's `poll(block=True)` only when it has no sequence to
-prefill or decode (titanrl/generator/scheduler.py), and those calls are timed; the wait for
-the episodes' first calls (`start`, before the generator has anything to run) is idle too.
+its output is fixed, so the harnesses' own cost shows. Generator idle time is measured from the
+generator's step loop: the scheduler calls the turn handler's `poll(block=True)` only when it
+has no sequence to prefill or decode (titanrl/generator/scheduler.py), and those calls are
+timed; the wait for the episodes' first calls (`start`, before the generator has anything to
+run) is idle too.
 idle fraction = (start + blocked polls) / rollout seconds (start + generate + finish). Median
-of `--repeats` alternating runs after one warm-up run of each.
+of `--repeats` alternating runs after a small warm-up run of each.
 """
 
 import argparse
@@ -79,13 +83,33 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+_SHARED: dict = {}
+
+
+def shared_http_client():
+    """The agent worker's one connection pool (a worker runs its episodes on one event loop). An
+    AsyncOpenAI client of its own builds an httpx client with an SSL context, some 50 ms of CPU
+    per episode. No connection limit: every episode's call waits for the generator at once."""
+    import httpx
+    from openai import DefaultAsyncHttpxClient
+
+    if "http" not in _SHARED:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        _SHARED["http"] = DefaultAsyncHttpxClient(timeout=600.0, limits=limits)
+    return _SHARED["http"]
+
+
 async def agent(base_url: str, api_key: str, model: str, row: dict) -> float:
-    """A raw `openai` loop: model call with `tools`, the tool, model call with its result."""
+    """A raw `openai` loop: model call with `tools`, the tool, model call with its result. With
+    row['metadata']['client'] 'own' the episode's client has its own connection pool."""
     from openai import AsyncOpenAI
 
+    own = row["metadata"]["client"] == "own"
     # A worker runs many episodes at once on one event loop: the client's default 5 s connect
     # timeout can pass before the loop gets to the connection.
-    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600.0) as client:
+    pool = {"timeout": 600.0} if own else {"http_client": shared_http_client()}
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, **pool)
+    try:
         messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
         for _ in range(2):
             out = await client.chat.completions.create(model=model, messages=messages, tools=[ADD])
@@ -96,6 +120,9 @@ async def agent(base_url: str, api_key: str, model: str, row: dict) -> float:
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
             if not message.tool_calls:
                 break
+    finally:
+        if own:
+            await client.close()
     return 1.0 if row["answer"] in (message.content or "") else 0.0
 
 
@@ -184,9 +211,8 @@ def run_rollout(gen, turns, start, a) -> dict:
             turns.finish()
     seconds = time.perf_counter() - t0
     episodes = list(turns.episodes.values())
-    assert all(e.failed is None and e.turns == 2 and e.reward == 1.0 for e in episodes), [
-        (e.failed, e.turns, e.reward) for e in episodes
-    ][:4]
+    bad = [(e.failed, e.turns, e.reward) for e in episodes if e.failed or e.turns != 2 or e.reward != 1.0]
+    assert not bad, f"{len(bad)} episodes did not run as scripted: {bad[:4]}"
     start_s = started - t0
     return {
         "seconds": seconds,
@@ -198,8 +224,9 @@ def run_rollout(gen, turns, start, a) -> dict:
     }
 
 
-def endpoint_run(gen, pool: AgentPool, tok, template, rows, a) -> dict:
+def endpoint_run(gen, pool: AgentPool, tok, template, rows, a, client: str) -> dict:
     turns = AgentRollout(pool, tok, template, "hermes", 4, 10_000, 0.0, gen.eos_ids)
+    rows = [{**r, "metadata": {"client": client}} for r in rows]
     return run_rollout(gen, turns, lambda: turns.start(rows, a.group_size), a)
 
 
@@ -238,12 +265,14 @@ def build_generator(a, tok: ByteTokenizer, starts: tuple[int, int]) -> Generator
 def summarize(runs: dict[str, list[dict]]) -> tuple[dict, dict]:
     keys = ("episodes_per_s", "generator_idle_fraction", "seconds", "start_s", "blocked_poll_s")
     summary = {name: {f"median_{k}": statistics.median(r[k] for r in v) for k in keys} for name, v in runs.items()}
-    end, inp = summary["endpoint"], summary["in_process"]
-    ratios = {
-        "endpoint_over_in_process_episodes_per_s": end["median_episodes_per_s"] / inp["median_episodes_per_s"],
-        "endpoint_minus_in_process_idle_fraction": end["median_generator_idle_fraction"]
-        - inp["median_generator_idle_fraction"],
-    }
+    inp = summary["in_process"]
+    ratios = {}
+    for name in ("endpoint", "endpoint_own_client"):
+        end = summary[name]
+        ratios[f"{name}_over_in_process_episodes_per_s"] = end["median_episodes_per_s"] / inp["median_episodes_per_s"]
+        ratios[f"{name}_minus_in_process_idle_fraction"] = (
+            end["median_generator_idle_fraction"] - inp["median_generator_idle_fraction"]
+        )
     return summary, ratios
 
 
@@ -275,20 +304,21 @@ def main(argv: list[str] | None = None) -> dict:
     agents = AgentPool(settings, Served("policy", 1.0, 1.0, a.turn_tokens))
     envs = EnvPool(ENV_SPEC, {}, num_workers=a.workers)
     sides = {
-        "endpoint": lambda: endpoint_run(gen, agents, tok, template, rows, a),
-        "in_process": lambda: in_process_run(gen, envs, tok, template, rows, a),
+        "endpoint": lambda rows: endpoint_run(gen, agents, tok, template, rows, a, "shared"),
+        "endpoint_own_client": lambda rows: endpoint_run(gen, agents, tok, template, rows, a, "own"),
+        "in_process": lambda rows: in_process_run(gen, envs, tok, template, rows, a),
     }
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     try:
         for run in sides.values():
-            run()  # warm-up: worker imports, first HTTP connections
+            run(rows[: max(1, a.prompts // 16)])  # warm-up: worker imports, the first connections
         for _ in range(a.repeats):
             for name, run in sides.items():
-                runs[name].append(run())
+                runs[name].append(run(rows))
     finally:
         agents.close()
         envs.close()
-    assert runs["endpoint"][0]["sample_tokens"] == runs["in_process"][0]["sample_tokens"], "the sides differ"
+    assert len({r[0]["sample_tokens"] for r in runs.values()}) == 1, "the sides' samples differ"
     summary, ratios = summarize(runs)
     model = f"qwen3 dim {a.dim}, 2 layers, byte vocabulary, random weights, scripted first turn"
     report = {
