@@ -301,8 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
     starts = turn_starts(tok, template, rows[0]["prompt"])
     gen = build_generator(a, tok, starts)
     settings = Agent(function=AGENT_SPEC, num_workers=a.workers, timeout_s=600.0)
-    agents = AgentPool(settings, Served("policy", 1.0, 1.0, a.turn_tokens))
-    envs = EnvPool(ENV_SPEC, {}, num_workers=a.workers)
+    # The workers import this module (torch included): give a loaded machine time to start them.
+    agents = AgentPool(settings, Served("policy", 1.0, 1.0, a.turn_tokens), startup_timeout_s=300.0)
+    envs = EnvPool(ENV_SPEC, {}, num_workers=a.workers, timeout_s=300.0)
     sides = {
         "endpoint": lambda rows: endpoint_run(gen, agents, tok, template, rows, a, "shared"),
         "endpoint_own_client": lambda rows: endpoint_run(gen, agents, tok, template, rows, a, "own"),
