@@ -10,13 +10,13 @@ one tool call: the model's first turn calls `add` (Hermes `<tool_call>` JSON), t
 comes back as a 'tool' message, the model's second turn answers (reward 1 if it has the sum).
 Both sides render the conversation with the same ChatML template and tools at byte tokens, so
 their samples are the same tokens:
-  endpoint    AgentPool + AgentRollout: `agent` below, a raw `openai` client loop in
+  endpoint    AgentPool + AgentRollout: `agent` (benchmarks/agent_endpoint_fns.py), a raw `openai` client loop in
               `--workers` agent worker processes, every model call an HTTP request to the
               rank's endpoint (titanrl/envs/agent_pool.py); each episode's AsyncOpenAI client
               on the worker's one httpx connection pool
   endpoint_own_client  the same, each episode's client with a connection pool of its own (as
               `AsyncOpenAI(base_url=..., api_key=...)` alone makes it: an SSL context each)
-  in_process  EnvPool + MultiTurnRollout: `AddEnv`, a ToolEnv-style environment doing the same
+  in_process  EnvPool + MultiTurnRollout: `AddEnv` (the same file), a ToolEnv-style environment doing the same
               tool in `--workers` environment worker processes (titanrl/envs/pool.py)
 The model is tiny (`--dim`, 2 layers, random weights) with a position-indexed logit bias that
 writes its turns (the call, then a short answer): the generator does real decode steps while
@@ -37,17 +37,16 @@ import time
 import torch
 from torch import nn
 
+from benchmarks.agent_endpoint_fns import ADD, ANSWER, CALL
 from benchmarks.harness import write_json
 from titanrl.config.agent import Agent
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.data.encode import PromptEncoder
 from titanrl.envs.agent_pool import AgentPool
 from titanrl.envs.agent_rollout import AgentRollout
-from titanrl.envs.base import Environment
 from titanrl.envs.multi_turn import MultiTurnRollout
 from titanrl.envs.openai_endpoint import Served
 from titanrl.envs.pool import EnvPool
-from titanrl.envs.tool_calls import ToolCall, tool_step
 from titanrl.generator import Generator, SamplingParams
 from titanrl.models import TransformerModelArgs
 from titanrl.models.chat_template import ChatTemplate
@@ -57,18 +56,8 @@ DOC_TABLES = [
     ("Episodes/s and generator idle fraction (median)", ["summary"], None),
     ("Ratios", ["ratios"], None),
 ]
-ENV_SPEC = "benchmarks.bench_agent_endpoint:AddEnv"
-AGENT_SPEC = "benchmarks.bench_agent_endpoint:agent"
-ADD = {
-    "type": "function",
-    "function": {
-        "name": "add",
-        "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
-    },
-}
-CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-ANSWER = "It is 5."
+ENV_SPEC = "benchmarks.agent_endpoint_fns:AddEnv"
+AGENT_SPEC = "benchmarks.agent_endpoint_fns:agent"
 # ChatML with a Hermes tools section, as Qwen2.5's template writes it (shortened).
 TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
@@ -76,78 +65,6 @@ TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-def add(a: int, b: int) -> int:
-    """The tool: both sides run it on the model's call."""
-    return a + b
-
-
-_SHARED: dict = {}
-
-
-def shared_http_client():
-    """The agent worker's one connection pool (a worker runs its episodes on one event loop). An
-    AsyncOpenAI client of its own builds an httpx client with an SSL context, some 50 ms of CPU
-    per episode. No connection limit: every episode's call waits for the generator at once."""
-    import httpx
-    from openai import DefaultAsyncHttpxClient
-
-    if "http" not in _SHARED:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        _SHARED["http"] = DefaultAsyncHttpxClient(timeout=600.0, limits=limits)
-    return _SHARED["http"]
-
-
-async def agent(base_url: str, api_key: str, model: str, row: dict) -> float:
-    """A raw `openai` loop: model call with `tools`, the tool, model call with its result. With
-    row['metadata']['client'] 'own' the episode's client has its own connection pool."""
-    from openai import AsyncOpenAI
-
-    own = row["metadata"]["client"] == "own"
-    # A worker runs many episodes at once on one event loop: the client's default 5 s connect
-    # timeout can pass before the loop gets to the connection.
-    pool = {"timeout": 600.0} if own else {"http_client": shared_http_client()}
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, **pool)
-    try:
-        messages: list[dict] = [{"role": "user", "content": row["prompt"]}]
-        for _ in range(2):
-            out = await client.chat.completions.create(model=model, messages=messages, tools=[ADD])
-            message = out.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            for call in message.tool_calls or []:
-                result = str(add(**json.loads(call.function.arguments)))
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-            if not message.tool_calls:
-                break
-    finally:
-        if own:
-            await client.close()
-    return 1.0 if row["answer"] in (message.content or "") else 0.0
-
-
-class AddEnv(Environment):
-    """The same episode in-process: the first turn's `add` call answered, the next turn ends it."""
-
-    tools = (ADD,)
-    tool_formats = ("hermes",)
-
-    def __init__(self, tool_format: str = "hermes") -> None:
-        self.tool_format = tool_format
-
-    def reset(self, sample: dict) -> str:
-        self.answer = sample["answer"]
-        return sample["prompt"]
-
-    def step(self, model_text: str) -> tuple[str, float, bool, dict]:
-        answered = tool_step(model_text, self.tool_format, self.tools, self.call)
-        if answered is not None:
-            return answered
-        correct = self.answer in model_text
-        return "", float(correct), True, {"correct": correct}
-
-    def call(self, call: ToolCall) -> str:
-        return str(add(**call.arguments))
 
 
 class ScriptedTiny(nn.Module):
