@@ -1,6 +1,6 @@
 """Agents as users write them, against the OpenAI-compatible endpoint over the generator
-(`titanrl/envs/agent_pool.py`, `agent_rollout.py`): a raw `openai` client loop and the OpenAI
-Agents SDK drive a scripted model at the real Qwen2.5 vocabulary and ChatML template through a
+(`titanrl/envs/agent_pool.py`, `agent_rollout.py`): a raw `openai` client loop, the OpenAI
+Agents SDK and smolagents drive a scripted model at the real Qwen2.5 vocabulary and ChatML template through a
 tool episode, and the sample is token for token the template's rendering of the conversation
 with the model's own tokens for its turns (which differ from the encoding of their text, so a
 re-tokenising endpoint fails); faults end only their episode, each with its counted reason."""
@@ -127,12 +127,22 @@ def expected_tokens(tok, template, messages, tools, turns):
     return out
 
 
-@pytest.mark.parametrize("function", ["openai_loop", "agents_sdk"])
+FINAL = '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "5"}}\n</tool_call>'
+# Per harness: the module it needs, its system prompt, how it words the task and the tool's
+# result, and the model's second turn (smolagents ends with its `final_answer` tool).
+HARNESSES = {
+    "openai_loop": ("openai", None, "{}", "tool", ANSWER),
+    "agents_sdk": ("agents", "Use the add tool.", "{}", "tool", ANSWER),
+    "smolagents_agent": ("smolagents", "Use the add tool, then call final_answer.", "New task:\n{}", "user", FINAL),
+}
+
+
+@pytest.mark.parametrize("function", list(HARNESSES))
 def test_a_harness_drives_a_tool_episode_and_the_sample_is_token_exact(folder, function):
-    if function == "agents_sdk":
-        pytest.importorskip("agents")
+    module, system, task, result_role, last = HARNESSES[function]
+    pytest.importorskip(module)
     tok = HFTokenizer(folder)
-    turns = [char_tokens(tok, CALL) + [tok.eos_id], char_tokens(tok, ANSWER) + [tok.eos_id]]
+    turns = [char_tokens(tok, CALL) + [tok.eos_id], char_tokens(tok, last) + [tok.eos_id]]
     assert tok.encode(tok.decode(turns[0][:-1])) != turns[0][:-1]  # re-tokenising would change them
     rows = [{"prompt": "What is 2 plus 3?", "answer": "5", "metadata": {}}]
     (prompt,), (c,), rollout, _ = run_agent(
@@ -142,15 +152,16 @@ def test_a_harness_drives_a_tool_episode_and_the_sample_is_token_exact(folder, f
         TurnScript(turns, ARGS.vocab_size, tok.encode("<|im_start|>assistant\n")),
     )
     episode = rollout.episodes[(0, 0)]
-    assert episode.failed is None and episode.reward == 1.0 and episode.turns == 2 and episode.tool_calls == 1
+    assert episode.failed is None and episode.reward == 1.0 and episode.turns == 2
+    assert episode.tool_calls == (2 if last == FINAL else 1)
     template = ChatTemplate.from_folder(folder)
-    system = [{"role": "system", "content": "Use the add tool."}] if function == "agents_sdk" else []
-    messages = [*system, {"role": "user", "content": rows[0]["prompt"]}, {"role": "assistant", "content": CALL},
-                {"role": "tool", "content": "5"}, {"role": "assistant", "content": ANSWER}]  # fmt: skip
-    tools = [ADD_TOOL] if function == "openai_loop" else None
+    result = {"role": result_role, "content": "5" if result_role == "tool" else "Observation:\n5"}
+    messages = [*([{"role": "system", "content": system}] if system else []),
+                {"role": "user", "content": task.format(rows[0]["prompt"])}, {"role": "assistant", "content": CALL},
+                result, {"role": "assistant", "content": last}]  # fmt: skip
+    # The harnesses' own tool schemas: compare the conversation after the tools section.
+    tools = [ADD_TOOL] if function == "openai_loop" else rollout_tools(rollout)
     full = prompt + c.token_ids
-    if tools is None:  # the SDK's schema of `add`: compare the conversation after the tools section
-        tools = rollout_tools(rollout)
     assert full == expected_tokens(tok, template, messages, tools, turns)
     # Only the model's tokens are in the loss: its two turns, eos included.
     model_ids = [t for t, m in zip(c.token_ids, c.model_mask) if m]
@@ -290,12 +301,11 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.slow  # ~40 s on 2 cores
-@pytest.mark.parametrize("function", ["openai_loop", "agents_sdk"])
+@pytest.mark.parametrize("function", list(HARNESSES))
 def test_grpo_steps_through_the_trainer_with_an_agent_function(checkpoint, tmp_path, function):
     """train_configs/grpo_agent_debug.toml with a chat model and a real harness: two GRPO steps
     whose every episode ran through the endpoint, none failed."""
-    if function == "agents_sdk":
-        pytest.importorskip("agents")
+    pytest.importorskip(HARNESSES[function][0])
     from titanrl.config import load_config
     from titanrl.train import build_trainer
 

@@ -116,3 +116,34 @@ async def spawns_children(base_url, api_key, model, row):
         with open(os.path.join(folder, str(proc.pid)), "w") as f:
             f.write(f"sleep {proc.pid}\n")
     await asyncio.sleep(3600)
+
+
+async def smolagents_agent(base_url, api_key, model, row):
+    """smolagents: a `ToolCallingAgent` with an `@tool` on an `OpenAIServerModel` against base_url,
+    run in a thread (smolagents is synchronous). The endpoint serves no `stop` strings and no
+    tool_choice 'required' (the policy samples freely), so the model drops both parameters. The
+    turn budget's refusal ends the run (AgentGenerationError): the reward is then 0."""
+    from smolagents import REMOVE_PARAMETER, AgentGenerationError, OpenAIServerModel, ToolCallingAgent, tool
+    from smolagents.monitoring import LogLevel
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a + b
+
+    llm = OpenAIServerModel(
+        model_id=model, api_base=base_url, api_key=api_key, client_kwargs={"max_retries": 0},
+        stop=REMOVE_PARAMETER, tool_choice=REMOVE_PARAMETER,
+    )  # fmt: skip
+    agent = ToolCallingAgent(tools=[add], model=llm, max_steps=8, verbosity_level=LogLevel.OFF)
+    agent.prompt_templates["system_prompt"] = "Use the add tool, then call final_answer."
+    try:
+        answer = await asyncio.to_thread(agent.run, row["prompt"])
+    except AgentGenerationError:
+        return 0.0
+    return 1.0 if str(row["answer"]) in str(answer) else 0.0

@@ -35,6 +35,8 @@ from titanrl.envs.openai_endpoint import EndpointError, Served, build_app, parse
 
 _CANCEL_GRACE_S = 3.0
 """How long a cancelled agent may take to let go before its worker is replaced."""
+_KEEP_ALIVE_S = 75
+"""How long the endpoint keeps an idle HTTP connection open."""
 
 
 @dataclass
@@ -150,6 +152,9 @@ class AgentPool(AsyncEnvPool):
             log_config=None,  # the trainer's logging stays as it is; uvicorn's warnings reach its handlers
             lifespan="off",
             access_log=False,
+            # Past the clients' own idle expiry (httpx's is 5 s, uvicorn's default too): a client
+            # never reuses a connection that the endpoint is closing (a reset, not a retry).
+            timeout_keep_alive=_KEEP_ALIVE_S,
         )
         self._server = uvicorn.Server(config)
         self._serving = asyncio.create_task(self._server.serve())

@@ -75,6 +75,25 @@ def _content(text: str, calls: list[ToolCall], tool_format: str) -> str | None:
     return prose.strip() or None
 
 
+def _is_turn(said: dict, content: str, call_ids: list[str]) -> bool:
+    """Whether assistant message `said` is the model's turn as returned (`content`, `call_ids`):
+    the same tool-call ids, or the same text. A harness that keeps a turn's tool calls as text
+    (smolagents: 'Calling tools: [{'id': ...}]', no `tool_calls`) names every id of the turn in
+    order after the turn's prose."""
+    got = [c["id"] for c in said.get("tool_calls", [])]
+    if got or not call_ids:
+        return got == call_ids and (bool(call_ids) or said["content"].strip() == content.strip())
+    text, pos = said["content"], 0
+    if not text.strip().startswith(content.strip()):
+        return False
+    for call_id in call_ids:
+        pos = text.find(call_id, pos)
+        if pos < 0:
+            return False
+        pos += len(call_id)
+    return True
+
+
 def _first_completion(tokenizer: Tokenizer, conv: _Conversation, request: Request) -> list[int]:
     """The prompt ids of an episode's first text completion (its text encoded, or its ids)."""
     if isinstance(request.prompt, str):
@@ -300,9 +319,7 @@ class AgentRollout:
             raise Rewrite(f"{len(mine)} assistant turns after the first call's, the episode has {len(conv.replies)}")
         messages = list(request.messages)
         for k, (i, (content, call_ids)) in enumerate(zip(mine, conv.replies)):
-            said = messages[i]
-            got = [c["id"] for c in said.get("tool_calls", [])]
-            if got != call_ids or (not call_ids and said["content"].strip() != content.strip()):
+            if not _is_turn(messages[i], content, call_ids):
                 raise Rewrite(f"model turn {k + 1} is not what the model said")
             messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
         before = conv.rendered + _PLACEHOLDER
