@@ -116,3 +116,30 @@ async def spawns_children(base_url, api_key, model, row):
         with open(os.path.join(folder, str(proc.pid)), "w") as f:
             f.write(f"sleep {proc.pid}\n")
     await asyncio.sleep(3600)
+
+
+_PLAYED: dict[str, int] = {}
+"""Episodes played so far of each prompt, in this worker process."""
+
+
+async def scripted_rewards(base_url, api_key, model, row):
+    """One model call (chat, or text with metadata route = 'completions'), then the next of the
+    row's metadata `rewards` for this prompt, in turn: with one worker, the k episodes of a prompt
+    return each of its k rewards once, whatever order they run in. A row without `rewards` (a
+    task's) returns None: [reward] scores it."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    if row["metadata"].get("route") == "completions":
+        await client.completions.create(model=model, prompt=row["prompt"])
+    else:
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    rewards = row["metadata"].get("rewards")
+    if rewards is None:
+        return None
+    played = _PLAYED.get(row["prompt"], 0)
+    _PLAYED[row["prompt"]] = played + 1
+    return rewards[played % len(rewards)]
+
+
+def half_correct(prompt, completion, metadata):
+    """A transcript's score: 0.5, correct."""
+    return {"reward": 0.5, "correct": True}

@@ -37,6 +37,7 @@ from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
+from titanrl.envs.agent_pool import AgentPool
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.multi_turn import tool_setup
@@ -427,7 +428,8 @@ class RLRecipe(Recipe):
                 [self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine], params
             )
             results = self.rewards([reward_item(s, c) for s, c in zip(mine, completions)])
-        suite_metrics, suite_results = self.suites.run(self.generator) if suites else ({}, [])
+        agents = self.envs if isinstance(self.envs, AgentPool) else None  # [agent] plays the suites too
+        suite_metrics, suite_results = self.suites.run(self.generator, agents) if suites else ({}, [])
         self.generator.sleep()
         self.reward_log.write(results + suite_results)
         correct, total, failures = self.trainer.dp_sum(

@@ -5,6 +5,8 @@ by [reward] (the reward function, or the task's verifier), as a single-turn comp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from titanrl.config import JobConfig
 from titanrl.data.tasks import Sample
 from titanrl.envs.agent_pool import AgentPool
@@ -13,7 +15,7 @@ from titanrl.envs.openai_endpoint import Served
 from titanrl.envs.tool_calls import resolve_tool_format
 from titanrl.generator import Completion, GenerationStats, Generator, SamplingParams
 from titanrl.models.chat_template import ChatTemplate
-from titanrl.rewards.runner import RewardResult
+from titanrl.rewards.runner import RewardItem, RewardResult
 from titanrl.rl.host import RolloutHost
 from titanrl.rl.scoring import Scorer, reward_item
 
@@ -47,9 +49,25 @@ def generate_agent_episodes(
     prompt_ids: list[int],
 ) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
     """G agent episodes per sample through the generator; their results (rewards, failures)."""
+    template = host.encode_prompt.template
+    return play_agent_episodes(pool, host, generator, scorer.rewards, samples, params, prompt_ids, template)
+
+
+def play_agent_episodes(
+    pool: AgentPool,
+    host: RolloutHost,
+    generator: Generator,
+    rewards: Callable[[list[RewardItem]], list[RewardResult]],
+    samples: list[Sample],
+    params: SamplingParams,
+    prompt_ids: list[int],
+    template: ChatTemplate | None,
+) -> tuple[list[list[int]], list[Completion], list[RewardResult], GenerationStats]:
+    """`params.n` agent episodes per sample, sampled as `params` says, their chat calls rendered
+    with `template`; an agent that returns None has its transcript scored by `rewards` (training's
+    [reward], or an [[eval]] suite's scorer)."""
     cfg = host.config
     pool.served = Served(cfg.agent.model, params.temperature, params.top_p, params.max_new_tokens)
-    template = host.encode_prompt.template
     turns = AgentRollout(
         pool,
         host.tokenizer,
@@ -73,7 +91,7 @@ def generate_agent_episodes(
         results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
     scored = [k for k, c in enumerate(completions) if turns.episodes[(c.prompt_index, c.sample_index)].score_transcript]
     if scored:  # the agents that returned None: their transcripts, scored as single-turn completions are
-        verdicts = scorer.rewards([reward_item(samples[completions[k].prompt_index], completions[k]) for k in scored])
+        verdicts = rewards([reward_item(samples[completions[k].prompt_index], completions[k]) for k in scored])
         for k, verdict in zip(scored, verdicts):
             results[k] = verdict
     return prompts, completions, results, gen_stats
