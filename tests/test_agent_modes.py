@@ -14,17 +14,34 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 from helpers.launch import cli_in_process  # noqa: E402
-from test_agent_endpoint import ARGS, REPO_ROOT, TESTS, EosModel, folder  # noqa: E402, F401
+from test_agent_endpoint import (  # noqa: E402, F401
+    ARGS,
+    MAX_NEW,
+    REPO_ROOT,
+    TESTS,
+    EosModel,
+    TurnScript,
+    char_tokens,
+    checkpoint,
+    folder,
+)
 
 from titanrl.config import load_config  # noqa: E402
 from titanrl.config.generation import Generator as GeneratorConfig  # noqa: E402
 from titanrl.data.encode import PromptEncoder  # noqa: E402
+from titanrl.data.tasks import Sample  # noqa: E402
 from titanrl.evaluate import EvalHost  # noqa: E402
-from titanrl.generator import Generator  # noqa: E402
+from titanrl.generator import Generator, SamplingParams  # noqa: E402
 from titanrl.models.chat_template import ChatTemplate  # noqa: E402
 from titanrl.models.tokenizer import HFTokenizer  # noqa: E402
 from titanrl.rewards.pass_at_k import pass_at_k  # noqa: E402
-from titanrl.rl.agent_episodes import build_agent_pool  # noqa: E402
+from titanrl.rl.agent_episodes import (  # noqa: E402
+    build_agent_pool,
+    play_agent_episodes,
+    split_samples,
+    training_rows,
+    with_split_rows,
+)
 from titanrl.rl.evaluation import EvalSuites, load_suites  # noqa: E402
 
 # ---- [[eval]] suites through the agent ----
@@ -122,3 +139,108 @@ def test_training_evaluates_the_suites_with_the_agent(tmp_path):
     want = {f"eval/tools/{k}": v for k, v in expected_metrics().items()}
     for r in rows:
         assert {k: v for k, v in r.items() if k.startswith("eval/")} == pytest.approx(want, abs=1e-12)
+
+
+# ---- [agent] on_rewrite = "split" ----
+
+THOUGHT, AFTER = "<think>hmm</think>Five.", "Done."
+
+
+def play_drops_thought(folder, tmp_path, on_rewrite: str):  # noqa: F811
+    """One episode of helpers.agent_fns:drops_thought on a model that writes THOUGHT, then AFTER:
+    (prompts, completions, results, the model's two turns)."""
+    toml = tmp_path / "job.toml"
+    toml.write_text(
+        f'[model]\ntokenizer = "{folder}"\n[data]\ntask = "reverse"\nchat_template = true\n'
+        f'[agent]\nfunction = "helpers.agent_fns:drops_thought"\nnum_workers = 1\non_rewrite = "{on_rewrite}"\n'
+    )
+    config = load_config([f"--job.config_file={toml}"])
+    tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
+    turns = [char_tokens(tok, THOUGHT) + [tok.eos_id], char_tokens(tok, AFTER) + [tok.eos_id]]
+    host = EvalHost(
+        config, SimpleNamespace(dp_rank=0, dp_size=1), torch.device("cpu"), tok, PromptEncoder(tok), None, 0
+    )
+    gen = Generator(ARGS, GeneratorConfig(block_size=8, num_blocks=512), torch.device("cpu"), tokenizer=tok)
+    gen.model = TurnScript(turns, ARGS.vocab_size, tok.encode("<|im_start|>assistant\n"))
+    gen.wake()
+    pool = build_agent_pool(config, template)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, n=1)
+    try:
+        sample = Sample("What is 2 plus 3?", "5", {})
+        out = play_agent_episodes(pool, host, gen, lambda items: [], [sample], params, [0], template)
+    finally:
+        pool.close()
+    return (*out[:3], turns)
+
+
+def test_a_rewrite_splits_the_episode_into_two_token_exact_samples(folder, tmp_path):  # noqa: F811
+    prompts, (c,), (result,), turns = play_drops_thought(folder, tmp_path, "split")
+    tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
+    user = {"role": "user", "content": "What is 2 plus 3?"}
+    assert prompts == [tok.encode(template.render([user], add_generation_prompt=True))]
+    trained = lambda c: c.model_mask or [1] * len(c.token_ids)  # noqa: E731  (None: every token)
+    assert c.token_ids == turns[0] and trained(c) == [1] * len(turns[0])  # what the model sampled
+    ((prompt2, c2),) = split_samples(c)
+    rewritten = [user, {"role": "assistant", "content": "Five."}, {"role": "user", "content": "Go on."}]
+    assert prompt2 == tok.encode(template.render(rewritten, add_generation_prompt=True))  # what the template renders
+    assert c2.token_ids == turns[1] and trained(c2) == [1] * len(turns[1])
+    assert tok.encode(tok.decode(turns[0][:-1])) != turns[0][:-1]  # the model's tokens, not its text re-encoded
+    assert result.failed is None and result.reward == 0.75  # one result: the episode's, for both samples
+    row_prompts, rows, owners = training_rows(prompts, [c], 1)
+    assert row_prompts == [prompts[0], prompt2] and rows == [c, c2] and owners == [0]
+
+
+def test_drop_fails_the_episode_that_rewrites_history(folder, tmp_path):  # noqa: F811
+    _, (c,), (result,), turns = play_drops_thought(folder, tmp_path, "drop")
+    assert split_samples(c) == [] and c.token_ids == turns[0]
+    assert result.failed.startswith("rewrite") and result.reward == 0.0
+
+
+def test_split_samples_train_with_their_episodes_advantage():
+    adv_NT = torch.tensor([[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]])
+    mask_BT = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1], [1, 0, 0]])  # rows 2, 3: split off episode 1, 0
+    out = with_split_rows(adv_NT, mask_BT, [1, 0])
+    assert out.tolist() == [[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5], [0.0, -0.5, -0.5], [0.5, 0.0, 0.0]]
+    assert with_split_rows(adv_NT, mask_BT[:2], []) is adv_NT
+    adv_N = torch.tensor([0.5, -0.5])  # per sequence (GRPO)
+    assert with_split_rows(adv_N, mask_BT, [1, 0]).tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def train_agent(tmp_path, args: list[str]) -> list[dict]:
+    """train_configs/grpo_agent_debug.toml for two GRPO steps with `args`: the steps' metrics."""
+    from titanrl.train import build_trainer
+
+    config = os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")
+    args = [f"--job.config_file={config}", f"--job.dump_folder={tmp_path}", "--training.steps=2", *args]
+    args += ["--sft_warmup.steps=0", "--training.batch_size=2", "--algorithm.group_size=2"]
+    args += ["--data.num_eval_samples=2", "--metrics.eval_freq=0", "--generator.num_blocks=256"]
+    trainer = build_trainer(load_config([*args, "--checkpoint.enable=false", "--checkpoint.export_hf=false"]))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+
+
+@pytest.mark.slow  # ~40 s on 2 cores
+def test_grpo_steps_train_the_split_samples(checkpoint, tmp_path):  # noqa: F811
+    """Every episode's harness rewrites history once: each step's 4 episodes are 8 samples, the
+    split ones counted; none failed."""
+    args = ["--agent.function=helpers.agent_fns:drops_thought", "--agent.on_rewrite=split"]
+    args += [f"--model.hf_checkpoint={checkpoint / 'model'}", f"--model.tokenizer={checkpoint / 'tokenizer'}"]
+    args += ["--data.chat_template=true", "--model.max_seq_len=1024", "--generator.max_new_tokens=12"]
+    args += ["--agent.max_total_tokens=200", "--agent.max_turns=3"]
+    steps = train_agent(tmp_path, args)
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["agent_splits"] == 4 and r["env_failures"] == 0 and r["reward_mean"] == 0.75 for r in steps), steps
+
+
+@pytest.mark.slow  # ~30 s on 2 cores
+def test_dynamic_sampling_drops_agent_groups_of_equal_rewards(tmp_path):
+    """DAPO's dynamic sampling over agent episodes: groups whose rewards are all 0 (odd prompts)
+    are dropped and more prompts drawn until the batch holds informative groups only."""
+    args = ["--agent.function=helpers.agent_fns:parity_reward", "--rollout.dynamic_sampling=true"]
+    steps = train_agent(tmp_path, [*args, "--rollout.max_sampling_rounds=8"])
+    assert [r["step"] for r in steps] == [1, 2]
+    assert sum(r["dropped_groups"] for r in steps) > 0 and max(r["sampling_rounds"] for r in steps) > 1, steps
+    assert all(r["sampling_short_groups"] == 0 and r["env_failures"] == 0 for r in steps), steps
