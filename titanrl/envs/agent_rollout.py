@@ -365,8 +365,9 @@ class AgentRollout:
             obs = _extend(self.tokenizer, self.template, conv, request, self._last_token[key], self.end_of_turn_ids)
         except Rewrite as e:
             if self.on_rewrite == "split":
-                return self._split(key, request)
-            self._end(key, f"rewrite: {e}", EndpointError(409, f"the conversation is not the episode's: {e}"))
+                self._split(key, request)  # the sample ends; the episode goes on in a new one
+            else:
+                self._end(key, f"rewrite: {e}", EndpointError(409, f"the conversation is not the episode's: {e}"))
             return None
         except EndpointError as e:
             self._end(key, e.reason or "invalid: " + e.message, e)
@@ -388,21 +389,17 @@ class AgentRollout:
         """End the sample at a call that rewrote history; the episode goes on in a new sample
         whose prompt is the call's conversation, answered in the next round (`next_round`)."""
         episode, prompt = self.episodes[key], self._open(key, request)
-        if prompt is None:
-            return None
+        if prompt is None:  # refused: the episode failed
+            return
         too_long = self.max_prompt_len and len(prompt) > self.max_prompt_len
         if episode.turns >= self.max_turns or too_long:
             episode.truncated = True
-            self._end(
-                key,
-                None,
-                EndpointError(400, "the episode's turn budget or the context is spent", "context_length_exceeded"),
-            )
-            return None
+            spent = EndpointError(400, "the episode's turn budget or the context is spent", "context_length_exceeded")
+            self._end(key, None, spent)
+            return
         episode.splits += 1
         self._prompt_lens[key] = len(prompt)
         self.splits[key] = prompt
-        return None
 
     # ---- ends ----
 
