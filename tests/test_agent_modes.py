@@ -214,6 +214,7 @@ def train_agent(tmp_path, args: list[str]) -> list[dict]:
     args = [f"--job.config_file={config}", f"--job.dump_folder={tmp_path}", "--training.steps=2", *args]
     args += ["--sft_warmup.steps=0", "--training.batch_size=2", "--algorithm.group_size=2"]
     args += ["--data.num_eval_samples=2", "--metrics.eval_freq=0", "--generator.num_blocks=256"]
+    args += ["--agent.timeout_s=600"]  # a loaded machine: the episodes wait for the generator
     trainer = build_trainer(load_config([*args, "--checkpoint.enable=false", "--checkpoint.export_hf=false"]))
     try:
         trainer.train()
