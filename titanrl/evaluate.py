@@ -144,6 +144,7 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     from titanrl.components.model_builder import build_model
     from titanrl.data.encode import PromptEncoder
     from titanrl.models.tokenizer import build_tokenizer
+    from titanrl.rl.agent_episodes import build_agent_pool
     from titanrl.rl.builders import build_generator
     from titanrl.rl.evaluation import EvalSuites, load_suites
 
@@ -162,13 +163,20 @@ def evaluate(config, checkpoint: str) -> tuple[dict[str, float], int, int]:
     generator = build_generator(config, args, device, tokenizer, tp_mesh, ep_mesh)
     generator.share_weights(model)
     runner = EvalSuites(host, args.max_seq_len, suites, progress_s=PROGRESS_S)
+    agents = None
     try:
+        if config.agent.function:  # the suites' samples are episodes of the job's agent
+            agents = build_agent_pool(
+                config, PromptEncoder.from_config(config.data, config.model.tokenizer, tokenizer).template
+            )
         generator.wake()
         generator.load_weights(model)
-        metrics, _ = runner.run(generator)
+        metrics, _ = runner.run(generator, agents)
         generator.sleep()
     finally:
         runner.close()
+        if agents is not None:
+            agents.close()
     return metrics, rank, dims.world_size
 
 

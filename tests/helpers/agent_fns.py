@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import time
+import zlib
 
 from openai import AsyncOpenAI, AuthenticationError
 
@@ -116,3 +117,52 @@ async def spawns_children(base_url, api_key, model, row):
         with open(os.path.join(folder, str(proc.pid)), "w") as f:
             f.write(f"sleep {proc.pid}\n")
     await asyncio.sleep(3600)
+
+
+_PLAYED: dict[str, int] = {}
+"""Episodes played so far of each prompt, in this worker process."""
+
+
+async def scripted_rewards(base_url, api_key, model, row):
+    """One model call (chat, or text with metadata route = 'completions'), then the next of the
+    row's metadata `rewards` for this prompt, in turn: with one worker, the k episodes of a prompt
+    return each of its k rewards once, whatever order they run in. A row without `rewards` (a
+    task's) returns None: [reward] scores it."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    if row["metadata"].get("route") == "completions":
+        await client.completions.create(model=model, prompt=row["prompt"])
+    else:
+        await client.chat.completions.create(model=model, messages=[{"role": "user", "content": row["prompt"]}])
+    rewards = row["metadata"].get("rewards")
+    if rewards is None:
+        return None
+    played = _PLAYED.get(row["prompt"], 0)
+    _PLAYED[row["prompt"]] = played + 1
+    return rewards[played % len(rewards)]
+
+
+def half_correct(prompt, completion, metadata):
+    """A transcript's score: 0.5, correct."""
+    return {"reward": 0.5, "correct": True}
+
+
+async def drops_thought(base_url, api_key, model, row):
+    """A harness that rewrites history: the model's turn goes back without its thought (what
+    precedes '</think>'; a turn without one is elided), then a user turn and a second call."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": row["prompt"]}]
+    out = await client.chat.completions.create(model=model, messages=messages)
+    text = out.choices[0].message.content or ""
+    kept = text.split("</think>", 1)[1].strip() if "</think>" in text else "[elided]"
+    messages += [{"role": "assistant", "content": kept}, {"role": "user", "content": "Go on."}]
+    await client.chat.completions.create(model=model, messages=messages)
+    return 0.75
+
+
+async def parity_reward(base_url, api_key, model, row):
+    """One text completion; reward 1.0 for the even episodes (by the key's episode number) of a
+    prompt whose CRC-32 is even, else 0.0: with group_size 2, groups of odd prompts are all 0."""
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.completions.create(model=model, prompt=row["prompt"])
+    episode = int(api_key.rsplit("-", 1)[1])
+    return float(zlib.crc32(row["prompt"].encode()) % 2 == 0 and episode % 2 == 0)

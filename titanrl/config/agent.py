@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from titanrl.config.rewards_envs import TOOL_FORMATS
 
-ON_REWRITE = ("drop",)
+ON_REWRITE = ("drop", "split")
 
 
 @dataclass
@@ -46,7 +46,9 @@ class Agent:
     """What happens when a call's conversation is not the previous call's plus new messages (the
     harness rewrote history: dropped a thought, edited a turn): 'drop' fails the episode
     ('rewrite', counted) and refuses the call (HTTP 409), so that no sample trains on tokens the
-    model did not see."""
+    model did not see; 'split' ends the sample there and goes on in a new sample whose prompt is
+    the call's conversation (the call waits for the next generation round), every sample of the
+    episode trained with the episode's advantage (counted in 'agent_splits'; not with a critic)."""
 
     memory_limit_mb: int = 2048
     """Memory limit of each agent worker (address space; with a memory cgroup, its whole tree);

@@ -15,7 +15,10 @@ Every model call of an episode's agent is its sample's next turn, with exact tok
   masked out of the loss. The model's text is never encoded back into the sample.
 
 A call that does not extend the previous one (the harness rewrote history) fails the episode
-('rewrite: ...', [agent] on_rewrite = 'drop') and is refused with HTTP 409. A call past
+('rewrite: ...', [agent] on_rewrite = 'drop') and is refused with HTTP 409; with 'split', the
+sample ends there and the episode goes on in a new sample whose prompt is that call's
+conversation (rendered as a first call is), generated in a later round (`next_round`): the
+call waits for it. A call past
 [agent] max_turns or max_total_tokens ends the sample (400 'context_length_exceeded'); the
 agent's return is still its reward ('length' if it raises). An agent that returns None has its
 final transcript scored by [reward] (`Episode.score_transcript`).
@@ -45,6 +48,8 @@ class AgentEpisode(Episode):
     """The agent returned None: [reward] scores the sample's transcript."""
     truncated: bool = False
     """A call past max_turns / max_total_tokens ended the sample."""
+    splits: int = 0
+    """Samples the episode started over after its harness rewrote history ([agent] on_rewrite = 'split')."""
 
 
 @dataclass
@@ -96,6 +101,78 @@ def _render(template: ChatTemplate, messages: list[dict], tools: list[dict] | No
         raise EndpointError(400, str(e), reason=f"invalid: {e}"[:500]) from None
 
 
+def _conversation(
+    tokenizer: Tokenizer, template: ChatTemplate | None, request: Request
+) -> tuple[_Conversation, list[int]]:
+    """The conversation that starts at `request`, and its prompt ids."""
+    conv = _Conversation(request.route, request=request)
+    if request.route == "completions":
+        return conv, _first_completion(tokenizer, conv, request)
+    if template is None:
+        raise EndpointError(400, "chat completions need data.chat_template = true", reason="invalid: no chat template")
+    conv.rendered = _render(template, request.messages, request.tools)
+    conv.tools, conv.fixed = request.tools, sum(m["role"] == "assistant" for m in request.messages)
+    return conv, tokenizer.encode(conv.rendered)
+
+
+def _generator_keys(
+    rounds: dict[Key, Key], out: list[tuple[Key, list[int] | None]]
+) -> list[tuple[Key, list[int] | None]]:
+    """`out` by the generator's keys of this round's samples (episodes outside it have none)."""
+    if not rounds:
+        return out
+    mine = {episode: key for key, episode in rounds.items()}
+    return [(mine[key], obs) for key, obs in out if key in mine]
+
+
+def _extend(
+    tokenizer: Tokenizer,
+    template: ChatTemplate | None,
+    conv: _Conversation,
+    request: Request,
+    last_token: int | None,
+    end_of_turn_ids: frozenset[int],
+) -> list[int]:
+    """The harness's tokens of a later call (the template's turn end after the model's last
+    token, `last_token`, left out when the model wrote it); Rewrite if it does not extend `conv`."""
+    if request.route != conv.route:
+        raise Rewrite(f"the episode called {conv.route!r} first, now {request.route!r}")
+    if request.route == "completions":
+        return _extend_completion(tokenizer, conv, request)
+    assert template is not None, "a chat episode started with a template"
+    mine = [i for i, m in enumerate(request.messages) if m["role"] == "assistant"][conv.fixed :]
+    if len(mine) != len(conv.replies):
+        raise Rewrite(f"{len(mine)} assistant turns after the first call's, the episode has {len(conv.replies)}")
+    messages = list(request.messages)
+    for k, (i, (content, call_ids)) in enumerate(zip(mine, conv.replies)):
+        said = messages[i]
+        got = [c["id"] for c in said.get("tool_calls", [])]
+        if got != call_ids or (not call_ids and said["content"].strip() != content.strip()):
+            raise Rewrite(f"model turn {k + 1} is not what the model said")
+        messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
+    before = conv.rendered + _PLACEHOLDER
+    after = _render(template, messages, request.tools)
+    if request.tools != conv.tools or not after.startswith(before):
+        raise Rewrite("the conversation before the model's last turn renders differently")
+    conv.rendered = after
+    ids = tokenizer.encode(after[len(before) :])
+    return drop_turn_end(tokenizer, ids, last_token, end_of_turn_ids)
+
+
+def _extend_completion(tokenizer: Tokenizer, conv: _Conversation, request: Request) -> list[int]:
+    if isinstance(request.prompt, list):
+        if request.prompt[: len(conv.ids)] != conv.ids:
+            raise Rewrite("the prompt's token ids do not start with the episode's")
+        obs = request.prompt[len(conv.ids) :]
+    else:
+        if not conv.text or not request.prompt.startswith(conv.text):
+            raise Rewrite("the prompt does not start with the episode's text")
+        obs = tokenizer.encode(request.prompt[len(conv.text) :])
+        conv.text = request.prompt
+    conv.ids += obs
+    return obs
+
+
 class AgentRollout:
     def __init__(
         self,
@@ -107,13 +184,21 @@ class AgentRollout:
         max_total_tokens: int,
         failure_reward: float = 0.0,
         end_of_turn_ids: frozenset[int] = frozenset(),
+        on_rewrite: str = "drop",
     ) -> None:
         self.pool, self.tokenizer, self.template, self.tool_format = pool, tokenizer, template, tool_format
         self.max_turns, self.max_total_tokens, self.failure_reward = max_turns, max_total_tokens, failure_reward
         eos = tokenizer.eos_id
         self.end_of_turn_ids = frozenset(end_of_turn_ids) | ({eos} if eos is not None else set())
         self.keep = special_token_ids(tokenizer, (PYTHON_TAG,) if tool_format == "llama3" else ())
+        self.on_rewrite = on_rewrite
+        self.max_prompt_len = 0
+        """The longest prompt a split sample may start with (0: no limit); longer: the sample ends."""
         self.episodes: dict[Key, AgentEpisode] = {}
+        self.splits: dict[Key, list[int]] = {}
+        """Episodes whose harness rewrote history in this round: the prompt of their next sample."""
+        self._round: dict[Key, Key] = {}
+        """After the first round: the generator's key of each sample -> its episode's key."""
         self._ids: dict[Key, int] = {}
         self._keys: dict[int, Key] = {}
         self._conv: dict[Key, _Conversation] = {}
@@ -145,7 +230,12 @@ class AgentRollout:
         while len(first) < len(self.episodes):
             for event in self._events(block=True):
                 key = self._keys[event.episode]
-                first[key] = self._first(key, event)
+                if event.kind == "request":
+                    first[key] = self._open(key, event.value)
+                    continue
+                reason = event.error if event.kind == "fail" else "invalid: the agent returned before calling the model"
+                self._fail(key, reason or "error")
+                first[key] = None
         prompts = []
         for i, sample in enumerate(samples):
             found = [(j, ids) for j in range(group_size) if (ids := first[(i, j)]) is not None]
@@ -159,35 +249,25 @@ class AgentRollout:
             prompts.append(prompt)
         return prompts
 
-    def _first(self, key: Key, event: AgentEvent) -> list[int] | None:
-        """The prompt ids of an episode's first call, or None (the episode failed)."""
-        if event.kind != "request":
-            reason = event.error if event.kind == "fail" else "invalid: the agent returned before calling the model"
-            self._fail(key, reason or "error")
-            return None
-        request: Request = event.value
-        conv = self._conv[key] = _Conversation(request.route, request=request)
+    def _open(self, key: Key, request: Request) -> list[int] | None:
+        """The prompt ids of a sample that starts at `request` (the episode's first call, or a
+        call that rewrote history with on_rewrite = 'split'), or None: the call is refused and
+        the episode fails."""
         try:
-            if request.route == "completions":
-                return _first_completion(self.tokenizer, conv, request)
-            if self.template is None:
-                raise EndpointError(
-                    400, "chat completions need data.chat_template = true", reason="invalid: no chat template"
-                )
-            conv.rendered = _render(self.template, request.messages, request.tools)
+            self._conv[key], prompt = _conversation(self.tokenizer, self.template, request)
         except EndpointError as e:
             self._end(key, e.reason or "invalid: " + e.message, e)
             return None
-        conv.tools, conv.fixed = request.tools, sum(m["role"] == "assistant" for m in request.messages)
-        return self.tokenizer.encode(conv.rendered)
+        return prompt
 
     # ---- TurnHandler ----
 
     def record_logprobs(self, key: Key, logprobs: list[float]) -> None:
         """The generator's logprobs of the turn `submit` gets next (`TurnExchange.hand_over`)."""
-        self._logprobs[key] = logprobs
+        self._logprobs[self._round.get(key, key)] = logprobs
 
     def submit(self, key: Key, turn_token_ids: list[int], finish_reason: str) -> None:
+        key = self._round.get(key, key)
         episode = self.episodes[key]
         episode.turns += 1
         self._lengths[key] += len(turn_token_ids)
@@ -230,7 +310,20 @@ class AgentRollout:
                 self._on_event(event, out)
             # Only calls of samples already over are in flight: nothing the generator waits for.
             if out or not block or self._pending <= len(self._closing):
-                return out
+                return _generator_keys(self._round, out)
+
+    def next_round(self) -> tuple[list[Key], list[list[int]]]:
+        """The episodes split in the round that ended and their new samples' prompts: the next
+        `generate` call's prompt r (its one sample) goes on with episode keys[r]. An episode whose
+        sample the generator ended while its call waited is truncated first (as in `finish`)."""
+        for key, conv in self._conv.items():
+            if conv.request is not None and not self.episodes[key].done and key not in self.splits:
+                self.episodes[key].truncated = True
+                self._end(key, None, EndpointError(400, "the model's context is full", "context_length_exceeded"))
+        keys = list(self.splits)
+        prompts = [self.splits.pop(key) for key in keys]
+        self._round = {(r, 0): key for r, key in enumerate(keys)}
+        return keys, prompts
 
     def _events(self, block: bool) -> Iterator[AgentEvent]:
         """The pool's next events. That of an episode being closed (its sample ended) is the
@@ -269,9 +362,12 @@ class AgentRollout:
         """The harness's tokens of a later call, or None: the sample ends (rewrite, limits)."""
         episode, conv = self.episodes[key], self._conv[key]
         try:
-            obs = self._extend(key, conv, request)
+            obs = _extend(self.tokenizer, self.template, conv, request, self._last_token[key], self.end_of_turn_ids)
         except Rewrite as e:
-            self._end(key, f"rewrite: {e}", EndpointError(409, f"the conversation is not the episode's: {e}"))
+            if self.on_rewrite == "split":
+                self._split(key, request)  # the sample ends; the episode goes on in a new one
+            else:
+                self._end(key, f"rewrite: {e}", EndpointError(409, f"the conversation is not the episode's: {e}"))
             return None
         except EndpointError as e:
             self._end(key, e.reason or "invalid: " + e.message, e)
@@ -289,42 +385,21 @@ class AgentRollout:
         self._lengths[key] += len(obs)
         return obs
 
-    def _extend(self, key: Key, conv: _Conversation, request: Request) -> list[int]:
-        if request.route != conv.route:
-            raise Rewrite(f"the episode called {conv.route!r} first, now {request.route!r}")
-        if request.route == "completions":
-            return self._extend_completion(conv, request)
-        assert self.template is not None, "a chat episode started with a template"
-        mine = [i for i, m in enumerate(request.messages) if m["role"] == "assistant"][conv.fixed :]
-        if len(mine) != len(conv.replies):
-            raise Rewrite(f"{len(mine)} assistant turns after the first call's, the episode has {len(conv.replies)}")
-        messages = list(request.messages)
-        for k, (i, (content, call_ids)) in enumerate(zip(mine, conv.replies)):
-            said = messages[i]
-            got = [c["id"] for c in said.get("tool_calls", [])]
-            if got != call_ids or (not call_ids and said["content"].strip() != content.strip()):
-                raise Rewrite(f"model turn {k + 1} is not what the model said")
-            messages[i] = {"role": "assistant", "content": _PLACEHOLDER}
-        before = conv.rendered + _PLACEHOLDER
-        after = _render(self.template, messages, request.tools)
-        if request.tools != conv.tools or not after.startswith(before):
-            raise Rewrite("the conversation before the model's last turn renders differently")
-        conv.rendered = after
-        ids = self.tokenizer.encode(after[len(before) :])
-        return drop_turn_end(self.tokenizer, ids, self._last_token[key], self.end_of_turn_ids)
-
-    def _extend_completion(self, conv: _Conversation, request: Request) -> list[int]:
-        if isinstance(request.prompt, list):
-            if request.prompt[: len(conv.ids)] != conv.ids:
-                raise Rewrite("the prompt's token ids do not start with the episode's")
-            obs = request.prompt[len(conv.ids) :]
-        else:
-            if not conv.text or not request.prompt.startswith(conv.text):
-                raise Rewrite("the prompt does not start with the episode's text")
-            obs = self.tokenizer.encode(request.prompt[len(conv.text) :])
-            conv.text = request.prompt
-        conv.ids += obs
-        return obs
+    def _split(self, key: Key, request: Request) -> None:
+        """End the sample at a call that rewrote history; the episode goes on in a new sample
+        whose prompt is the call's conversation, answered in the next round (`next_round`)."""
+        episode, prompt = self.episodes[key], self._open(key, request)
+        if prompt is None:  # refused: the episode failed
+            return
+        too_long = self.max_prompt_len and len(prompt) > self.max_prompt_len
+        if episode.turns >= self.max_turns or too_long:
+            episode.truncated = True
+            spent = EndpointError(400, "the episode's turn budget or the context is spent", "context_length_exceeded")
+            self._end(key, None, spent)
+            return
+        episode.splits += 1
+        self._prompt_lens[key] = len(prompt)
+        self.splits[key] = prompt
 
     # ---- ends ----
 
@@ -353,10 +428,8 @@ class AgentRollout:
         """End every episode: a sample the generator ended while its call waited (the model's
         context is full) is truncated as at max_total_tokens; wait for the agents whose sample
         ended early to return, then close every episode and collect the calls still in flight."""
-        for key, conv in self._conv.items():
-            if conv.request is not None and not self.episodes[key].done:
-                self.episodes[key].truncated = True
-                self._end(key, None, EndpointError(400, "the model's context is full", "context_length_exceeded"))
+        self.splits.clear()  # split episodes not played on (an error stopped the rounds) are truncated too
+        self.next_round()
         while self._closing:
             for _ in self._events(block=True):  # the other episodes are over: their events are dropped
                 pass

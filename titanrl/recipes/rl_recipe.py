@@ -37,6 +37,7 @@ from titanrl.data.loader import load_data
 from titanrl.data.packing import packed_micro_batches, use_packing
 from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample, Task
+from titanrl.envs.agent_pool import AgentPool
 from titanrl.envs.async_pool import AsyncEnvPool
 from titanrl.envs.builtin import ALL_TASKS
 from titanrl.envs.multi_turn import tool_setup
@@ -47,7 +48,7 @@ from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardOutputLog
-from titanrl.rl.agent_episodes import build_agent_pool
+from titanrl.rl.agent_episodes import build_agent_pool, split_samples, training_rows, with_split_rows
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.episode_dump import EpisodeDump
@@ -230,8 +231,10 @@ class RLRecipe(Recipe):
                 self.distiller.add_teacher_logprobs(batch)
 
         # 3. Advantages (and the critic's targets).
-        advantages = self.algorithm.advantages(self.advantage_inputs(batch, train))
-        batch["advantages"] = advantages.advantages
+        owners = training_rows(train.prompts, train.completions, algo.group_size)[2]  # split samples' episodes
+        episodes = batch[: len(train.completions)] if owners else batch
+        advantages = self.algorithm.advantages(self.advantage_inputs(episodes, train))
+        batch["advantages"] = with_split_rows(advantages.advantages, batch["loss_mask"], owners)
         if self.distiller is not None:  # per token [B, T-1]: task_reward_coef * A + coef * A_distill
             batch["advantages"] = self.distiller.advantages(advantages.advantages, batch, stats)
         if advantages.returns_BT is not None:
@@ -254,17 +257,16 @@ class RLRecipe(Recipe):
         return self.step_metrics(stats.reduced(self.trainer.dp_group), generated, timer, grad_norms, critic_norms)
 
     def build_batch(self, train: Rollouts, stats: RLStats) -> TensorDict:
-        G, completions = self.config.algorithm.group_size, train.completions
+        # Row i is sample i of prompt i // G; then the samples split off agent episodes.
+        prompts, completions, _ = training_rows(train.prompts, train.completions, self.config.algorithm.group_size)
         batch = build_sequence_batch(
-            [train.prompts[i // G] for i in range(len(completions))],
+            prompts,
             [c.token_ids for c in completions],
             self.trainer.tokenizer.pad_id,
             [c.logprobs for c in completions],
             [c.model_mask for c in completions],  # environment tokens are not trained on
         )
-        routes = routes_batch(
-            [len(train.prompts[i // G]) for i in range(len(completions))], completions, batch["tokens"].shape[1]
-        )
+        routes = routes_batch([len(p) for p in prompts], completions, batch["tokens"].shape[1])
         if routes is not None:
             batch["routes"] = routes
         batch = batch.to(self.trainer.device)
@@ -401,6 +403,9 @@ class RLRecipe(Recipe):
             metrics["greedy_reward"] = s.baseline_reward_sum / s.baseline_samples
         if self.envs is not None:
             metrics.update(env_turns=s.env_turns / n, env_failures=s.env_failures)
+        if self.config.agent.function and self.config.agent.on_rewrite == "split":
+            splits = sum(len(split_samples(c)) for c in generated.completions)
+            metrics["agent_splits"] = self.trainer.dp_sum([float(splits)])[0]
         metrics.update(s.distill_metrics() if self.distiller is not None else {})
         if self.critic is not None:
             metrics.update(
@@ -427,7 +432,8 @@ class RLRecipe(Recipe):
                 [self.trainer.encode_prompt(s.prompt, s.metadata) for s in mine], params
             )
             results = self.rewards([reward_item(s, c) for s, c in zip(mine, completions)])
-        suite_metrics, suite_results = self.suites.run(self.generator) if suites else ({}, [])
+        agents = self.envs if isinstance(self.envs, AgentPool) else None  # [agent] plays the suites too
+        suite_metrics, suite_results = self.suites.run(self.generator, agents) if suites else ({}, [])
         self.generator.sleep()
         self.reward_log.write(results + suite_results)
         correct, total, failures = self.trainer.dp_sum(

@@ -28,10 +28,13 @@ from titanrl.data.encode import PromptEncoder, fit_rows, prompt_room
 from titanrl.data.eval_suites import SOURCE_KEY, suite_samples, suite_task
 from titanrl.data.tasks import TASKS, NumericMath, Sample, Task
 from titanrl.distributed import dp_sum
+from titanrl.envs.agent_pool import AgentPool
 from titanrl.generator import Generator, SamplingParams
+from titanrl.models.chat_template import ChatTemplate
 from titanrl.rewards.math_verify import gsm8k_verifier, math_verifier
 from titanrl.rewards.pass_at_k import pass_at_k, pass_ks
 from titanrl.rewards.runner import RewardItem, RewardResult, RewardRunner
+from titanrl.rl.agent_episodes import play_agent_episodes
 
 log = get_logger(__name__)
 
@@ -81,6 +84,8 @@ class _Suite:
     sources: list[str]
     params: SamplingParams
     rewards: RewardRunner
+    template: ChatTemplate | None
+    """The suite's chat template (its chat_template setting, or data's): agent episodes render with it."""
 
 
 class EvalSuites:
@@ -121,7 +126,8 @@ class EvalSuites:
             suite_reward(suite, cfg), r.num_workers, r.timeout_s, r.failure_reward, r.memory_limit_mb
         )
         sources = sorted({str(s.metadata[SOURCE_KEY]) for s in samples if SOURCE_KEY in s.metadata})
-        return _Suite(suite, samples, [encode(s.prompt, s.metadata) for s in samples], sources, params, rewards)
+        prompts = [encode(s.prompt, s.metadata) for s in samples]
+        return _Suite(suite, samples, prompts, sources, params, rewards, encode.template)
 
     def console(self) -> dict[str, str]:
         """Console labels of the headline numbers: each suite's pass@1 and pass@k."""
@@ -132,30 +138,24 @@ class EvalSuites:
                 labels[f"eval/{s.suite.name}/pass@{s.suite.k}"] = f"{s.suite.name}@{s.suite.k}"
         return labels
 
-    def run(self, generator: Generator) -> tuple[dict[str, float], list[RewardResult]]:
+    def run(self, generator: Generator, agents: AgentPool | None = None) -> tuple[dict[str, float], list[RewardResult]]:
         """Every suite on an awake generator holding the weights to evaluate: (metrics, this
-        rank's reward results)."""
+        rank's reward results). With `agents` (the job's [agent] pool), every sample is an agent
+        episode: its reward is the agent's (or, when the agent returns None, the suite's score of
+        its transcript), and it is correct when that reward is > 0 (or the scorer says so)."""
         metrics, results = {}, []
         for s in self.suites:
-            suite_metrics, suite_results = self._run_suite(s, generator)
+            suite_metrics, suite_results = self._run_suite(s, generator, agents)
             metrics.update(suite_metrics)
             results += suite_results
         return metrics, results
 
-    def _run_suite(self, s: _Suite, generator: Generator) -> tuple[dict[str, float], list[RewardResult]]:
+    def _run_suite(
+        self, s: _Suite, generator: Generator, agents: AgentPool | None
+    ) -> tuple[dict[str, float], list[RewardResult]]:
         dims, k = self.host.dims, s.suite.k
         mine = list(range(dims.dp_rank, len(s.samples), dims.dp_size))
-        progress = progress_report(s.suite.name, len(mine) * k, self.progress_s) if self.host.rank == 0 else None
-        # An ep-sharded generator generates on every ep rank, with or without prompts (its all-to-alls).
-        run = mine or generator.lockstep is not None
-        prompts = [s.prompts[i] for i in mine]
-        completions = generator.generate(prompts, s.params, mine, on_finish=progress)[0] if run else []
-        items = [
-            RewardItem(sample.prompt, c.text or "", sample.answer, sample.metadata)
-            for c in completions
-            for sample in (s.samples[mine[c.prompt_index]],)
-        ]
-        results = s.rewards(items)
+        results = self._sample(s, generator, agents, mine)
         js = pass_ks(k)
         width = len(COUNTS) + len(js)
         groups = ["", *s.sources]
@@ -175,6 +175,26 @@ class EvalSuites:
             prefix = f"eval/{s.suite.name}/" + (f"{group}/" if group else "")
             metrics.update(_group_metrics(prefix, sums[g * width : (g + 1) * width], js, k, full=not group))
         return metrics, results
+
+    def _sample(self, s: _Suite, generator: Generator, agents: AgentPool | None, mine: list[int]) -> list[RewardResult]:
+        """The results of the k samples of each prompt in `mine`, ordered by (prompt, sample)."""
+        # An ep-sharded generator generates on every ep rank, with or without prompts (its all-to-alls).
+        if not mine and generator.lockstep is None:
+            return []
+        samples = [s.samples[i] for i in mine]
+        if agents is not None:
+            params = dataclasses.replace(s.params)
+            return play_agent_episodes(agents, self.host, generator, s.rewards, samples, params, mine, s.template)[2]
+        k = s.suite.k
+        progress = progress_report(s.suite.name, len(mine) * k, self.progress_s) if self.host.rank == 0 else None
+        prompts = [s.prompts[i] for i in mine]
+        completions = generator.generate(prompts, s.params, mine, on_finish=progress)[0]
+        items = [
+            RewardItem(sample.prompt, c.text or "", sample.answer, sample.metadata)
+            for c in completions
+            for sample in (samples[c.prompt_index],)
+        ]
+        return s.rewards(items)
 
     def close(self) -> None:
         for s in self.suites:
