@@ -17,6 +17,7 @@ from collections.abc import Callable
 from titanrl.data.key_value import KeyValueRetrieval
 from titanrl.data.short_answer import ShortAnswer
 from titanrl.data.task_types import Sample, Score, Task, safe_arithmetic
+from titanrl.data.word_problems import ToolMultiply
 
 __all__ = [
     "Arithmetic",
@@ -29,6 +30,7 @@ __all__ = [
     "Sort",
     "TASKS",
     "Task",
+    "ToolMultiply",
     "build_task",
     "safe_arithmetic",
 ]
@@ -143,6 +145,7 @@ TASKS: dict[str, Callable[[], Task]] = {
     "short_answer": ShortAnswer,
     "kv_retrieval": KeyValueRetrieval,
     "kv_retrieval_long": lambda: KeyValueRetrieval(num_keys=48),
+    "tool_multiply": ToolMultiply,
 }
 
 

@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 def demonstration(trainer: Trainer, sample: Sample) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, completion ids, completion loss mask) of a sample's worked solution + eos; a
     multi-turn demonstration (metadata 'demo' = [[text, from_model], ...]) masks out the
-    environment's text."""
+    environment's text; with a chat template, a demonstrated episode (metadata 'demo_messages':
+    the messages after the prompt's) is rendered by the template, only its assistant turns trained."""
+    if sample.metadata.get("demo_messages") and trainer.encode_prompt.template is not None:
+        return _chat_demonstration(trainer, sample)
     demo = sample.metadata.get("demo") or [[sample.solution, True]]
     tokenizer = trainer.tokenizer
     tokens, mask = [], []
@@ -45,6 +48,22 @@ def demonstration(trainer: Trainer, sample: Sample) -> tuple[list[int], list[int
         tokens += ids
         mask += [int(bool(from_model))] * len(ids)
     return trainer.encode_prompt(sample.prompt, sample.metadata), tokens + [tokenizer.eos_id], mask + [1]
+
+
+def _chat_demonstration(trainer: Trainer, sample: Sample) -> tuple[list[int], list[int], list[int]]:
+    """A demonstrated chat episode: the prompt's messages and 'demo_messages' rendered whole, the
+    loss on the assistant's turns (`ChatTemplate.assistant_mask`: their content and end of turn)."""
+    encode = trainer.encode_prompt
+    assert encode.template is not None, "a chat demonstration needs the chat template"
+    prompt = encode(sample.prompt, sample.metadata)
+    messages = encode.messages(sample.prompt, sample.metadata) + list(sample.metadata["demo_messages"])
+    ids, mask = encode.template.assistant_mask(trainer.tokenizer, messages)
+    if ids[: len(prompt)] != prompt:
+        raise ValueError(
+            "a 'demo_messages' demonstration does not start with its prompt's tokens: the chat template "
+            "renders the prompt's messages differently inside the whole conversation"
+        )
+    return prompt, ids[len(prompt) :], mask[len(prompt) :]
 
 
 def sft_losses(
