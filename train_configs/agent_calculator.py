@@ -2,16 +2,19 @@
 calculator, as users write agents. It sends the row's chat (a system message that describes the
 tool, then the word problem) with the tool's JSON schema, runs every tool call the model makes
 (the endpoint parses the model's Hermes / Qwen `<tool_call>` JSON into OpenAI `tool_calls`) and
-returns 1.0 when the final reply's last number is the product, else 0.0."""
+returns 1.0 when the final reply's last number is the product, else 0.0. The episodes of a
+worker share one connection pool (docs/agents.md, "Many episodes per worker")."""
 
 import json
 
-from openai import AsyncOpenAI
+import httpx
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 from titanrl.data.tasks import safe_arithmetic
 from titanrl.data.word_problems import CALCULATOR, final_answer
 
 MAX_CALLS = 3
+_HTTP: httpx.AsyncClient | None = None
 
 
 def calculate(arguments: str) -> str:
@@ -23,8 +26,17 @@ def calculate(arguments: str) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
 
 
+def http_client() -> httpx.AsyncClient:
+    """This worker's connection pool: no connection limit (every episode waits on the generator
+    at once), a timeout past the longest wait."""
+    global _HTTP
+    if _HTTP is None:
+        _HTTP = DefaultAsyncHttpxClient(timeout=600.0, limits=httpx.Limits(max_connections=None))
+    return _HTTP
+
+
 async def run(base_url: str, api_key: str, model: str, row: dict) -> float:
-    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client())
     messages = list(row["metadata"]["messages"])
     for _ in range(MAX_CALLS):
         reply = await client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR])
