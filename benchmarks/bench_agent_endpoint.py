@@ -30,7 +30,6 @@ of `--repeats` alternating runs after a small warm-up run of each.
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from benchmarks.agent_endpoint_fns import ADD, ANSWER, CALL
-from benchmarks.harness import write_json
+from benchmarks.harness import episode_report
 from titanrl.config.agent import Agent
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.data.encode import PromptEncoder
@@ -239,17 +238,14 @@ def main(argv: list[str] | None = None) -> dict:
     assert len({r[0]["sample_tokens"] for r in runs.values()}) == 1, "the sides' samples differ"
     summary, ratios = summarize(runs)
     model = f"qwen3 dim {a.dim}, 2 layers, byte vocabulary, random weights, scripted first turn"
-    report = {
-        "benchmark": "agent episodes: OpenAI-compatible endpoint vs in-process environment (one rank, CPU)",
-        "config": vars(a) | {"concurrent_episodes": a.prompts * a.group_size, "turn_starts": starts, "model": model},
-        "summary": summary,
-        "ratios": ratios,
-        "runs": runs,
-    }
-    print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
-    if a.out:
-        write_json(a.out, report)
-    return report
+    return episode_report(
+        a.out,
+        "agent episodes: OpenAI-compatible endpoint vs in-process environment (one rank, CPU)",
+        vars(a) | {"concurrent_episodes": a.prompts * a.group_size, "turn_starts": starts, "model": model},
+        summary,
+        ratios,
+        runs,
+    )
 
 
 if __name__ == "__main__":

@@ -13,13 +13,12 @@ handler's poll, waiting for environments), median of --repeats alternating runs,
 """
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from benchmarks.harness import timed_call, write_json
+from benchmarks.harness import episode_report, timed_call
 from titanrl.config.generation import Generator as GeneratorConfig
 from titanrl.envs.base import Environment
 from titanrl.envs.multi_turn import MultiTurnRollout
@@ -120,16 +119,14 @@ def main() -> None:
         "servers_minus_in_process_idle_s": summary["servers"]["median_generator_idle_s"]
         - summary["in_process"]["median_generator_idle_s"],
     }
-    report = {
-        "benchmark": "multi-turn episodes: local OpenEnv-protocol servers vs in-process env workers (one rank, CPU)",
-        "config": vars(a) | {"concurrent_episodes": a.prompts * a.group_size, "model": "debug flavor, random weights"},
-        "summary": summary,
-        "ratios": ratios,
-        "runs": runs,
-    }
-    print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
-    if a.out:
-        write_json(a.out, report)
+    episode_report(
+        a.out,
+        "multi-turn episodes: local OpenEnv-protocol servers vs in-process env workers (one rank, CPU)",
+        vars(a) | {"concurrent_episodes": a.prompts * a.group_size, "model": "debug flavor, random weights"},
+        summary,
+        ratios,
+        runs,
+    )
 
 
 if __name__ == "__main__":

@@ -295,3 +295,13 @@ def run_measured(cmd: list[str], env: dict, log_path: str) -> dict:
         "wall_s": time.perf_counter() - began,
         "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
     }
+
+
+def episode_report(out: str, benchmark: str, config: dict, summary: dict, ratios: dict, runs: list) -> dict:
+    """The episodes benchmarks' report (servers / endpoint vs in-process): printed (summary and
+    ratios) and, given `out`, written with `write_json`."""
+    report = {"benchmark": benchmark, "config": config, "summary": summary, "ratios": ratios, "runs": runs}
+    print(json.dumps({"summary": summary, "ratios": ratios}, indent=2))
+    if out:
+        write_json(out, report)
+    return report

@@ -21,6 +21,7 @@ pytest.importorskip("openai")
 
 from helpers import background, contained_envs  # noqa: E402
 from helpers.agent_fns import ADD_TOOL  # noqa: E402
+from helpers.launch import train_metrics  # noqa: E402
 from helpers.real_vocab import write_qwen_layout_folder  # noqa: E402
 
 from titanrl.config.agent import Agent  # noqa: E402
@@ -306,9 +307,6 @@ def test_grpo_steps_through_the_trainer_with_an_agent_function(checkpoint, tmp_p
     """train_configs/grpo_agent_debug.toml with a chat model and a real harness: two GRPO steps
     whose every episode ran through the endpoint, none failed."""
     pytest.importorskip(HARNESSES[function][0])
-    from titanrl.config import load_config
-    from titanrl.train import build_trainer
-
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")
     args = [
         f"--job.config_file={config}",
@@ -325,12 +323,7 @@ def test_grpo_steps_through_the_trainer_with_an_agent_function(checkpoint, tmp_p
         "--metrics.eval_freq=0",
     ]
     args += ["--checkpoint.enable=false", "--checkpoint.export_hf=false", "--generator.num_blocks=256"]
-    trainer = build_trainer(load_config(args))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    steps = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+    steps = [r for r in train_metrics(args, tmp_path) if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["env_failures"] == 0 and r["env_turns"] >= 1.0 and r["reward_failures"] == 0 for r in steps), steps
 

@@ -13,7 +13,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
-from helpers.launch import cli_in_process  # noqa: E402
+from helpers.launch import cli_in_process, train_metrics  # noqa: E402
 from test_agent_endpoint import (  # noqa: E402, F401
     ARGS,
     MAX_NEW,
@@ -121,20 +121,13 @@ def test_titanrl_eval_plays_the_suites_with_the_agent(tmp_path, capfd, monkeypat
 def test_training_evaluates_the_suites_with_the_agent(tmp_path):
     """train_configs/grpo_agent_debug.toml with the suite: its evaluations (start and end) are
     the agent's episodes, as in `titanrl eval`."""
-    from titanrl.train import build_trainer
-
     with open(os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")) as f:
         head = f.read().split("[agent]")[0]  # the suite_toml's agent instead
     config = suite_toml(tmp_path, "completions", head + '\n[data]\ntask = "reverse"\nnum_eval_samples = 2\n')
     args = [f"--job.config_file={config}", f"--job.dump_folder={tmp_path}", "--training.steps=1"]
     args += ["--sft_warmup.steps=0", "--training.batch_size=2", "--metrics.eval_freq=0"]
     args += ["--checkpoint.enable=false", "--checkpoint.export_hf=false", "--generator.num_blocks=256"]
-    trainer = build_trainer(load_config(args))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "eval/tools/pass@1" in r]
+    rows = [r for r in train_metrics(args, tmp_path) if "eval/tools/pass@1" in r]
     assert [r["step"] for r in rows] == [0, 1]
     want = {f"eval/tools/{k}": v for k, v in expected_metrics().items()}
     for r in rows:
@@ -208,19 +201,13 @@ def test_split_samples_train_with_their_episodes_advantage():
 
 def train_agent(tmp_path, args: list[str]) -> list[dict]:
     """train_configs/grpo_agent_debug.toml for two GRPO steps with `args`: the steps' metrics."""
-    from titanrl.train import build_trainer
-
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_agent_debug.toml")
     args = [f"--job.config_file={config}", f"--job.dump_folder={tmp_path}", "--training.steps=2", *args]
     args += ["--sft_warmup.steps=0", "--training.batch_size=2", "--algorithm.group_size=2"]
     args += ["--data.num_eval_samples=2", "--metrics.eval_freq=0", "--generator.num_blocks=256"]
     args += ["--agent.timeout_s=600"]  # a loaded machine: the episodes wait for the generator
-    trainer = build_trainer(load_config([*args, "--checkpoint.enable=false", "--checkpoint.export_hf=false"]))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    return [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "reward_mean" in r]
+    args += ["--checkpoint.enable=false", "--checkpoint.export_hf=false"]
+    return [r for r in train_metrics(args, tmp_path) if "reward_mean" in r]
 
 
 @pytest.mark.slow  # ~40 s on 2 cores

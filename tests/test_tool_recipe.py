@@ -3,7 +3,6 @@ task, its agent (train_configs/agent_calculator.py) driving a tool episode throu
 SFT demonstrations rendered by the chat template, and the recipe run end to end at a tiny size on
 a real BPE vocabulary with a ChatML template."""
 
-import json
 import os
 import random
 import sys
@@ -16,6 +15,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from helpers.launch import train_metrics  # noqa: E402
 from test_agent_endpoint import REPO_ROOT, TurnScript, checkpoint, folder, run_agent  # noqa: E402,F401
 
 from titanrl.data.encode import PromptEncoder  # noqa: E402
@@ -83,9 +83,6 @@ def test_the_agent_calls_the_calculator_and_scores_the_final_answer(folder):  # 
 def test_the_tool_recipe_runs_sft_then_grpo_through_the_agent(checkpoint, tmp_path):  # noqa: F811
     """The shipped TOML at a tiny size (random model, real vocabulary and ChatML template):
     SFT on rendered demonstrations, then GRPO steps whose episodes all ran the calculator agent."""
-    from titanrl.config import load_config
-    from titanrl.train import build_trainer
-
     config = os.path.join(REPO_ROOT, "train_configs", "grpo_smollm2_tool.toml")
     args = [f"--job.config_file={config}", f"--job.dump_folder={tmp_path}"]
     args += [f"--model.hf_checkpoint={checkpoint / 'model'}", f"--model.tokenizer={checkpoint / 'tokenizer'}"]
@@ -94,12 +91,7 @@ def test_the_tool_recipe_runs_sft_then_grpo_through_the_agent(checkpoint, tmp_pa
     args += ["--generator.max_new_tokens=8", "--checkpoint.enable=false", "--checkpoint.export_hf=false"]
     args += ["--model.max_seq_len=1024", "--agent.max_total_tokens=64"]  # Qwen's template renders the tools
     sys.path.insert(0, REPO_ROOT)
-    trainer = build_trainer(load_config(args))
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    rows = train_metrics(args, tmp_path)
     sft = [r for r in rows if "sft_loss" in r]
     steps = [r for r in rows if "reward_mean" in r]
     assert sft and all(r["sft_loss"] > 0 for r in sft)

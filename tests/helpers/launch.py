@@ -147,3 +147,18 @@ def train_in_process(argv: list[str], capsys) -> subprocess.CompletedProcess:
     code = _exit_code(lambda: launch.run(lambda: train.main(argv)) or 0)
     out = capsys.readouterr()
     return subprocess.CompletedProcess(["titanrl.train", *argv], code, out.out, out.err)
+
+
+def train_metrics(args: list[str], dump_folder) -> list[dict]:
+    """Build the trainer of `args` in this process, train, close it, and return the rows of
+    `dump_folder`/metrics.jsonl (what `titanrl run` does on one rank, without a launch)."""
+    from titanrl.config import load_config
+    from titanrl.train import build_trainer
+
+    trainer = build_trainer(load_config(args))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    with open(os.path.join(str(dump_folder), "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
