@@ -38,6 +38,7 @@ from titanrl.rewards.pass_at_k import pass_at_k  # noqa: E402
 from titanrl.rl.agent_episodes import (  # noqa: E402
     build_agent_pool,
     play_agent_episodes,
+    split_owners,
     split_samples,
     training_rows,
     with_split_rows,
@@ -179,8 +180,8 @@ def test_a_rewrite_splits_the_episode_into_two_token_exact_samples(folder, tmp_p
     assert c2.token_ids == turns[1] and trained(c2) == [1] * len(turns[1])
     assert tok.encode(tok.decode(turns[0][:-1])) != turns[0][:-1]  # the model's tokens, not its text re-encoded
     assert result.failed is None and result.reward == 0.75  # one result: the episode's, for both samples
-    row_prompts, rows, owners = training_rows(prompts, [c], 1)
-    assert row_prompts == [prompts[0], prompt2] and rows == [c, c2] and owners == [0]
+    row_prompts, rows = training_rows(prompts, [c], 1)
+    assert row_prompts == [prompts[0], prompt2] and rows == [c, c2] and split_owners([c]) == [0]
 
 
 def test_drop_fails_the_episode_that_rewrites_history(folder, tmp_path):  # noqa: F811

@@ -48,7 +48,13 @@ from titanrl.generator.routes import has_moe_layers
 from titanrl.recipes.base import Recipe
 from titanrl.recipes.sft import warmup
 from titanrl.rewards.runner import RewardOutputLog
-from titanrl.rl.agent_episodes import build_agent_pool, split_samples, training_rows, with_split_rows
+from titanrl.rl.agent_episodes import (
+    build_agent_pool,
+    split_owners,
+    split_samples,
+    training_rows,
+    with_split_rows,
+)
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.episode_dump import EpisodeDump
@@ -231,7 +237,7 @@ class RLRecipe(Recipe):
                 self.distiller.add_teacher_logprobs(batch)
 
         # 3. Advantages (and the critic's targets).
-        owners = training_rows(train.prompts, train.completions, algo.group_size)[2]  # split samples' episodes
+        owners = split_owners(train.completions)  # the episode row of each split sample's row
         episodes = batch[: len(train.completions)] if owners else batch
         advantages = self.algorithm.advantages(self.advantage_inputs(episodes, train))
         batch["advantages"] = with_split_rows(advantages.advantages, batch["loss_mask"], owners)
@@ -258,7 +264,7 @@ class RLRecipe(Recipe):
 
     def build_batch(self, train: Rollouts, stats: RLStats) -> TensorDict:
         # Row i is sample i of prompt i // G; then the samples split off agent episodes.
-        prompts, completions, _ = training_rows(train.prompts, train.completions, self.config.algorithm.group_size)
+        prompts, completions = training_rows(train.prompts, train.completions, self.config.algorithm.group_size)
         batch = build_sequence_batch(
             prompts,
             [c.token_ids for c in completions],

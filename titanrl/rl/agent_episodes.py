@@ -105,9 +105,7 @@ def play_agent_episodes(
         results.append(RewardResult(episode.reward, episode.correct, episode.failed, list(episode.rewards)))
     scored = [k for k, c in enumerate(completions) if turns.episodes[(c.prompt_index, c.sample_index)].score_transcript]
     if scored:  # the agents that returned None: their last sample, scored as a single-turn completion is
-        last = [
-            split_samples(completions[k])[-1][1] if split_samples(completions[k]) else completions[k] for k in scored
-        ]
+        last = [(split_samples(completions[k]) or [([], completions[k])])[-1][1] for k in scored]
         verdicts = rewards([reward_item(samples[completions[k].prompt_index], c) for k, c in zip(scored, last)])
         for k, verdict in zip(scored, verdicts):
             results[k] = verdict
@@ -159,17 +157,21 @@ def _split_rounds(
 
 def training_rows(
     prompts: list[list[int]], completions: list[Completion], group_size: int
-) -> tuple[list[list[int]], list[Completion], list[int]]:
+) -> tuple[list[list[int]], list[Completion]]:
     """Each training row's prompt and completion: sample i of prompt i // group_size, then the
-    samples split off agent episodes; and for each split sample, the row of its episode."""
+    samples split off agent episodes (in `split_owners` order)."""
     row_prompts = [prompts[i // group_size] for i in range(len(completions))]
-    rows, owners = list(completions), []
-    for i, c in enumerate(completions):
+    rows = list(completions)
+    for c in completions:
         for prompt, piece in split_samples(c):
             row_prompts.append(prompt)
             rows.append(piece)
-            owners.append(i)
-    return row_prompts, rows, owners
+    return row_prompts, rows
+
+
+def split_owners(completions: list[Completion]) -> list[int]:
+    """For each split sample (the rows `training_rows` appends), the row of its episode."""
+    return [i for i, c in enumerate(completions) for _ in split_samples(c)]
 
 
 def with_split_rows(advantages: torch.Tensor, mask_BT: torch.Tensor, owners: list[int]) -> torch.Tensor:
