@@ -21,7 +21,6 @@ background.register(
     "uninterrupted_two_ranks",
     ("tests/test_checkpoint.py", "tests/test_launch_hygiene.py"),
     lambda folder: train_cmd(checkpoint_runs.args(folder, 4, nproc=2), nproc=2),
-    {"OMP_NUM_THREADS": "1"},
 )
 
 

@@ -376,7 +376,7 @@ background.register(
     "agent_recipe",
     ("tests/test_agent_endpoint.py::test_the_shipped_agent_recipe_runs",),
     _shipped_recipe,
-    {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
+    {"PYTHONPATH": REPO_ROOT},
 )  # in the background from collection on (helpers/background.py)
 
 

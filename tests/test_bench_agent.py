@@ -21,7 +21,7 @@ background.register(
     "bench_agent_endpoint",
     ("tests/test_bench_agent.py::test_agent_endpoint_benchmark_quick_run_writes_a_complete_report",),
     _quick,
-    {"PYTHONPATH": REPO_ROOT, "OMP_NUM_THREADS": "1"},
+    {"PYTHONPATH": REPO_ROOT},
 )  # in the background from collection on (helpers/background.py)
 
 

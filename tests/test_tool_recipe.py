@@ -27,21 +27,23 @@ from titanrl.recipes.sft import demonstration  # noqa: E402
 AGENT = os.path.join(REPO_ROOT, "train_configs", "agent_calculator.py") + ":run"
 
 
+def factors(sample) -> tuple[int, int]:
+    """(a, b) of a problem, read from its demonstrated calculator call 'a*b'."""
+    a, b = sample.metadata["demo_messages"][0]["content"].split('"')[-2].split("*")
+    return int(a), int(b)
+
+
 def test_held_out_problems_are_never_trained_on():
     task = ToolMultiply()
     train = task.samples("train", 2000, 0)
     rng = random.Random(0)
     train += [task.make(rng) for _ in range(2000)]
     held_out = task.samples("eval", 200, 0)
-
-    def pair(s):
-        return tuple(sorted(int(n) for n in s.metadata["demo_messages"][0]["content"].split('"')[-2].split("*")))
-
-    assert not {pair(s) for s in train} & {pair(s) for s in held_out}
+    assert not {factors(s) for s in train} & {factors(s) for s in held_out}
     for s in train[:50] + held_out[:50]:
-        a, b = pair(s)
+        a, b = factors(s)
         assert str(a * b) == s.answer and str(a) in s.prompt and str(b) in s.prompt
-        assert 100 <= b <= 999 and 11 <= a <= 99
+        assert 100 <= a <= 999 and 11 <= b <= 99
     assert final_answer("The answer is 44,384.") == "44384" and final_answer("no number") is None
 
 
@@ -65,7 +67,7 @@ def test_the_agent_calls_the_calculator_and_scores_the_final_answer(folder):  # 
     result; the agent (a raw openai loop) runs the call, sends the result, and rewards it."""
     tok, template = HFTokenizer(folder), ChatTemplate.from_folder(folder)
     sample = ToolMultiply().samples("eval", 1, 0)[0]
-    a, b = (int(n) for n in sample.metadata["demo_messages"][0]["content"].split('"')[-2].split("*"))
+    a, b = factors(sample)
     turns = [tok.encode(tool_call_text(f"{a} * {b}")), tok.encode(f"The answer is {a * b}.")]
     turns = [t + [tok.eos_id] for t in turns]
     opener = tok.encode("<|im_start|>assistant\n")

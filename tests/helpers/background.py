@@ -66,7 +66,7 @@ def register(
 def register_torchrun(name: str, users: tuple[str, ...], script: str, nproc: int, args: Callable[[str], list[str]]):
     """A job that runs `script` on `nproc` gloo ranks under `torchrun --standalone`, with the
     environment `launch.run_torchrun` gives its ranks (`args`: given the job's folder)."""
-    env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": launch.TESTS_PYTHONPATH}
+    env = {"PYTHONPATH": launch.TESTS_PYTHONPATH}
     register(name, users, lambda folder: [*launch.torchrun_cmd(nproc), script, *args(folder)], env)
 
 
