@@ -29,9 +29,11 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from titanrl.components import viewer
@@ -155,8 +157,23 @@ def check_resume(config: "JobConfig", args, data) -> None:
     check_sources(loader.get(SOURCES_KEY), sources_in(data), notify=False)
 
 
-def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, module: str = "titanrl.train") -> int:
-    """Run the job (`module` on every rank) under torchrun in this process; the exit code for the shell."""
+def rank_role(config: "JobConfig", rank: int) -> str:
+    """'3', or with disaggregated rollout ranks '3 (trainer rank 1)': what a failure line names."""
+    R = config.rollout.rollout_ranks
+    if config.rollout.mode not in ("one_step", "async"):
+        return str(rank)
+    return f"{rank} (rollout rank {rank})" if rank < R else f"{rank} (trainer rank {rank - R})"
+
+
+def run_torchrun(
+    opts: list[str],
+    config_args: list[str],
+    dump_folder: str,
+    module: str = "titanrl.train",
+    describe: Callable[[int], str] = str,
+) -> int:
+    """Run the job (`module` on every rank) under torchrun in this process; the exit code for the
+    shell. `describe` names a rank in the failure line."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -188,8 +205,11 @@ def run_torchrun(opts: list[str], config_args: list[str], dump_folder: str, modu
         if failure.exitcode == 2 or os.listdir(errors.name):
             log.error(rank_error(errors.name, rank))
         # The watchdog (3) has already printed its one line.
-        if failure.exitcode not in (2, 3):
-            log.error(f"titanrl: rank {rank} failed with exit code {failure.exitcode} (its output is above)")
+        if failure.exitcode < 0:  # killed: the OOM killer, kill -9, a crash
+            name = signal.Signals(-failure.exitcode).name
+            log.error(f"titanrl: rank {describe(rank)} was killed by {name}; the other ranks were stopped")
+        elif failure.exitcode not in (2, 3):
+            log.error(f"titanrl: rank {describe(rank)} failed with exit code {failure.exitcode} (its output is above)")
         return failure.exitcode if failure.exitcode in (2, 3) else 1
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
@@ -397,7 +417,7 @@ def run_main(argv: list[str]) -> int:
     except ValueError as e:
         log.error(f"titanrl: error: {e}")
         return 2
-    return run_torchrun(opts, config_args, config.job.dump_folder)
+    return run_torchrun(opts, config_args, config.job.dump_folder, describe=lambda rank: rank_role(config, rank))
 
 
 def eval_main(args: list[str]) -> int:

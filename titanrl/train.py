@@ -11,6 +11,8 @@ from titanrl.algorithms import validate_algorithm
 from titanrl.components import launch
 from titanrl.config import JobConfig
 from titanrl.recipes import get_recipe
+from titanrl.rl.async_roles import split_async_world
+from titanrl.rl.async_rollout import AsyncRolloutWorker
 from titanrl.rl.one_step import split_world
 from titanrl.rl.rollout_worker import RolloutWorker
 from titanrl.trainer import Trainer
@@ -32,6 +34,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     validate_algorithm(config)
     if config.rollout.mode == "one_step" and split_world(config).rollout:  # this rank only generates
         RolloutWorker(config).run()
+        return {}
+    if config.rollout.mode == "async" and split_async_world(config).rollout:  # this rank only generates
+        AsyncRolloutWorker(config).run()
         return {}
     trainer = build_trainer(config)
     with launch.errors_logged(config.job.dump_folder):  # a user error mid-run: its traceback in a file

@@ -110,15 +110,20 @@ class Generator:
 
 @dataclass
 class Rollout:
-    mode: Literal["colocated", "one_step"] = "colocated"
+    mode: Literal["colocated", "one_step", "async"] = "colocated"
     """'colocated': every rank generates, then trains (the default; the bitwise-parity path).
     'one_step': the torchrun world is split into `rollout_ranks` ranks that only generate and
     score, and as many trainer ranks (rollout rank i feeds trainer rank i); rollout ranks generate
     batch k+1 while trainer ranks train on batch k, and get the new weights from their trainer
-    rank after each step (a copy over a process group, no files)."""
+    rank after each step (a copy over a process group, no files).
+    'async': `rollout_ranks` ranks decode a continuous stream and the other ranks train (any
+    ratio); finished groups go to the trainer as they complete, a step trains the next
+    batch_size of them within `max_staleness` versions, and new weights are broadcast in buckets
+    and swapped in between two decode steps, the samples in flight kept (docs/async.md)."""
 
     rollout_ranks: int = 1
-    """one_step: ranks that generate; the world must hold twice as many (the rest train)."""
+    """one_step / async: ranks that generate (the first ones). one_step: the world must hold twice
+    as many; async: every other rank trains."""
 
     staleness: int = 1
     """one_step: weight versions a batch may lag behind the trainer when trained on: 1 overlaps
@@ -145,9 +150,19 @@ class Rollout:
     fewer complete groups than its share (once at least one group is complete); 0: no cap."""
 
     max_staleness: int = 0
-    """Partial rollouts: a group in flight whose oldest token is more than this many weight
+    """async: k, the most weight versions a trained token may lag behind the weights it is
+    trained from (0: the synchronous run's samples and updates; 1-2: most of the overlap).
+    Partial rollouts: a group in flight whose oldest token is more than this many weight
     versions behind the current weights is restarted from its prompt (its tokens discarded,
     counted in 'restarted_groups'); 0: no bound."""
+
+    weight_bucket_mb: float = 256.0
+    """async: weights cross to the rollout ranks in broadcasts of about this many MB (in the
+    generator's dtype); the trainer gathers its shards one bucket at a time."""
+
+    recompute_kv: bool = False
+    """async: after a weight swap, prefill the samples in flight again under the new weights
+    (their K/V recomputed) instead of keeping their older tokens' K/V (PipelineRL's default)."""
 
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (no signal under a group
@@ -170,8 +185,10 @@ class Rollout:
             raise ValueError(f"[rollout] rollout_ranks must be >= 1, got {self.rollout_ranks}")
         if self.staleness not in (0, 1):
             raise ValueError(f"[rollout] staleness must be 0 or 1 (one-step off-policy), got {self.staleness}")
-        if self.mode == "one_step" and self.partial:
-            raise ValueError("[rollout] partial = true is for mode = 'colocated', not 'one_step'")
+        if self.mode != "colocated" and self.partial:
+            raise ValueError(f"[rollout] partial = true is for mode = 'colocated', not '{self.mode}'")
+        if not self.weight_bucket_mb > 0:
+            raise ValueError(f"[rollout] weight_bucket_mb must be > 0, got {self.weight_bucket_mb}")
         if self.max_staleness < 0:
             raise ValueError(f"[rollout] max_staleness must be >= 0 (0 = no bound), got {self.max_staleness}")
         if not self.oversample >= 1.0:

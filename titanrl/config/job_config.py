@@ -102,7 +102,7 @@ class JobConfig:
             )
         if self.rollout.partial:
             self._validate_partial_rollouts()
-        if self.rollout.mode == "one_step":
+        if self.rollout.mode in ("one_step", "async"):
             self._validate_one_step()
         if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
@@ -138,24 +138,31 @@ class JobConfig:
             raise ValueError("[rollout] partial = true and rollout.dynamic_sampling cannot be combined")
 
     def _validate_one_step(self) -> None:
-        if self.rollout.staleness and self.algorithm.off_policy_correction == "none":
+        """Disaggregated rollout ranks (mode 'one_step' or 'async'): what they support."""
+        mode = self.rollout.mode
+        if mode == "one_step" and self.rollout.staleness and self.algorithm.off_policy_correction == "none":
             raise ValueError(
                 "[rollout] mode = 'one_step' trains on samples of the previous weights: set "
                 "algorithm.off_policy_correction = 'tis' (or 'mis'), or rollout.staleness = 0"
+            )
+        if mode == "async" and self.rollout.max_staleness and self.algorithm.off_policy_correction == "none":
+            raise ValueError(
+                "[rollout] mode = 'async' trains on tokens of older weights: set algorithm.off_policy_correction "
+                "= 'tis' (or 'mis'), or rollout.max_staleness = 0"
             )
         unsupported = {
             "env.name": self.env.name,
             "agent.function": self.agent.function,
             "rollout.dynamic_sampling": self.rollout.dynamic_sampling,
             "reward.model_path": self.reward.model_path,
-            "parallelism.tp > 1": self.parallelism.tp > 1,
+            "parallelism.tp > 1": self.parallelism.tp > 1 and mode == "one_step",
             "job.recipe != 'rl'": self.job.recipe != "rl",
             "lora.enable": self.lora.enable,
             "generator.quantize": self.generator.quantize != "none",
         }
         for name, used in unsupported.items():
             if used:
-                raise ValueError(f"[rollout] mode = 'one_step' does not support {name} yet; use mode = 'colocated'")
+                raise ValueError(f"[rollout] mode = '{mode}' does not support {name} yet; use mode = 'colocated'")
 
 
 SUITES = "eval"

@@ -25,7 +25,13 @@ from titanrl.generator.kv_cache import BlockAllocator, KVCachePool, blocks_from_
 from titanrl.generator.model_runner import ModelRunner
 from titanrl.generator.sampling import SamplingParams, validate_prompts
 from titanrl.generator.scheduler import Scheduler
-from titanrl.generator.sequence import Completion, GenerationStats, PauseWhen, ResumedSample, TurnHandler
+from titanrl.generator.sequence import (
+    Completion,
+    GenerationStats,
+    PauseWhen,
+    ResumedSample,
+    TurnHandler,
+)
 from titanrl.generator.state_slots import StateSlots
 from titanrl.generator.step_loop import StepLoop
 from titanrl.generator.weight_sync import (

@@ -83,9 +83,10 @@ class BlockAllocator:
         self._hash_of_block[block] = block_hash
         self._block_of_hash[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block (after a weight update their K/V are stale)."""
-        assert all(rc == 0 for rc in self.ref_count), "prefix cache reset while sequences hold blocks"
+    def reset_prefix_cache(self, live: bool = False) -> None:
+        """Forget every cached block (after a weight update their K/V are stale). `live`: samples
+        in flight may hold blocks (a stream's weight swap); theirs stay theirs, uncached."""
+        assert live or all(rc == 0 for rc in self.ref_count), "prefix cache reset while sequences hold blocks"
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._hash_of_block.clear()

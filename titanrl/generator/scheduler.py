@@ -52,7 +52,9 @@ class Scheduler:
         self.chunked_prefill = config.enable_chunked_prefill
         self.params = params
         self.prompt_ids = prompt_ids
-        self.seed = params.seed if params.seed is not None else 0
+        seed = params.seed if params.seed is not None else 0
+        self.seeds = [seed] * len(prompts)
+        """Each prompt's sampling seed: `params.seed`, or per prompt in a stream (`add_prompts`)."""
         self.max_seq_len = max_seq_len
         self.exchange = TurnExchange(turns, max_seq_len, vocab_size) if turns is not None else None
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
@@ -164,7 +166,7 @@ class Scheduler:
             self.running.append(seq)
             return []
         samples = [
-            self.blocks.fork(seq, j, sample_key(self.seed, self.prompt_ids[seq.prompt_index], j))
+            self.blocks.fork(seq, j, sample_key(self.seeds[seq.prompt_index], self.prompt_ids[seq.prompt_index], j))
             for j in range(seq.params.n)
         ]
         self.blocks.free(seq)  # the samples hold their own references
@@ -232,7 +234,7 @@ class Scheduler:
                         list(seq.token_ids),
                         seq.prompt_len,
                         seq.params,
-                        sample_key(self.seed, self.prompt_ids[seq.prompt_index], j),
+                        sample_key(self.seeds[seq.prompt_index], self.prompt_ids[seq.prompt_index], j),
                         finish_reason="paused",
                     )
                     for j in range(seq.params.n)

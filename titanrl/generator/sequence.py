@@ -36,6 +36,9 @@ class Completion:
     """Multi-turn only: 1 for tokens the model sampled, 0 for environment tokens (logprob 0)."""
     key: int = 0
     """Key of the sample's random stream: a resumed sample continues the same stream."""
+    versions: list[int] | None = None
+    """Streams (`Generator.stream`): the weight version that sampled each token (its logits);
+    None for `generate`, whose tokens all come from the weights it was called with."""
     routes: torch.Tensor | None = None
     """MoE models: the experts each MoE layer chose for every token the generator fed to the
     model, prompt and completion, [prompt + completion tokens - 1, MoE layers, top_k] int16
@@ -144,6 +147,8 @@ class Seq:
     state_slot: int = -1
     # Sliding-window layers (gpt-oss): their block table over the window pool (`window_pages.py`).
     window_table: list[int] = field(default_factory=list)
+    # Streams: the weight version of each completion token (`Scheduler.stamp_versions`).
+    versions: list[int] = field(default_factory=list)
 
     @property
     def num_generated(self) -> int:
@@ -184,6 +189,7 @@ class Seq:
             top_logprobs=self.top_logprobs if self.params.num_top_logprobs else None,
             model_mask=(self.model_mask + [1] * (len(ids) - len(self.model_mask))) if self.model_mask else None,
             key=self.key,
+            versions=list(self.versions) if self.versions else None,
             routes=self.assemble_routes(),
         )
 

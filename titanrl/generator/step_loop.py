@@ -21,6 +21,9 @@ from titanrl.generator.sequence import Completion, PauseWhen, Seq, TurnHandler
 from titanrl.generator.window_pages import WindowPages
 from titanrl.models.tokenizer import Tokenizer
 
+StreamFeed = Callable[[Scheduler], bool]
+"""A stream's driver (`stream.py`), called before every scheduler pass; False ends the stream."""
+
 
 class StepLoop:
     """Runs `sched` to the end over `runner` and `pool`. A sample stops at a token of `eos_ids`
@@ -79,18 +82,11 @@ class StepLoop:
         while sched.has_work if lockstep is None else lockstep.more_passes(sched.has_work):
             if not sched.has_work:
                 continue
-            sched.stats.steps += 1
-            sched.stats.scheduler_passes += 1
             if turns is not None and not sched.exchange_turns():
+                sched.stats.steps += 1
+                sched.stats.scheduler_passes += 1
                 continue
-            prefill = sched.admit()
-            if prefill:
-                with torch.profiler.record_function("generator/prefill"):
-                    self._prefill(prefill)
-            if not prefill or sched.prefilling:
-                # A chunked prefill continues next pass: the running samples decode in between.
-                sched.stats.steps += bool(prefill)
-                self._decode(turns)
+            self._pass(turns)
             if turns is not None:
                 sched.pause()
             if (
@@ -105,6 +101,37 @@ class StepLoop:
                     [s.to_completion(self.tokenizer) for s in sched.finished[reported:] if s.finish_reason != "paused"]
                 )
                 reported = len(sched.finished)
+
+    def _pass(self, turns: TurnHandler | None) -> None:
+        """One scheduler pass: admit and prefill while there is room, else decode (both while a
+        long context is prefilled chunk by chunk)."""
+        sched = self.sched
+        sched.stats.steps += 1
+        sched.stats.scheduler_passes += 1
+        prefill = sched.admit()
+        if prefill:
+            with torch.profiler.record_function("generator/prefill"):
+                self._prefill(prefill)
+        if not prefill or sched.prefilling:
+            # A chunked prefill continues next pass: the running samples decode in between.
+            sched.stats.steps += bool(prefill)
+            self._decode(turns)
+
+    def run_stream(self, feed: StreamFeed) -> None:
+        """Passes for as long as `feed` (asked before each) keeps the stream going; then every
+        sample still in flight is dropped and its blocks freed."""
+        if self.runner.lockstep is not None:
+            raise ValueError("a generator stream cannot run under expert parallelism (ep lockstep) yet")
+        try:
+            while feed(self.sched):
+                if self.sched.has_work:
+                    self._pass(None)
+                    self._release_state_slots()
+        finally:
+            self.sched.pause_all()
+            self.sched.take_finished()
+            if self.state_slots is not None:
+                self.state_slots.release_all()
 
     def _prefill(self, seqs: list[Seq]) -> None:
         """One packed forward over this step's context tokens of the admitted sequences (up to

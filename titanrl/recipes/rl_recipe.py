@@ -55,6 +55,7 @@ from titanrl.rl.agent_episodes import (
     training_rows,
     with_split_rows,
 )
+from titanrl.rl.async_collector import AsyncRolloutCollector
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.distillation import build_distiller
 from titanrl.rl.episode_dump import EpisodeDump
@@ -72,9 +73,11 @@ if TYPE_CHECKING:
 
 
 def rollout_collector_class(config: JobConfig) -> type[RolloutCollector]:
-    """The collector of `config.rollout`: colocated (synchronous or partial) or one-step."""
+    """The collector of `config.rollout`: colocated (synchronous or partial), one-step or async."""
     if config.rollout.mode == "one_step":
         return RemoteRolloutCollector
+    if config.rollout.mode == "async":
+        return AsyncRolloutCollector
     if config.rollout.partial:
         return PartialRolloutCollector
     return RolloutCollector
@@ -210,8 +213,7 @@ class RLRecipe(Recipe):
 
         # 1. Generate G samples per prompt with the current policy weights, and score them.
         with timer("sync"):
-            self.generator.wake()
-            self.generator.load_weights(self.policy)
+            self.rollouts.sync_generator(self.policy)
         train, generated = self.rollouts.collect(batches, step, timer)
         self.generator.sleep()  # the KV pool's memory goes to training
         train, generated = balance_groups(train, generated, self.trainer, timer)  # whole groups between dp ranks

@@ -65,6 +65,12 @@ class RolloutCollector:
     def close(self) -> None:
         """End of the run (one-step: releases the rollout rank)."""
 
+    def sync_generator(self, policy: torch.nn.Module) -> None:
+        """Start of a step: the generator takes the policy's weights (async: they are broadcast
+        to the rollout ranks inside `collect` instead)."""
+        self.generator.wake()
+        self.generator.load_weights(policy)
+
     def sampling_params(self, step: int, round_idx: int) -> SamplingParams:
         """G samples per prompt with the [generator] section's settings, seeded by (job, step, round)."""
         cfg = self.config
