@@ -12,11 +12,14 @@ the whole group; a group whose max equals its min now gets exactly 0 (`equal_gro
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from titanrl.config.algorithm import ICEPOP_HIGH, ICEPOP_LOW
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -229,21 +232,44 @@ def token_rewards(
     return rewards_BT
 
 
-OffPolicyCorrection = Literal["none", "tis", "mis"]
+OffPolicyCorrection = Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis"]
+
+SEQUENCE_CORRECTIONS = ("seq_tis", "seq_mis", "geo_mis")
+"""The corrections whose weight is one number per sequence, aggregated over its loss tokens."""
 
 
 def importance_weights(
-    old_logprobs_BT: torch.Tensor, gen_logprobs_BT: torch.Tensor, mode: OffPolicyCorrection, cap: float
+    old_logprobs_BT: torch.Tensor,
+    gen_logprobs_BT: torch.Tensor,
+    mode: OffPolicyCorrection,
+    cap: float,
+    mask_BT: torch.Tensor | None = None,
+    low: float = ICEPOP_LOW,
+    high: float = ICEPOP_HIGH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights that correct for the generator sampling from pi_gen while the loss assumes the
-    trainer's pi_old, w_t = pi_old(y_t) / pi_gen(y_t), with no gradient:
+    """Weights that correct for the generator sampling from pi_gen (an older policy, or another
+    engine) while the loss assumes the trainer's pi_old, from r_t = pi_old(y_t) / pi_gen(y_t),
+    with no gradient. Per token:
 
-      tis (truncated IS; Yao et al., "Your efficient RL framework secretly brings you off-policy
-           RL training", 2025): w_t = min(w_t, C)
-      mis (masked IS; Liu et al., "When speed kills stability", 2025): w_t if 1/C <= w_t <= C,
-           else 0, i.e. the token is dropped from the loss.
+      tis    (truncated IS; Yao et al., "Your efficient RL framework secretly brings you
+             off-policy RL training", 2025): w_t = min(r_t, C)
+      mis    (masked IS; Liu et al., "When speed kills stability", 2025): w_t = r_t if
+             1/C <= r_t <= C, else 0, i.e. the token is dropped from the loss.
+      icepop (Ling Team, "Small leak can sink a great ship", 2025): w_t = r_t if
+             low <= r_t <= high (their alpha = 0.5, beta = 5), else 0.
 
-    Returns (weights_BT, dropped_BT) where dropped marks tokens truncated (tis) or masked (mis).
+    Per sequence b, over its loss tokens T_b (`mask_BT` > 0), one weight on every token of b
+    (verl's rollout IS `rollout_is_level = "sequence" | "geometric"`; Liu et al.):
+
+      seq_tis: w_b = min(rho_b, C),                      rho_b = prod_{t in T_b} r_t
+      seq_mis: w_b = rho_b if 1/C <= rho_b <= C, else 0  (the whole sequence is dropped)
+      geo_mis: w_b = g_b if 1/C <= g_b <= C, else 0,     g_b = exp(mean_{t in T_b} log r_t)
+
+    The sequence ratios are computed in log space (sum of log r_t), so a long sequence's
+    product does not overflow; a sequence without loss tokens has w_b = 1.
+
+    Returns (weights_BT, dropped_BT) where dropped marks tokens truncated (tis, seq_tis) or
+    masked (mis, icepop, seq_mis, geo_mis); per-sequence modes mark every token of the sequence.
     """
     ratio_BT = torch.exp(old_logprobs_BT.detach() - gen_logprobs_BT)
     if mode == "none":
@@ -254,7 +280,35 @@ def importance_weights(
     if mode == "mis":
         dropped = (ratio_BT > cap) | (ratio_BT < 1.0 / cap)
         return torch.where(dropped, 0.0, ratio_BT), dropped
-    raise ValueError(f"unknown off-policy correction '{mode}'; choose none, tis or mis")
+    if mode == "icepop":
+        dropped = (ratio_BT > high) | (ratio_BT < low)
+        return torch.where(dropped, 0.0, ratio_BT), dropped
+    if mode in SEQUENCE_CORRECTIONS:
+        assert mask_BT is not None, f"off-policy correction '{mode}' needs the loss mask"
+        return sequence_weights(old_logprobs_BT.detach() - gen_logprobs_BT, mask_BT, mode, cap)
+    raise ValueError(
+        f"unknown off-policy correction '{mode}'; choose none, tis, mis, icepop, seq_tis, seq_mis or geo_mis"
+    )
+
+
+def sequence_weights(
+    log_ratio_BT: torch.Tensor, mask_BT: torch.Tensor, mode: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`importance_weights` of the per-sequence modes (seq_tis, seq_mis, geo_mis) from the token
+    log ratios: the sum of log r_t over each sequence's loss tokens (its mean for geo_mis),
+    bounded in log space against log C, broadcast back over the sequence's tokens."""
+    on_BT = mask_BT > 0
+    log_w_B = torch.where(on_BT, log_ratio_BT, 0.0).sum(-1)
+    if mode == "geo_mis":
+        log_w_B = log_w_B / on_BT.sum(-1).clamp(min=1)
+    log_cap = math.log(cap)
+    if mode == "seq_tis":
+        dropped_B = log_w_B > log_cap
+        w_B = torch.exp(log_w_B.clamp(max=log_cap))
+    else:
+        dropped_B = log_w_B.abs() > log_cap
+        w_B = torch.where(dropped_B, 0.0, torch.exp(log_w_B))
+    return w_B[:, None].expand_as(log_ratio_BT), dropped_B[:, None].expand_as(log_ratio_BT)
 
 
 @dataclass

@@ -6,6 +6,10 @@ section checks its own fields in `validate()`."""
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+ICEPOP_LOW, ICEPOP_HIGH = 0.5, 5.0
+"""IcePop's acceptance region [alpha, beta] of the token ratio pi_train / pi_infer (Ling Team,
+"Small leak can sink a great ship", 2025): the defaults of algorithm.is_low / is_high."""
+
 
 @dataclass
 class Algorithm:
@@ -65,12 +69,25 @@ class Algorithm:
     num_minibatches: int = 1
     """Optimizer steps per pass; more than one (or several epochs) makes later updates off-policy."""
 
-    off_policy_correction: Literal["none", "tis", "mis"] = "none"
-    """Importance weights pi_trainer / pi_generator on the loss: 'tis' truncates them at
-    is_cap, 'mis' drops tokens whose ratio is outside [1/is_cap, is_cap]."""
+    off_policy_correction: Literal["none", "tis", "mis", "icepop", "seq_tis", "seq_mis", "geo_mis"] = "none"
+    """Importance weights r = pi_trainer / pi_generator on the loss, for tokens sampled by another
+    engine or by older weights (`algorithms/common.py: importance_weights`; docs/algorithms.md).
+    Per token: 'tis' truncates r at is_cap; 'mis' drops tokens whose r is outside
+    [1/is_cap, is_cap]; 'icepop' drops tokens whose r is outside [is_low, is_high]. Per sequence
+    (one weight on all its loss tokens): 'seq_tis' truncates the product of its r at is_cap;
+    'seq_mis' drops the sequence whose product is outside [1/is_cap, is_cap]; 'geo_mis' drops the
+    sequence whose geometric mean of r is outside [1/is_cap, is_cap] (set is_cap close to 1)."""
 
     is_cap: float = 2.0
-    """Cap C of the off-policy importance ratio (tis, mis)."""
+    """Cap C of the off-policy importance ratio (tis, mis, seq_tis, seq_mis, geo_mis); > 1."""
+
+    is_low: float = ICEPOP_LOW
+    """Lower bound alpha of the token ratio kept by off_policy_correction = 'icepop' (IcePop's
+    0.5); in (0, 1). Only that mode reads it."""
+
+    is_high: float = ICEPOP_HIGH
+    """Upper bound beta of the token ratio kept by off_policy_correction = 'icepop' (IcePop's 5);
+    > 1. Only that mode reads it."""
 
     tables: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each algorithm's own settings, written as a table named after it: `[algorithm.sapo]`
@@ -88,6 +105,7 @@ class Algorithm:
                 raise ValueError(f"[algorithm] {name} must be >= 0, got {getattr(self, name)}")
         if not self.is_cap > 1.0:
             raise ValueError(f"[algorithm] is_cap must be > 1, got {self.is_cap}")
+        self._validate_icepop_bounds()
         if not (self.dual_clip_c == 0 or self.dual_clip_c > 1.0):
             raise ValueError(
                 f"[algorithm] dual_clip_c must be 0 (off) or > 1 (verl's default is 3.0), got {self.dual_clip_c}"
@@ -100,6 +118,18 @@ class Algorithm:
             raise ValueError(
                 f"[algorithm] loss_agg_norm is only read by loss_agg = 'seq-mean-token-sum-norm', not "
                 f"'{self.loss_agg}': remove loss_agg_norm or change loss_agg"
+            )
+
+    def _validate_icepop_bounds(self) -> None:
+        if not (0.0 < self.is_low < 1.0 < self.is_high):
+            raise ValueError(
+                f"[algorithm] is_low and is_high must satisfy 0 < is_low < 1 < is_high (IcePop's 0.5 and 5), "
+                f"got is_low = {self.is_low}, is_high = {self.is_high}"
+            )
+        if self.off_policy_correction != "icepop" and (self.is_low, self.is_high) != (ICEPOP_LOW, ICEPOP_HIGH):
+            raise ValueError(
+                f"[algorithm] is_low / is_high are only read by off_policy_correction = 'icepop', not "
+                f"'{self.off_policy_correction}': remove them, or use is_cap for that mode"
             )
 
 

@@ -322,7 +322,9 @@ class RLRecipe(Recipe):
             mask, gen = mb["loss_mask"], mb["gen_logprobs"]
             # On-policy with a single update: pi_old is this very forward, so the ratio is exactly 1.
             old = mb["old_logprobs"] if off_policy else logprobs.detach()
-            is_weights, is_dropped = importance_weights(old, gen, algo.off_policy_correction, algo.is_cap)
+            is_weights, is_dropped = importance_weights(
+                old, gen, algo.off_policy_correction, algo.is_cap, mask, algo.is_low, algo.is_high
+            )
             ref = mb["ref_logprobs"] if self.reference is not None else None
             weights = is_weights if algo.off_policy_correction != "none" else None
             out = self.algorithm.loss(
