@@ -1,4 +1,4 @@
-"""Long-tail rollouts: synchronous steps vs partial rollouts, side by side on one workload.
+"""Long-tail rollouts: synchronous steps vs partial rollouts, one-step and async, side by side on one workload.
 
     python -m benchmarks.bench_long_tail --out benchmarks/bench_long_tail.json
 
@@ -10,11 +10,15 @@ reasoning RL. The JSON records the response-length percentiles measured in each 
 
 The warm-up runs once (the RL job with `--training.steps=0`, exported as a Hugging Face folder);
 every mode then starts from that folder, so all of them begin from the same policy. The modes
-(synchronous, partial rollouts, one-step, and synchronous with `--training.balance_tokens=false`:
-each rank trains the groups it generated) run the same job (same seed, `--steps` RL steps) under
-torchrun with `--nproc` gloo ranks (one-step: half of them generate, half train), `--repeats`
-times each, alternating modes so that a slow spell of the machine hits all of them; rates are
-the median over repeats.
+(synchronous, partial rollouts, one-step, synchronous with `--training.balance_tokens=false`:
+each rank trains the groups it generated, and `async_kN`: rollout.mode = 'async' with
+max_staleness N; `--modes` picks them) run the same job (same seed, `--steps` RL steps) under
+torchrun with `--nproc` gloo ranks (one-step and async: half of them generate, half train),
+`--repeats` times each, alternating modes so that a slow spell of the machine hits all of them;
+rates are the median over repeats. `wall_samples_per_s` is the wall clock's (end of step 1 to
+the end of the last step, evaluations included), the fair one across modes whose phases overlap;
+async runs also report each side's idle fraction, and every run its held-out accuracy curve
+against wall time (`eval_curve`: seconds, step, accuracy; `--eval_freq`).
 samples/s = samples trained over the RL steps / their wall time (the sum of the phase timers,
 first step excluded: it carries one-time costs); `steady_*` counts only the second half of the
 steps (partial rollouts start by training the short groups while the long ones are in flight,
@@ -76,7 +80,7 @@ def job(data: str, folder: str, args, steps: int) -> list[str]:
         f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
         f"--data.path={data}",
         "--data.num_eval_samples=16",
-        "--metrics.eval_freq=0",
+        f"--metrics.eval_freq={args.eval_freq}",
         f"--parallelism.dp_shard={args.nproc}",
         f"--training.steps={steps}",
         f"--training.batch_size={args.batch_size}",
@@ -122,6 +126,14 @@ def run(mode: str, data: str, hf: str, folder: str, args) -> list[dict]:
             f"--rollout.rollout_ranks={args.nproc // 2}",
             f"--parallelism.dp_shard={args.nproc // 2}",
         ]
+    if mode.startswith("async_k"):  # the same ranks, split: half decode a stream, half train
+        cmd = [c for c in cmd if not c.startswith("--parallelism.dp_shard")]
+        cmd += [
+            "--rollout.mode=async",
+            f"--rollout.rollout_ranks={args.nproc // 2}",
+            f"--rollout.max_staleness={int(mode[len('async_k') :])}",
+            f"--parallelism.dp_shard={args.nproc - args.nproc // 2}",
+        ]
     launch(cmd, mode, args.nproc)
     steps = {}
     for line in open(os.path.join(folder, "metrics.jsonl")):
@@ -147,12 +159,41 @@ def rates(timed: list[dict], batch_size: int, group_size: int) -> dict:
     }
 
 
+def wall(steps: list[dict], batch_size: int, group_size: int) -> dict:
+    """Wall time from the end of step 1 to the end of the last step (evaluations included: every
+    mode runs the same ones), the samples trained meanwhile, and the held-out accuracy curve
+    against wall time since the end of step 1."""
+    t0 = steps[0]["time"]
+    samples = sum(r.get("trained_groups", batch_size) * group_size for r in steps[1:])
+    seconds = steps[-1]["time"] - t0
+    return {
+        "wall_s": seconds,
+        "wall_samples_per_s": samples / seconds,
+        "eval_curve": [(r["time"] - t0, r["step"], r["eval_accuracy"]) for r in steps if "eval_accuracy" in r],
+    }
+
+
+ASYNC_KEYS = ("trainer_idle_frac", "rollout_idle_frac", "version_lag_mean", "rollout_tokens_per_s")
+
+
+def stream_metrics(timed: list[dict]) -> dict:
+    """Async only: each side's idle fraction and the staleness, mean over steps."""
+    if "trainer_idle_frac" not in timed[-1]:
+        return {}
+    out = {k: statistics.mean(r[k] for r in timed if k in r) for k in ASYNC_KEYS}
+    out["swaps_mid_decode"] = timed[-1]["swaps_mid_decode"]
+    out["groups_dropped"] = sum(r["groups_dropped"] for r in timed)
+    return out
+
+
 def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     timed = steps[1:]
     whole = rates(timed, batch_size, group_size)
     steady = rates(steps[len(steps) // 2 :], batch_size, group_size)
     return {
         **whole,
+        **wall(steps, batch_size, group_size),
+        **stream_metrics(timed),
         **{f"steady_{k}": v for k, v in steady.items()},
         "generate_s_mean": sum(r.get("time_generate", r.get("rollout_generate_s", 0.0)) for r in timed) / len(timed),
         "train_s_mean": sum(r["time_train"] for r in timed) / len(timed),
@@ -184,9 +225,16 @@ def summarise(steps: list[dict], batch_size: int, group_size: int) -> dict:
     }
 
 
-RATES = ("samples_per_s", "response_tokens_per_s", "steady_samples_per_s", "steady_response_tokens_per_s")
+RATES = (
+    "samples_per_s",
+    "response_tokens_per_s",
+    "steady_samples_per_s",
+    "steady_response_tokens_per_s",
+    "wall_samples_per_s",
+)
+MODES = ("sync", "partial", "one_step", "sync_unbalanced", "async_k1", "async_k2", "async_k4")
 DOC_TABLES = [
-    ("Rates, median over repeats", ["sync|partial|one_step|sync_unbalanced"], None),
+    ("Rates, median over repeats", ["sync|partial|one_step|sync_unbalanced|async_k1|async_k2|async_k4"], None),
     ("Against synchronous steps", ["*_vs_sync_*"], None),
 ]
 
@@ -203,7 +251,12 @@ def main() -> None:
     parser.add_argument("--long_frac", type=float, default=0.06)
     parser.add_argument("--sft_steps", type=int, default=40)
     parser.add_argument("--oversample", type=float, default=2.0)
+    parser.add_argument("--eval_freq", type=int, default=0, help="held-out evaluation every N steps (0: at the end)")
+    parser.add_argument("--modes", default="sync,partial,one_step,sync_unbalanced", help=f"of {', '.join(MODES)}")
     args = parser.parse_args()
+    modes = tuple(args.modes.split(","))
+    if not set(modes) <= set(MODES) or "sync" not in modes:
+        parser.error(f"--modes: 'sync' and any of {', '.join(MODES)}")
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
     data = os.path.join(work, "long_tail.jsonl")
     # Past the cap, within the debug model's 256-token context (SFT trains on prompt + solution).
@@ -216,7 +269,6 @@ def main() -> None:
         "(run once, every mode starts from it), temperature 1",
     }
     hf = warm_up(data, os.path.join(work, "warm_up"), args)
-    modes = ("sync", "partial", "one_step", "sync_unbalanced")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.repeats):
         for mode in modes:
@@ -227,13 +279,16 @@ def main() -> None:
             )
             print(mode, i, json.dumps({k: runs[mode][-1][k] for k in RATES}), flush=True)
     for mode in modes:
-        report[mode] = {**{k: statistics.median(r[k] for r in runs[mode]) for k in RATES}, "repeats": runs[mode]}
-    for mode in ("partial", "one_step", "sync_unbalanced"):
+        medians = {k: statistics.median(r[k] for r in runs[mode]) for k in (*RATES, *ASYNC_KEYS) if k in runs[mode][0]}
+        final = [r["eval_curve"][-1][2] for r in runs[mode]]
+        report[mode] = {**medians, "final_eval_accuracy": statistics.mean(final), "repeats": runs[mode]}
+    for mode in modes[1:]:
         for k in RATES:
             report[f"{mode}_vs_sync_{k}"] = report[mode][k] / report["sync"][k]
-    report["partial_vs_sync_decode_steps_per_sample"] = statistics.median(
-        s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"])
-    )
+    if "partial" in modes:
+        report["partial_vs_sync_decode_steps_per_sample"] = statistics.median(
+            s["decode_steps_per_sample"] / p["decode_steps_per_sample"] for s, p in zip(runs["sync"], runs["partial"])
+        )
     print(json.dumps({k: v for k, v in report.items() if "_vs_" in k}, indent=1))
     write_json(args.out, report, env=env)
     shutil.rmtree(work)
