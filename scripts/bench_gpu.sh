@@ -25,6 +25,7 @@
 #   bash scripts/bench_gpu.sh --long-context-only [--dry-run]
 #   bash scripts/bench_gpu.sh --hybrid-only [--dry-run]      # `--hybrid` adds it to a full run
 #   bash scripts/bench_gpu.sh --gpt-oss-only [--dry-run]
+#   bash scripts/bench_gpu.sh --async-only [--dry-run]       # needs 2 GPUs or more
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ " $* " != *" --dry-run "* ]] && ! python -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
@@ -129,6 +130,24 @@ hybrid_section() {
 }
 if [[ " $* " == *" --hybrid-only "* ]]; then
   hybrid_section "$@"
+  exit $?
+fi
+# Asynchronous RL (docs/async.md): benchmarks/bench_long_tail.py's long-tailed GRPO workload,
+# synchronous vs one-step vs async at max_staleness 1 / 2 / 4, one rank per visible GPU (half
+# decode, half train; at least 2 GPUs), written to benchmarks/bench_long_tail_async_gpu.json
+# (under 540 s). With --dry-run: 2 gloo ranks on the CPU, 3 steps, the JSON in /tmp.
+#   bash scripts/bench_gpu.sh --async-only [--dry-run]
+async_section() {
+  local nproc steps=20 batch=64 tokens=224 out=benchmarks/bench_long_tail_async_gpu.json
+  nproc=$(python -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+  if [[ " $* " == *" --dry-run "* ]]; then nproc=2 steps=3 batch=8 tokens=32 out=/tmp/bench_long_tail_async_dry.json; fi
+  if (( nproc < 2 )); then echo "bench_gpu.sh: --async-only needs 2 GPUs or more (rollout and trainer ranks)" >&2; return 2; fi
+  timeout 540 python -m benchmarks.bench_long_tail --nproc "$nproc" --steps "$steps" --repeats 1 \
+    --batch_size "$batch" --group_size 8 --max_new_tokens "$tokens" --sft_steps 4 --eval_freq 0 \
+    --modes sync,one_step,async_k1,async_k2,async_k4 --out "$out"
+}
+if [[ " $* " == *" --async-only "* ]]; then
+  async_section "$@"
   exit $?
 fi
 # Two DeepSeek-V3-shaped layers (benchmarks/bench_deepseek_gpu.py, under 300 s): generator decode

@@ -109,8 +109,9 @@ def split_async_world(config: JobConfig, timeout_s: float = _TIMEOUT_S) -> Async
 
 
 def _sync_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    """NCCL where the ranks have GPUs (the weights are on them), else gloo."""
-    if torch.cuda.is_available():
+    """NCCL where every local rank has a GPU of its own (the weights are on them), else gloo
+    (through host memory)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
