@@ -78,8 +78,8 @@ def job(data: str, folder: str, args, steps: int) -> list[str]:
         "-m",
         "titanrl.train",
         f"--job.config_file={os.path.join(REPO_ROOT, 'train_configs', 'grpo_reverse_debug.toml')}",
-        f"--data.path={data}",
-        "--data.num_eval_samples=16",
+        *([f"--data.path={data}"] if args.workload == "long_tail" else []),
+        f"--data.num_eval_samples={args.eval_samples}",
         f"--metrics.eval_freq={args.eval_freq}",
         f"--parallelism.dp_shard={args.nproc}",
         f"--training.steps={steps}",
@@ -109,11 +109,12 @@ def warm_up(data: str, folder: str, args) -> str:
     return os.path.join(folder, "hf")
 
 
-def run(mode: str, data: str, hf: str, folder: str, args) -> list[dict]:
+def run(mode: str, data: str, hf: str, folder: str, args, seed: int = 0) -> list[dict]:
     cmd = job(data, folder, args, args.steps) + [
         f"--model.hf_checkpoint={hf}",
         "--sft_warmup.steps=0",
         "--checkpoint.enable=false",
+        f"--job.seed={seed}",
     ]
     if mode == "sync_unbalanced":  # each rank trains the groups it generated (before training.balance_tokens)
         cmd += ["--training.balance_tokens=false"]
@@ -252,6 +253,14 @@ def main() -> None:
     parser.add_argument("--sft_steps", type=int, default=40)
     parser.add_argument("--oversample", type=float, default=2.0)
     parser.add_argument("--eval_freq", type=int, default=0, help="held-out evaluation every N steps (0: at the end)")
+    parser.add_argument(
+        "--workload",
+        default="long_tail",
+        choices=("long_tail", "reverse"),
+        help="long_tail (written here) or the debug job's embedded reverse task, which learns within tens of steps",
+    )
+    parser.add_argument("--eval_samples", type=int, default=16, help="held-out prompts per evaluation")
+    parser.add_argument("--seed_per_repeat", action="store_true", help="repeat i runs with job.seed = i")
     parser.add_argument("--modes", default="sync,partial,one_step,sync_unbalanced", help=f"of {', '.join(MODES)}")
     args = parser.parse_args()
     modes = tuple(args.modes.split(","))
@@ -264,7 +273,10 @@ def main() -> None:
     env = environment()  # taken now: the runs import the code as it is at the start
     report = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},  # defaults included
-        "workload": f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
+        "workload": "the debug job's reverse task (train_configs/grpo_reverse_debug.toml), "
+        f"debug model after {args.sft_steps} SFT steps, temperature 1"
+        if args.workload == "reverse"
+        else f"{1 - args.long_frac:.0%} of prompts want a 3-digit answer, {args.long_frac:.0%} a long one "
         f"(past max_new_tokens={args.max_new_tokens}); debug model after {args.sft_steps} SFT steps "
         "(run once, every mode starts from it), temperature 1",
     }
@@ -274,7 +286,9 @@ def main() -> None:
         for mode in modes:
             runs[mode].append(
                 summarise(
-                    run(mode, data, hf, os.path.join(work, f"{mode}_{i}"), args), args.batch_size, args.group_size
+                    run(mode, data, hf, os.path.join(work, f"{mode}_{i}"), args, i if args.seed_per_repeat else 0),
+                    args.batch_size,
+                    args.group_size,
                 )
             )
             print(mode, i, json.dumps({k: runs[mode][-1][k] for k in RATES}), flush=True)

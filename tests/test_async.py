@@ -57,11 +57,13 @@ def test_async_with_staleness_0_on_1_plus_1_ranks_is_the_synchronous_run(tmp_pat
 
 
 @pytest.mark.multirank
-def test_async_staleness_2_on_1_plus_2_ranks_never_trains_a_token_more_than_2_versions_stale(tmp_path):
-    """rollout.mode = 'async', max_staleness = 2, 1 rollout rank + 2 FSDP2 trainer ranks -> the recorded versions of every trained group are within 2 of the weights it was trained from, the bound is reached, nothing is dropped, every group is trained once"""
+def test_async_staleness_2_on_2_plus_2_ranks_never_trains_a_token_more_than_2_versions_stale(tmp_path):
+    """rollout.mode = 'async', max_staleness = 2, one generator tp-sharded over 2 rollout ranks (rollout.tp = 2) + 2 FSDP2 trainer ranks -> the recorded versions of every trained group are within 2 of the weights it was trained from, the bound is reached, nothing is dropped, every group is trained once; step 1's samples (version 0) score as the trainer's forward does (the tp shards took the right slices of the broadcast weights)"""
     extra = ["--rollout.mode=async", "--rollout.max_staleness=2", "--algorithm.off_policy_correction=tis"]
-    _run_ok(_args(tmp_path, *extra, "--parallelism.dp_shard=-1", steps=6), 3)
+    tp = ["--rollout.rollout_ranks=2", "--rollout.tp=2"]
+    _run_ok(_args(tmp_path, *extra, *tp, "--parallelism.dp_shard=-1", steps=6), 4)
     rows, steps = _groups(tmp_path), _rl_steps(tmp_path)
+    assert steps[1]["gen_logprob_diff"] < 1e-5 < steps[2]["gen_logprob_diff"]
     assert sorted(steps) == [1, 2, 3, 4, 5, 6] and len(rows) == 6 * 4
     assert all(0 <= (r["step"] - 1) - r["min_version"] <= 2 for r in rows)
     assert all(r["min_version"] <= r["max_version"] <= r["step"] - 1 for r in rows)

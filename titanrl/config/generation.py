@@ -156,6 +156,11 @@ class Rollout:
     versions behind the current weights is restarted from its prompt (its tokens discarded,
     counted in 'restarted_groups'); 0: no bound."""
 
+    tp: int = 1
+    """async: rollout ranks that serve one generator, its weights sharded over them (tensor
+    parallel; a rollout group). rollout_ranks must be a multiple, and it must divide the model's
+    heads as parallelism.tp does."""
+
     weight_bucket_mb: float = 256.0
     """async: weights cross to the rollout ranks in broadcasts of about this many MB (in the
     generator's dtype); the trainer gathers its shards one bucket at a time."""
@@ -187,6 +192,10 @@ class Rollout:
             raise ValueError(f"[rollout] staleness must be 0 or 1 (one-step off-policy), got {self.staleness}")
         if self.mode != "colocated" and self.partial:
             raise ValueError(f"[rollout] partial = true is for mode = 'colocated', not '{self.mode}'")
+        if self.tp < 1:
+            raise ValueError(f"[rollout] tp must be >= 1, got {self.tp}")
+        if self.tp > 1 and self.mode != "async":
+            raise ValueError("[rollout] tp > 1 shards the generator of a rollout group: it needs mode = 'async'")
         if not self.weight_bucket_mb > 0:
             raise ValueError(f"[rollout] weight_bucket_mb must be > 0, got {self.weight_bucket_mb}")
         if self.max_staleness < 0:

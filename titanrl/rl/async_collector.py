@@ -37,24 +37,34 @@ from titanrl.rl.weight_broadcast import bucket_layout, layout_digest, send_weigh
 class GroupQueue:
     """The hub's queue of finished groups, filled by one receiver thread per rollout rank."""
 
-    def __init__(self, num_rollout: int) -> None:
+    def __init__(self, num_groups: int) -> None:
         self.cond = threading.Condition()
         self.groups: list[dict] = []
         self.arrivals = 0
-        self.swapped = [-1] * num_rollout  # each rollout rank's latest weights version
-        self.mid_decode = [0] * num_rollout  # its swaps with samples in flight, so far
+        self.swapped = [-1] * num_groups  # each rollout group's latest weights version
+        self.mid_decode = [0] * num_groups  # its swaps with samples in flight, so far
         self.stats = dict.fromkeys(STAT_FIELDS, 0)
         self.rollout_idle_s = 0.0
         self.threads: list[threading.Thread] = []
+        self.error = ""
 
     def start(self) -> None:
         r = async_roles()
-        for peer in range(r.num_rollout):
-            t = threading.Thread(target=self._receive, args=(peer,), name=f"titanrl-stream-{peer}", daemon=True)
+        for g, peer in enumerate(r.leaders):
+            t = threading.Thread(target=self._receive, args=(g, peer), name=f"titanrl-stream-{g}", daemon=True)
             t.start()
             self.threads.append(t)
 
-    def _receive(self, peer: int) -> None:
+    def _receive(self, g: int, peer: int) -> None:
+        try:
+            self._receive_stream(g, peer)
+        except BaseException as e:  # the step waiting for groups raises it, instead of waiting forever
+            with self.cond:
+                self.error = f"the stream of rollout group {g} (rank {peer}) broke: {type(e).__name__}: {e}"
+                self.cond.notify_all()
+            raise
+
+    def _receive_stream(self, g: int, peer: int) -> None:
         r = async_roles()
         while True:
             message = recv_object(peer, STREAM, r)
@@ -66,18 +76,20 @@ class GroupQueue:
                     self.stats[k] += message["stats"][k]
                 self.rollout_idle_s += message["idle_s"]
                 if message["kind"] == "swapped":
-                    self.swapped[peer], self.mid_decode[peer] = message["version"], message["mid_decode"]
-                for g in message.get("groups", []):
-                    g["arrival"] = self.arrivals
+                    self.swapped[g], self.mid_decode[g] = message["version"], message["mid_decode"]
+                for group in message.get("groups", []):
+                    group["arrival"] = self.arrivals
                     self.arrivals += 1
-                    self.groups.append(g)
+                    self.groups.append(group)
                 self.cond.notify_all()
 
     def take(self, version: int, n: int, k: int) -> tuple[list[dict], int]:
         """Once every rollout rank has `version` and `n` groups within k versions of it are
         here: those n, oldest first (and how many too stale were dropped)."""
         with self.cond:
-            self.cond.wait_for(lambda: min(self.swapped) >= version and len(self.groups) >= n)
+            self.cond.wait_for(lambda: self.error or (min(self.swapped) >= version and len(self.groups) >= n))
+            if self.error:
+                raise RuntimeError(self.error)
             stale = [g for g in self.groups if version - g["min_version"] > k]
             self.groups = [g for g in self.groups if version - g["min_version"] <= k]
             self.cond.wait_for(lambda: len(self.groups) >= n)
@@ -105,7 +117,7 @@ class AsyncRolloutCollector(RolloutCollector):
             raise ValueError("[rollout] mode = 'async' does not support algorithms with a baseline rollout (remax) yet")
         r = async_roles()
         self.roles = r
-        self.queue = GroupQueue(r.num_rollout) if r.is_hub else None
+        self.queue = GroupQueue(r.num_groups) if r.is_hub else None
         self.start: int | None = None
         self.trained: set[int] = set()
         self.frontier = 0  # every group id below it is trained
@@ -166,7 +178,7 @@ class AsyncRolloutCollector(RolloutCollector):
         now = time.perf_counter()
         interval, self.dealt_at = now - (self.dealt_at or now), now
         if interval > 0:
-            metrics["rollout_idle_frac"] = idle / (interval * r.num_rollout)
+            metrics["rollout_idle_frac"] = idle / (interval * r.num_groups)
             metrics["rollout_tokens_per_s"] = stats["decode_tokens"] / interval
             metrics["trainer_idle_frac"] = (waited + self.sync_s) / interval
         metrics["swaps_mid_decode"] = float(sum(self.queue.mid_decode))

@@ -58,6 +58,28 @@ class AsyncRoles:
     """Gloo over the whole torchrun world (global ranks)."""
     sync: dist.ProcessGroup | None
     """The hub (group rank R) and the rollout ranks (0..R-1); None on other trainer ranks."""
+    tp: int = 1
+    """Rollout ranks per generator (a rollout group, tensor-parallel; `rollout.tp`)."""
+
+    @property
+    def num_groups(self) -> int:
+        """Rollout groups: each serves one generator and one data shard."""
+        return self.num_rollout // self.tp
+
+    @property
+    def group(self) -> int:
+        """This rollout rank's group."""
+        return self.index // self.tp
+
+    @property
+    def is_leader(self) -> bool:
+        """The rollout rank that talks to the hub for its group (its tp rank 0)."""
+        return self.rollout and self.index % self.tp == 0
+
+    @property
+    def leaders(self) -> list[int]:
+        """Global ranks of the rollout groups' leaders."""
+        return list(range(0, self.num_rollout, self.tp))
 
     @property
     def hub(self) -> int:
@@ -88,11 +110,15 @@ def split_async_world(config: JobConfig, timeout_s: float = _TIMEOUT_S) -> Async
             f"[rollout] mode = 'async' with rollout_ranks = {R} needs more than {R} ranks (at least one trains), "
             f"got {world}; launch torchrun --nproc_per_node={R + 1} or more, or lower rollout.rollout_ranks"
         )
-    T = world - R
-    if config.training.batch_size % R or config.training.batch_size % T:
+    T, tp = world - R, config.rollout.tp
+    if R % tp:
+        raise ValueError(
+            f"[rollout] rollout.tp ({tp}) must divide rollout.rollout_ranks ({R}): one generator per tp ranks"
+        )
+    if config.training.batch_size % (R // tp) or config.training.batch_size % T:
         raise ValueError(
             f"[rollout] mode = 'async': training.batch_size ({config.training.batch_size}) must divide among the "
-            f"{R} rollout ranks and the {T} trainer ranks; change the batch size or rollout.rollout_ranks"
+            f"{R // tp} rollout groups and the {T} trainer ranks; change the batch size or rollout.rollout_ranks"
         )
     store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -102,16 +128,24 @@ def split_async_world(config: JobConfig, timeout_s: float = _TIMEOUT_S) -> Async
     if rank <= R:  # the rollout ranks and the hub
         sync = _sync_group(dist.PrefixStore(f"titanrl/async_sync_{attempt}", store), rank, R + 1, timeout)
     rollout = rank < R
-    _roles = AsyncRoles(rollout, rank if rollout else rank - R, R, T, group, sync)  # type: ignore[arg-type]
+    if rollout and tp > 1:  # the rollout ranks' own world: their groups' tp meshes live in it
+        backend = "nccl" if _use_nccl() else "gloo"
+        rollout_store = dist.PrefixStore(f"titanrl/async_rollout_{attempt}", store)
+        dist.init_process_group(backend, store=rollout_store, rank=rank, world_size=R, timeout=timeout)
+    _roles = AsyncRoles(rollout, rank if rollout else rank - R, R, T, group, sync, tp)  # type: ignore[arg-type]
     if not rollout:  # LOCAL_RANK stays: it picks this process's own GPU
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank - R), str(T)
     return _roles
 
 
+def _use_nccl() -> bool:
+    """Whether every local rank has a GPU of its own (the weights are on them)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def _sync_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
-    """NCCL where every local rank has a GPU of its own (the weights are on them), else gloo
-    (through host memory)."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):
+    """NCCL where every local rank has a GPU of its own, else gloo (through host memory)."""
+    if _use_nccl():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -141,11 +175,11 @@ def recv_object(peer: int, kind: int, r: AsyncRoles) -> Any:
 
 
 def announce(version: int, num_buckets: int, r: AsyncRoles) -> None:
-    """Tell every rollout rank that `version`'s weights follow in `num_buckets` broadcasts
-    (or, with STOP_VERSION, that the run is over)."""
+    """Tell every rollout group's leader that `version`'s weights follow in `num_buckets`
+    broadcasts (or, with STOP_VERSION, that the run is over)."""
     works = [
         r.world.send([torch.tensor([version, num_buckets], dtype=torch.int64)], peer, TAG_ANNOUNCE)
-        for peer in range(r.num_rollout)
+        for peer in r.leaders
     ]
     for w in works:
         w.wait()

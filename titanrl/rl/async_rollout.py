@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanrl.components.faults import fault_point
 from titanrl.components.launch import StopSignals, die_with_launcher, local_device, model_args
@@ -45,6 +47,7 @@ from titanrl.rl.async_roles import (
     STOP_VERSION,
     STREAM,
     AnnouncementListener,
+    AsyncRoles,
     async_roles,
     recv_object,
     send_object,
@@ -72,6 +75,26 @@ class StreamGroup:
         return min(s.versions[0] for s in self.finished if s.versions)
 
 
+@dataclass
+class Decision:
+    """What a rollout group does before a pass, decided by its leader (`StreamDriver._decide`)."""
+
+    stop: bool = False
+    swap: tuple[int, int] | None = None
+    """(version, buckets) to take now."""
+    pending: int | None = None
+    """A version announced but not taken yet: admission must not hold it back further."""
+
+    def pack(self) -> list[int]:
+        swap = self.swap or (-1, 0)
+        return [int(self.stop), swap[0], swap[1], -1 if self.pending is None else self.pending]
+
+    @staticmethod
+    def unpack(values: list[int]) -> Decision:
+        stop, version, buckets, pending = values
+        return Decision(bool(stop), (version, buckets) if version >= 0 else None, None if pending < 0 else pending)
+
+
 class AsyncRolloutWorker:
     """A rollout rank: its own generator, reward workers and data shard, one endless stream."""
 
@@ -89,13 +112,16 @@ class AsyncRolloutWorker:
             torch.cuda.set_device(device)
         split = load_data(cfg, "prompts", ALL_TASKS)
         train, _ = fit_prompts(cfg, args.max_seq_len, self.encode, split.train, split.held_out)
-        self.generator = build_generator(cfg, args, device, tokenizer)
-        self.rewards = build_reward_runner(cfg, split.task)
-        host = RolloutRankHost(cfg, _Shard(r.index, r.num_rollout), tokenizer, self.encode, device)
-        self.scorer = Scorer(host, self.rewards, None)
+        tp_mesh = rollout_tp_mesh(r, device)
+        self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        self.generator = build_generator(cfg, args, device, tokenizer, tp_mesh)
+        # The group's leader scores and sends its groups: only it runs reward workers.
+        self.rewards = build_reward_runner(cfg, split.task) if r.is_leader else None
+        host = RolloutRankHost(cfg, _Shard(r.group, r.num_groups), tokenizer, self.encode, device)
+        self.scorer = Scorer(host, self.rewards, None) if self.rewards is not None else None
         self.tokenizer = tokenizer
         self.loader = build_prompt_loader(
-            prompt_stream(train, split.task, cfg.job.seed), cfg.training.batch_size, r.index, r.num_rollout
+            prompt_stream(train, split.task, cfg.job.seed), cfg.training.batch_size, r.group, r.num_groups
         )
 
     def run(self) -> None:
@@ -106,7 +132,8 @@ class AsyncRolloutWorker:
                 self._check_layout(start["layout_digest"])
                 StreamDriver(self, start).run()
         finally:
-            self.rewards.close()
+            if self.rewards is not None:
+                self.rewards.close()
 
     def _check_layout(self, digest: str) -> None:
         cfg = self.config
@@ -118,6 +145,15 @@ class AsyncRolloutWorker:
             )
 
 
+def rollout_tp_mesh(r: AsyncRoles, device: torch.device) -> DeviceMesh | None:
+    """The tp mesh of this rank's rollout group (over the rollout ranks' own process group),
+    or None when each rollout rank serves a whole generator."""
+    if r.tp == 1:
+        return None
+    mesh = init_device_mesh(device.type, (r.num_groups, r.tp), mesh_dim_names=("rollout_dp", "tp"))
+    return mesh["tp"]
+
+
 class StreamDriver:
     """The feed of one rollout rank's stream (see the module docstring)."""
 
@@ -126,7 +162,7 @@ class StreamDriver:
         self.worker, self.config, self.roles = worker, cfg, worker.roles
         self.gen = worker.generator
         self.k, self.B = cfg.rollout.max_staleness, cfg.training.batch_size
-        self.share = self.B // self.roles.num_rollout  # this rank's groups per batch
+        self.share = self.B // self.roles.num_groups  # this rollout group's groups per batch
         self.skip: set[int] = set(start["skip"])  # trained or queued at the hub: not again
         self.batches: Iterator[list[Sample]] = iter(worker.loader)
         self.pending: list[tuple[int, Sample]] = []  # (gid, sample) drawn, not yet admitted
@@ -134,7 +170,8 @@ class StreamDriver:
         self.version, self.has_weights = start["version"], False  # the first announcement brings them
         self.sched: StreamScheduler | None = None
         self.in_flight: dict[int, StreamGroup] = {}  # by the scheduler's prompt index
-        self.listener = AnnouncementListener(self.roles)
+        self.listener = AnnouncementListener(self.roles) if self.roles.is_leader else None
+        self.tp_group = worker.tp_group
         self.stats_sent = dict.fromkeys(STAT_FIELDS, 0)
         self.idle_s, self.swaps_mid_decode, self.stopped = 0.0, 0, False
         self.params = SamplingParams(
@@ -147,32 +184,44 @@ class StreamDriver:
 
     def run(self) -> None:
         stream(self.gen, self, self.params)
-        send_object({"kind": "bye"}, self.roles.hub, STREAM, self.roles)
+        if self.roles.is_leader:
+            send_object({"kind": "bye"}, self.roles.hub, STREAM, self.roles)
 
     def __call__(self, sched: StreamScheduler) -> bool:
         self.sched = sched
         sched.stamp_versions(self.version)
-        self._send_finished(sched)
+        if self.roles.is_leader:
+            self._send_finished(sched)
+        else:  # the group's leader scores and sends them (the same samples on every tp rank)
+            self._group_finished(sched)
         while True:
-            self._maybe_swap(sched)
-            if self.stopped:
+            decision = self._agree(self._decide(sched) if self.roles.is_leader else None)
+            if decision.stop:
                 return False
-            self._admit(sched)
+            if decision.swap is not None:
+                self._swap(sched, *decision.swap)
+            self._admit(sched, decision.pending)
             if sched.has_work:
                 return True
-            began = time.perf_counter()  # nothing to decode: wait for the next weights
-            self.listener.wait()
-            self.idle_s += time.perf_counter() - began
+            if self.listener is not None:  # nothing to decode: wait for the next weights
+                began = time.perf_counter()
+                self.listener.wait()
+                self.idle_s += time.perf_counter() - began
 
     # ---- finished groups ----
 
-    def _send_finished(self, sched: StreamScheduler) -> None:
+    def _group_finished(self, sched: StreamScheduler) -> list[StreamGroup]:
+        """The groups whose last samples finished in the last pass (no longer in flight)."""
         done = []
         for seq in sched.take_finished():
             group = self.in_flight[seq.prompt_index]
             group.finished.append(seq)
             if len(group.finished) == self.params.n:
                 done.append(self.in_flight.pop(seq.prompt_index))
+        return done
+
+    def _send_finished(self, sched: StreamScheduler) -> None:
+        done = self._group_finished(sched)
         if done:
             self._send({"kind": "groups", "groups": self._scored(done)})
 
@@ -185,6 +234,7 @@ class StreamDriver:
                 c.prompt_index = i
                 completions.append(c)
         prompts = [g.prompt for g in groups]
+        assert self.worker.scorer is not None, "the group's leader scores"
         results, rewards_N, _ = self.worker.scorer.score([g.sample for g in groups], prompts, completions, None)
         G, rewards = self.params.n, rewards_N.tolist()
         out = []
@@ -217,19 +267,32 @@ class StreamDriver:
 
     # ---- weights ----
 
-    def _maybe_swap(self, sched: StreamScheduler) -> None:
+    def _decide(self, sched: StreamScheduler) -> Decision:
+        """The leader's view of the announcements: stop, swap now, or a swap pending."""
+        assert self.listener is not None, "the group's leader listens to the hub"
         announced = self.listener.pending()
         if announced is None:
-            return
+            return Decision()
         version, buckets = announced
         if version == STOP_VERSION:
-            self.stopped = True
-            return
+            return Decision(stop=True)
         if any(g.finished and g.oldest_version() <= version - self.k for g in self.in_flight.values()):
-            return  # a group that must be trained before this version's batch is still decoding
+            return Decision(pending=version)  # a group due before this version's batch is still decoding
         if self._started_unfinished(sched, version):
-            return
+            return Decision(pending=version)
         self.listener.take()
+        return Decision(swap=(version, buckets))
+
+    def _agree(self, decision: Decision | None) -> Decision:
+        """The leader's decision, on every tp rank of its rollout group (they run one schedule)."""
+        if self.tp_group is None:
+            assert decision is not None
+            return decision
+        buf = torch.tensor(decision.pack() if decision is not None else [0] * 4, dtype=torch.int64)
+        dist.broadcast(buf, group=self.tp_group, group_src=0)
+        return Decision.unpack(buf.tolist())
+
+    def _swap(self, sched: StreamScheduler, version: int, buckets: int) -> None:
         fault_point("rollout_swap", version)  # kill -9 tests: a rollout rank dies mid-run
         cfg = self.config.rollout
         receive_weights(self.gen.model, buckets, self.roles, self.gen.dtype, cfg.weight_bucket_mb)
@@ -239,7 +302,8 @@ class StreamDriver:
             if cfg.recompute_kv:
                 sched.recompute_all()
         self.version, self.has_weights = version, True
-        self._send({"kind": "swapped", "version": version, "mid_decode": self.swaps_mid_decode})
+        if self.roles.is_leader:
+            self._send({"kind": "swapped", "version": version, "mid_decode": self.swaps_mid_decode})
 
     def _started_unfinished(self, sched: StreamScheduler, version: int) -> bool:
         """Whether a sample in flight has a token of a version <= `version` - k (a group whose
@@ -249,10 +313,9 @@ class StreamDriver:
 
     # ---- admission ----
 
-    def _admit(self, sched: StreamScheduler) -> None:
-        announced = self.listener.pending()
-        # A group started now gets tokens of this version: it would hold back a pending swap.
-        if announced is not None and announced[0] != STOP_VERSION and self.version <= announced[0] - self.k:
+    def _admit(self, sched: StreamScheduler, pending: int | None) -> None:
+        # A group started now gets tokens of this version: it would hold back the pending swap.
+        if pending is not None and self.version <= pending - self.k:
             return
         if not self.has_weights:
             return
@@ -269,8 +332,8 @@ class StreamDriver:
             self._add(sched, new)
 
     def _draw(self) -> None:
-        """This rank's share of the next global batch (its loader batch)."""
-        R, i = self.roles.num_rollout, self.roles.index
+        """This rollout group's share of the next global batch (its loader batch)."""
+        R, i = self.roles.num_groups, self.roles.group
         b = self.admitted // self.share  # batches are drawn in order, one loader batch each
         self.pending.extend((b * self.B + j * R + i, s) for j, s in enumerate(next(self.batches)))
 

@@ -5,7 +5,8 @@ the same buckets of about `rollout.weight_bucket_mb` in the generator's dtype. F
 trainer ranks gather their shards of its parameters (`full_tensor`: FSDP2 / TP / EP all-gathers,
 collective over the trainer ranks), the hub casts and packs them into one flat tensor and
 broadcasts it over the sync group; each rollout rank unpacks it into its generator's parameters in
-place (their storage stays: compiled graphs keep pointing at it). At most one bucket of gathered
+place (their storage stays: compiled graphs keep pointing at it; a tp-sharded generator's rank
+keeps its slice). At most one bucket of gathered
 weights is alive at a time on a trainer rank, never the whole model; no tensor is pickled.
 """
 
@@ -17,7 +18,7 @@ import time
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanrl.models.lora import clean_fqn
 from titanrl.rl.async_roles import AsyncRoles, announce
@@ -80,8 +81,17 @@ def receive_weights(model: nn.Module, num_buckets: int, r: AsyncRoles, dtype: to
         offset = 0
         for name, shape in bucket:
             n = math.prod(shape)
-            params[name].copy_(flat[offset : offset + n].view(shape))
+            _load(params[name], flat[offset : offset + n].view(shape))
             offset += n
+
+
+def _load(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """`full` into `dst`; a tp-sharded generator's DTensor takes its own slice (no communication)."""
+    if isinstance(dst, DTensor):
+        local = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        dst.to_local().copy_(local)
+    else:
+        dst.copy_(full)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
