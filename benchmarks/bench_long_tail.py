@@ -240,7 +240,7 @@ DOC_TABLES = [
 ]
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, tuple[str, ...]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_long_tail.json")
     parser.add_argument("--nproc", type=int, default=2)
@@ -266,6 +266,11 @@ def main() -> None:
     modes = tuple(args.modes.split(","))
     if not set(modes) <= set(MODES) or "sync" not in modes:
         parser.error(f"--modes: 'sync' and any of {', '.join(MODES)}")
+    return args, modes
+
+
+def main() -> None:
+    args, modes = parse_args()
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
     data = os.path.join(work, "long_tail.jsonl")
     # Past the cap, within the debug model's 256-token context (SFT trains on prompt + solution).

@@ -129,7 +129,7 @@ class StepLoop:
                     self._release_state_slots()
         finally:
             self.sched.pause_all()
-            self.sched.take_finished()
+            self.sched.finished = []
             if self.state_slots is not None:
                 self.state_slots.release_all()
 

@@ -12,6 +12,7 @@ samples still in flight are dropped and their blocks freed.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -19,7 +20,7 @@ from titanrl.generator.generator import Generator
 from titanrl.generator.sampling import SamplingParams, validate_prompts
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import GenerationStats, Seq
-from titanrl.generator.step_loop import StepLoop, StreamFeed
+from titanrl.generator.step_loop import StepLoop
 
 
 class StreamScheduler(Scheduler):
@@ -67,6 +68,10 @@ class StreamScheduler(Scheduler):
         self.running, self.prefilling = [], []
 
 
+StreamFeed = Callable[[StreamScheduler], bool]
+"""A stream's driver: called before every scheduler pass (the module docstring says what it may do)."""
+
+
 @torch.no_grad()
 def stream(gen: Generator, feed: StreamFeed, params: SamplingParams) -> GenerationStats:
     """Run `feed`'s stream on `gen` (awake) until `feed` returns False; the stream's stats."""
@@ -93,7 +98,7 @@ def stream(gen: Generator, feed: StreamFeed, params: SamplingParams) -> Generati
         tokenizer=gen.tokenizer,
         block_routes=gen.block_routes,
     )
-    loop.run_stream(feed)
+    loop.run_stream(lambda _: feed(sched))
     return sched.stats
 
 

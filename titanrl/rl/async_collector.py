@@ -123,11 +123,13 @@ class AsyncRolloutCollector(RolloutCollector):
         self.frontier = 0  # every group id below it is trained
         self.restored: list[dict] = []  # queued groups of the checkpoint, back in the queue at start
         self.stopped = False
+        self.policy: torch.nn.Module | None = None
         self.sync_s = 0.0  # the last weight broadcast's seconds (waits for the rollout ranks included)
         self.dealt_at: float | None = None  # when the hub dealt the last batch
 
     def sync_generator(self, policy: torch.nn.Module) -> None:
-        """Nothing here: the weights are broadcast to the rollout ranks in `collect`."""
+        """The policy whose weights `collect` broadcasts to the rollout ranks."""
+        self.policy = policy
 
     def collect(self, batches: Iterator, step: int, timer: PhaseTimer) -> tuple[Rollouts, Rollouts]:
         """This rank's share of the step's batch, with the step's stream metrics (the same on
@@ -138,8 +140,8 @@ class AsyncRolloutCollector(RolloutCollector):
         if self.start is None:
             self._begin(step)
         with timer("sync"):
-            policy = self.host.model
-            self.sync_s = send_weights(policy, step - 1, r, self.generator.dtype, cfg.rollout.weight_bucket_mb)
+            assert self.policy is not None, "sync_generator() gives the policy at the step's start"
+            self.sync_s = send_weights(self.policy, step - 1, r, self.generator.dtype, cfg.rollout.weight_bucket_mb)
         with timer("wait_rollouts"):
             share, metrics = self._hub_deal(step) if r.is_hub else recv_object(r.hub, SHARE, r)
         rollouts = _rollouts(share)
@@ -154,7 +156,8 @@ class AsyncRolloutCollector(RolloutCollector):
         if not r.is_hub:
             return
         assert self.queue is not None
-        layout = bucket_layout(self.host.model, self.generator.dtype, cfg.rollout.weight_bucket_mb)
+        assert self.policy is not None, "sync_generator() gives the policy at the step's start"
+        layout = bucket_layout(self.policy, self.generator.dtype, cfg.rollout.weight_bucket_mb)
         skip = sorted(self.trained | {g["gid"] for g in self.restored}) + list(range(self.frontier))
         for peer in range(r.num_rollout):
             send_object({"version": step - 1, "skip": skip, "layout_digest": layout_digest(layout)}, peer, START, r)
