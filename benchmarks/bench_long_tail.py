@@ -18,7 +18,8 @@ torchrun with `--nproc` gloo ranks (one-step and async: half of them generate, h
 rates are the median over repeats. `wall_samples_per_s` is the wall clock's (end of step 1 to
 the end of the last step, evaluations included), the fair one across modes whose phases overlap;
 async runs also report each side's idle fraction, and every run its held-out accuracy curve
-against wall time (`eval_curve`: seconds, step, accuracy; `--eval_freq`).
+against wall time (`eval_curve`: seconds, step, accuracy; `--eval_freq`), plotted by
+`python -m benchmarks.bench_long_tail --plot JSON PNG`.
 samples/s = samples trained over the RL steps / their wall time (the sum of the phase timers,
 first step excluded: it carries one-time costs); `steady_*` counts only the second half of the
 steps (partial rollouts start by training the short groups while the long ones are in flight,
@@ -240,6 +241,31 @@ DOC_TABLES = [
 ]
 
 
+def plot_curves(json_path: str, out: str) -> None:
+    """Held-out accuracy against wall time, every mode's repeats side by side (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("plotting needs matplotlib: pip install -e '.[plot]'") from e
+    results = json.load(open(json_path))["results"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, mode in enumerate(m for m in MODES if m in results):
+        for j, r in enumerate(results[mode]["repeats"]):
+            seconds, _, accuracy = zip(*r["eval_curve"])
+            ax.plot(seconds, accuracy, marker="o", color=f"C{i}", alpha=0.8, label=mode if j == 0 else None)
+    ax.set_xlabel("wall seconds since the end of step 1")
+    ax.set_ylabel("held-out accuracy")
+    c = results["config"]
+    seeds = "seeds 0-" + str(c["repeats"] - 1) if c.get("seed_per_repeat") else f"{c['repeats']} repeats"
+    ax.set_title(f"{c.get('workload', 'long_tail')} workload, {c['nproc']} CPU ranks, {seeds}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def parse_args() -> tuple[argparse.Namespace, tuple[str, ...]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_long_tail.json")
@@ -270,6 +296,8 @@ def parse_args() -> tuple[argparse.Namespace, tuple[str, ...]]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--plot"]:  # --plot JSON PNG: the curves of a finished run
+        return plot_curves(sys.argv[2], sys.argv[3])
     args, modes = parse_args()
     work = tempfile.mkdtemp(prefix="bench_long_tail_")
     data = os.path.join(work, "long_tail.jsonl")

@@ -8,12 +8,48 @@ import sys
 
 import pytest
 import torch
-from helpers.launch import run_cmd, train_cmd
+from helpers import background
+from helpers.launch import run_cmd, torchrun_cmd, train_cmd
 from helpers.tiny import smoke_run_args
 
 
 def _args(folder, *extra, steps=4):
     return smoke_run_args(f"--job.dump_folder={folder}", *extra, steps=steps, sft_steps=3)
+
+
+def _launched(name):
+    """The dump folder of a background run (helpers/background.py), after it exited 0."""
+    proc, folder = background.result(name)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return folder
+
+
+K0 = "tests/test_async.py::test_async_with_staleness_0_on_1_plus_1_ranks_is_the_synchronous_run"
+K2 = "tests/test_async.py::test_async_staleness_2_on_2_plus_2_ranks_never_trains_a_token_more_than_2_versions_stale"
+ASYNC = ["--rollout.mode=async", "--algorithm.off_policy_correction=tis"]
+# The fixed runs, in the background from collection on: the synchronous reference and async k = 0
+# (1 + 1 ranks), and async k = 2 with a tp = 2 rollout group and 2 FSDP2 trainer ranks.
+# The reference under torchrun too: its one rank's process group is the trainer ranks' own.
+background.register("async_sync_ref", (K0,), lambda folder: [*torchrun_cmd(1), "-m", "titanrl.train", *_args(folder)])
+background.register(
+    "async_k0", (K0,), lambda folder: train_cmd(_args(folder, "--rollout.mode=async", "--rollout.max_staleness=0"), 2)
+)
+background.register(
+    "async_k2_tp",
+    (K2,),
+    lambda folder: train_cmd(
+        _args(
+            folder,
+            *ASYNC,
+            "--rollout.max_staleness=2",
+            "--rollout.rollout_ranks=2",
+            "--rollout.tp=2",
+            "--parallelism.dp_shard=-1",
+            steps=6,
+        ),
+        4,
+    ),
+)
 
 
 def _run_ok(args, nproc):
@@ -40,29 +76,25 @@ def _non_timing(row: dict) -> dict:
 
 
 @pytest.mark.multirank
-def test_async_with_staleness_0_on_1_plus_1_ranks_is_the_synchronous_run(tmp_path):
+def test_async_with_staleness_0_on_1_plus_1_ranks_is_the_synchronous_run():
     """rollout.mode = 'async', max_staleness = 0, 1 rollout + 1 trainer rank -> every non-timing
     metric both runs log equals the synchronous 1-rank run's to the last digit"""
-    _run_ok(_args(tmp_path / "sync"), 1)
-    _run_ok(_args(tmp_path / "async", "--rollout.mode=async", "--rollout.max_staleness=0"), 2)
-    a, b = _rl_steps(tmp_path / "async"), _rl_steps(tmp_path / "sync")
+    sync, k0 = _launched("async_sync_ref"), _launched("async_k0")
+    a, b = _rl_steps(k0), _rl_steps(sync)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4] and any(b[s]["grad_norm"] > 0 for s in b)
     for s in a:
         shared = set(_non_timing(a[s])) & set(_non_timing(b[s]))
         assert len(shared) >= 18
         assert {k: a[s][k] for k in shared} == {k: b[s][k] for k in shared}, s
-        print(s, sorted(shared))
     assert all(a[s]["version_lag_max"] == 0 and a[s]["groups_dropped"] == 0 for s in a)
-    assert [g["gid"] for g in _groups(tmp_path / "async")] == list(range(16))
+    assert [g["gid"] for g in _groups(k0)] == list(range(16))
 
 
 @pytest.mark.multirank
-def test_async_staleness_2_on_2_plus_2_ranks_never_trains_a_token_more_than_2_versions_stale(tmp_path):
+def test_async_staleness_2_on_2_plus_2_ranks_never_trains_a_token_more_than_2_versions_stale():
     """rollout.mode = 'async', max_staleness = 2, one generator tp-sharded over 2 rollout ranks (rollout.tp = 2) + 2 FSDP2 trainer ranks -> the recorded versions of every trained group are within 2 of the weights it was trained from, the bound is reached, nothing is dropped, every group is trained once; step 1's samples (version 0) score as the trainer's forward does (the tp shards took the right slices of the broadcast weights)"""
-    extra = ["--rollout.mode=async", "--rollout.max_staleness=2", "--algorithm.off_policy_correction=tis"]
-    tp = ["--rollout.rollout_ranks=2", "--rollout.tp=2"]
-    _run_ok(_args(tmp_path, *extra, *tp, "--parallelism.dp_shard=-1", steps=6), 4)
-    rows, steps = _groups(tmp_path), _rl_steps(tmp_path)
+    folder = _launched("async_k2_tp")
+    rows, steps = _groups(folder), _rl_steps(folder)
     assert steps[1]["gen_logprob_diff"] < 1e-5 < steps[2]["gen_logprob_diff"]
     assert sorted(steps) == [1, 2, 3, 4, 5, 6] and len(rows) == 6 * 4
     assert all(0 <= (r["step"] - 1) - r["min_version"] <= 2 for r in rows)
