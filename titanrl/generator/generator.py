@@ -316,16 +316,7 @@ class Generator:
             resume=resume,
             window=self.window_pages,
         )
-        loop = StepLoop(
-            self.runner,
-            self.pool,
-            sched,
-            self.config,
-            eos_ids=self.eos_ids,
-            tokenizer=self.tokenizer,
-            block_routes=self.block_routes,
-        )
-        loop.run(turns, pause_when, on_finish)
+        StepLoop.of(self, sched).run(turns, pause_when, on_finish)
         results = sched.results()
         sched.stats.seconds = time.perf_counter() - start
         sched.stats.compile_seconds = compile_seconds() - compile_start

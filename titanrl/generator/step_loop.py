@@ -6,6 +6,7 @@ is prefilled chunk by chunk. The forwards run on the generator's `ModelRunner`.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -52,6 +53,19 @@ class StepLoop:
         self.block_routes = block_routes
         self.window: WindowPages | None = sched.blocks.window
         """Sliding-window layers' pages, when the model has such layers (`window_pages.py`)."""
+
+    @classmethod
+    def of(cls, gen: Any, sched: Scheduler) -> "StepLoop":
+        """The loop of `sched` over a `Generator`'s runner, pool and stop tokens."""
+        return cls(
+            gen.runner,
+            gen.pool,
+            sched,
+            gen.config,
+            eos_ids=gen.eos_ids,
+            tokenizer=gen.tokenizer,
+            block_routes=gen.block_routes,
+        )
 
     def run(
         self,

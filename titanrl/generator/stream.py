@@ -89,16 +89,7 @@ def stream(gen: Generator, feed: StreamFeed, params: SamplingParams) -> Generati
         vocab_size=gen.args.vocab_size,
         window=gen.window_pages,
     )
-    loop = StepLoop(
-        gen.runner,
-        gen.pool,
-        sched,
-        gen.config,
-        eos_ids=gen.eos_ids,
-        tokenizer=gen.tokenizer,
-        block_routes=gen.block_routes,
-    )
-    loop.run_stream(lambda _: feed(sched))
+    StepLoop.of(gen, sched).run_stream(lambda _: feed(sched))
     return sched.stats
 
 
