@@ -149,3 +149,19 @@ def test_a_dead_rollout_rank_stops_the_run_with_one_line_naming_it(tmp_path):
     assert proc.returncode == 1
     assert "titanrl: rank 0 (rollout rank 0) was killed by SIGKILL; the other ranks were stopped" in proc.stderr
     assert len(_rl_steps(tmp_path)) < 4
+
+
+def test_the_hub_takes_the_oldest_groups_and_drops_those_past_the_bound():
+    """GroupQueue.take (the hub's batch): once every rollout group has the version, the n oldest
+    groups within k versions (by oldest token, then arrival) are trained; older ones are dropped
+    (rollout.stale_groups = 'drop' lets them happen) and their ids returned to be skipped"""
+    from titanrl.rl.async_collector import GroupQueue
+
+    queue = GroupQueue(num_groups=1)
+    versions = [5, 3, 4, 1, 4, 2, 5]
+    queue.groups = [{"gid": i, "min_version": v, "arrival": i} for i, v in enumerate(versions)]
+    queue.swapped = [5]
+    picked, dropped = queue.take(version=5, n=3, k=1)
+    assert [g["gid"] for g in picked] == [2, 4, 0]  # version 4 (by arrival), then 5
+    assert sorted(dropped) == [1, 3, 5]  # versions 3, 1, 2: more than 1 behind 5
+    assert [g["gid"] for g in queue.groups] == [6]

@@ -156,6 +156,12 @@ class Rollout:
     versions behind the current weights is restarted from its prompt (its tokens discarded,
     counted in 'restarted_groups'); 0: no bound."""
 
+    stale_groups: Literal["wait", "drop"] = "wait"
+    """async: how the max_staleness bound is kept. 'wait': rollout ranks start no group that could
+    not be trained in time and take new weights only once the groups due before them are sent (the
+    trainer may wait for that; no group is wasted). 'drop': weights are taken as soon as they come,
+    and the trainer drops the groups older than the bound (counted in 'groups_dropped')."""
+
     tp: int = 1
     """async: rollout ranks that serve one generator, its weights sharded over them (tensor
     parallel; a rollout group). rollout_ranks must be a multiple, and it must divide the model's

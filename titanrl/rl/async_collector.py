@@ -83,9 +83,9 @@ class GroupQueue:
                     self.groups.append(group)
                 self.cond.notify_all()
 
-    def take(self, version: int, n: int, k: int) -> tuple[list[dict], int]:
+    def take(self, version: int, n: int, k: int) -> tuple[list[dict], list[int]]:
         """Once every rollout rank has `version` and `n` groups within k versions of it are
-        here: those n, oldest first (and how many too stale were dropped)."""
+        here: those n, oldest first (and the ids of those too stale, dropped)."""
         with self.cond:
             self.cond.wait_for(lambda: self.error or (min(self.swapped) >= version and len(self.groups) >= n))
             if self.error:
@@ -95,7 +95,7 @@ class GroupQueue:
             self.cond.wait_for(lambda: len(self.groups) >= n)
             self.groups.sort(key=lambda g: (g["min_version"], g["arrival"]))
             picked, self.groups = self.groups[:n], self.groups[n:]
-            return picked, len(stale)
+            return picked, [g["gid"] for g in stale]
 
     def drain_stats(self) -> tuple[dict[str, int], float]:
         with self.cond:
@@ -174,9 +174,9 @@ class AsyncRolloutCollector(RolloutCollector):
         picked, dropped = self.queue.take(step - 1, cfg.training.batch_size, cfg.rollout.max_staleness)
         waited = time.perf_counter() - began
         picked.sort(key=lambda g: g["gid"])
-        self._record(step, picked)
+        self._record(step, picked, dropped)
         stats, idle = self.queue.drain_stats()
-        metrics = _stream_metrics(picked, step - 1, cfg.rollout.max_staleness, dropped, waited, idle, stats)
+        metrics = _stream_metrics(picked, step - 1, cfg.rollout.max_staleness, len(dropped), waited, idle, stats)
         # Per role, over the wall time since the last batch was dealt (a step, evaluations included).
         now = time.perf_counter()
         interval, self.dealt_at = now - (self.dealt_at or now), now
@@ -193,11 +193,12 @@ class AsyncRolloutCollector(RolloutCollector):
         )
         return picked[0::T], {**metrics, "_counts": counts}
 
-    def _record(self, step: int, picked: list[dict]) -> None:
-        """Trained ids (checkpointed), and each group's versions in async_groups.jsonl."""
-        for g in picked:
-            assert g["gid"] not in self.trained and g["gid"] >= self.frontier, f"group {g['gid']} trained twice"
-            self.trained.add(g["gid"])
+    def _record(self, step: int, picked: list[dict], dropped: list[int]) -> None:
+        """Trained and dropped ids (checkpointed: a resumed run skips them), and each trained
+        group's versions in async_groups.jsonl."""
+        for gid in [g["gid"] for g in picked] + dropped:
+            assert gid not in self.trained and gid >= self.frontier, f"group {gid} trained twice"
+            self.trained.add(gid)
         while self.frontier in self.trained:
             self.trained.remove(self.frontier)
             self.frontier += 1

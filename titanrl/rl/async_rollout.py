@@ -10,13 +10,15 @@ It runs one endless generator stream (`Generator.stream`). Before every schedule
 The bound, with k = rollout.max_staleness and B = training.batch_size: trainer step s trains
 from weights version s-1 (versions count updates), so a group whose oldest token has version v
 must be trained by step v+k+1, whose batch the hub picks after this rank took version v+k.
+With rollout.stale_groups = 'wait' (the default) two rules keep every group within it:
   - admission: the n-th group of the global stream (batch n // B + 1) starts only while this
     rank's version v has batch <= v+k+1: no more groups are started than steps can train in time;
   - swap: version w is taken only when every group whose oldest token has a version <= w-k has
     been sent (and no group that would hold it back is started meanwhile).
 The hub trains the oldest groups first (`rl/async_collector.py`), so every group is trained
 within k versions and none is dropped. k = 0 is the synchronous run: batch s is admitted at once
-under version s-1, decoded to its end and sent, then version s is taken.
+under version s-1, decoded to its end and sent, then version s is taken. With 'drop', swaps are
+never held back (the trainer does not wait for stragglers) and the hub drops late groups.
 """
 
 from __future__ import annotations
@@ -276,6 +278,9 @@ class StreamDriver:
         version, buckets = announced
         if version == STOP_VERSION:
             return Decision(stop=True)
+        if self.config.rollout.stale_groups == "drop":  # never hold a swap back: the hub drops what is late
+            self.listener.take()
+            return Decision(swap=(version, buckets))
         if any(g.finished and g.oldest_version() <= version - self.k for g in self.in_flight.values()):
             return Decision(pending=version)  # a group due before this version's batch is still decoding
         if self._started_unfinished(sched, version):
