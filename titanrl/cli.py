@@ -408,15 +408,35 @@ def show_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def ft_replicas(opts: list[str]) -> tuple[int, list[str]]:
+    """(`--ft-replicas N`, the other torchrun options): N replica groups under TorchFT, 0: none."""
+    for i, opt in enumerate(opts):
+        key, eq, value = opt.partition("=")
+        if key == "--ft-replicas":
+            value = value if eq else (opts[i + 1] if i + 1 < len(opts) else "")
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"--ft-replicas needs a number of replica groups >= 1, got '{value}'")
+            return int(value), opts[:i] + opts[i + (1 if eq else 2) :]
+    return 0, opts
+
+
 def run_main(argv: list[str]) -> int:
-    """`titanrl run ...`: check the job in this process, then start it under torchrun."""
+    """`titanrl run ...`: check the job in this process, then start it under torchrun (with
+    `--ft-replicas N`: N replica groups and TorchFT's lighthouse, `components/ft_launch.py`)."""
     try:
         opts, config_file, overrides = split_args(argv)
+        replicas, opts = ft_replicas(opts)
         config_args = [f"--job.config_file={config_file}", *overrides]
-        config = preflight(config_args, world_size(opts))
+        ft = ["--fault_tolerance.enable=true", f"--fault_tolerance.group_size={replicas}"] if replicas else []
+        config = preflight([*config_args, *ft], world_size(opts))
     except ValueError as e:
         log.error(f"titanrl: error: {e}")
         return 2
+    if replicas:
+        from titanrl.components.ft_launch import run_replica_groups
+
+        dump, min_replicas = config.job.dump_folder, config.fault_tolerance.min_replicas
+        return run_replica_groups(opts, config_args, dump, replicas, min_replicas)
     return run_torchrun(opts, config_args, config.job.dump_folder, describe=lambda rank: rank_role(config, rank))
 
 

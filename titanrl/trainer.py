@@ -25,8 +25,10 @@ from torch import nn
 from titanrl.components import launch
 from titanrl.components.checkpoint import CheckpointManager
 from titanrl.components.console import get_logger
+from titanrl.components.fault_tolerance import FaultTolerance, load_local_state, local_state
 from titanrl.components.faults import fault_active, fault_point
 from titanrl.components.float8 import precompute_float8_scales
+from titanrl.components.loss import global_token_count
 from titanrl.components.metrics import MetricsLogger
 from titanrl.components.optimizer import build_lr_scheduler, build_optimizer
 from titanrl.components.profiling import MemorySnapshot, maybe_enable_memory_snapshot, maybe_enable_profiling
@@ -85,6 +87,10 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.recipe = recipe_cls(self, data)
         self.checkpoint = RunCheckpoint(self)
+        self.ft_step = 0
+        self.evals: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        self.ft = self.fault_tolerance()  # [fault_tolerance]; used from the first RL step on
+        self.ft_active = False
 
     # ---- the loop ----
 
@@ -122,15 +128,25 @@ class Trainer:
         cfg = self.config
         batches = iter(self.recipe.loader)
         step_times: list[float] = []
-        for step in range(start, cfg.training.steps + 1):
+        step = start
+        self.evals = (first_eval, last_eval)
+        while step <= cfg.training.steps:
             began = time.perf_counter()
+            if self.ft is not None:
+                self.ft_step, self.ft_active = step - 1, True
+                self.ft.start_step()  # a restarted replica group heals here: it goes on at its peers' step
+                if self.ft.healed:
+                    step, batches = self.ft_step + 1, iter(self.recipe.loader)
             metrics = self.recipe.step(batches, step)
+            if self.ft is not None:
+                metrics.update(self.ft.metrics())
             fault_point("step", step)
             metrics.update(straggler_metrics({k[5:]: v for k, v in metrics.items() if k.startswith("time_")}))
             evaluated = bool(cfg.metrics.eval_freq) and step % cfg.metrics.eval_freq == 0 or step == cfg.training.steps
             if evaluated:
                 last_eval = self.evaluate()
                 metrics.update(last_eval)
+                self.evals = (first_eval, last_eval)
             step_times.append(time.perf_counter() - began)
             if step % cfg.metrics.log_freq == 0 or evaluated:
                 metrics["eta_s"] = sum(step_times) / len(step_times) * (cfg.training.steps - step)
@@ -146,7 +162,32 @@ class Trainer:
             if signum and step < cfg.training.steps:
                 self._stop(signum, step, saved, first_eval, last_eval)
                 return True, last_eval
+            step += 1
         return False, last_eval
+
+    def fault_tolerance(self) -> FaultTolerance | None:
+        """This replica group's TorchFT manager ([fault_tolerance]), heartbeating from start-up
+        so that the lighthouse waits for every group at the first step; a peer that heals from
+        it gets the state of the step before the one it starts (`self.ft_step`)."""
+        cfg = self.config
+        if not cfg.fault_tolerance.enable:
+            return None
+        if cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches > 1 or getattr(self.recipe, "critic", None):
+            raise ValueError(
+                "[fault_tolerance] commits one optimizer step per RL step for now: set algorithm.ppo_epochs = 1 "
+                "and algorithm.num_minibatches = 1, without a critic"
+            )
+        run = self.checkpoint
+
+        def state() -> dict:
+            return {**local_state(*run.parts()), "host": run.host_state(self.ft_step, *self.evals)}
+
+        def load(state: dict) -> None:
+            load_local_state(state, *run.parts())
+            run.load_host_state(state["host"])
+            self.ft_step = state["host"]["step"]
+
+        return FaultTolerance(self.config.fault_tolerance, self.device, state, load)
 
     def begin(self) -> tuple[dict[str, float], dict[str, float]]:
         """A fresh run: the recipe's preparation (e.g. RL's SFT warm-up), then the step-0 eval."""
@@ -222,7 +263,13 @@ class Trainer:
     def optimizer_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, what: str) -> float:
         """Clip, then step unless the gradient norm is non-finite (skip the update and return
         nan, or stop: training.on_nonfinite)."""
+        ft = self.ft if self.ft_active else None  # not in the SFT warm-up: every group does its own
+        if ft is not None:  # summed over the replica groups of this step's quorum
+            ft.reduce_gradients(model)
         grad_norm = clip_grad_norm_(list(model.parameters()), self.config.training.max_norm)
+        if ft is not None and not ft.should_commit():  # a group failed in the step: nobody steps
+            optimizer.zero_grad()
+            return float("nan")
         # The norm is global (all ranks agree), so every rank takes the same branch.
         if not torch.isfinite(grad_norm):
             if self.config.training.on_nonfinite == "stop":
@@ -269,6 +316,15 @@ class Trainer:
         """Host numbers summed over data-parallel ranks (TP peers hold equal copies, not counted)."""
         return dp_sum(values, self.dp_group)
 
+    def loss_counts(self, mask_BT: torch.Tensor, num_seqs: float) -> tuple[float, float]:
+        """A mini-batch's loss tokens and sequences summed over every data-parallel rank of the
+        step, those of the other replica groups in the quorum included ([fault_tolerance])."""
+        tokens = global_token_count(mask_BT, self.dp_group).item()
+        (seqs,) = self.dp_sum([num_seqs])
+        if self.ft is not None and self.ft_active:
+            tokens, seqs = self.ft.sum(torch.tensor([tokens, seqs], dtype=torch.float64)).tolist()
+        return max(tokens, 1.0), seqs
+
     def plan_micro_batches(self, lengths: list[int], sort_single: bool = False) -> list[torch.Tensor]:
         """This rank's micro-batches of training.micro_batch_tokens (`data.batch.plan_micro_batches`)."""
         return plan_micro_batches(lengths, self.config.training.micro_batch_tokens, self.dp_group, sort_single)
@@ -289,7 +345,14 @@ class RunCheckpoint:
 
     def save(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> None:
         t = self.trainer
-        host = {
+        host = self.host_state(step, first_eval, last_eval)
+        with phase(t.watchdog, "checkpoint"):
+            t.checkpointer.save(step, *self.parts(), host)
+
+    def host_state(self, step: int, first_eval: dict[str, float], last_eval: dict[str, float]) -> dict:
+        """What a checkpoint (and a healing replica group) takes beside the models and optimizers."""
+        t = self.trainer
+        return {
             "step": step,
             "scheduler": t.lr_scheduler.state_dict(),
             "loader": t.recipe.loader.state_dict(),
@@ -299,8 +362,14 @@ class RunCheckpoint:
             "last_eval": last_eval,
             "recipe": t.recipe.state_dict(),
         }
-        with phase(t.watchdog, "checkpoint"):
-            t.checkpointer.save(step, *self.parts(), host)
+
+    def load_host_state(self, host: dict) -> None:
+        t = self.trainer
+        t.lr_scheduler.load_state_dict(host["scheduler"])
+        t.recipe.loader.load_state_dict(host["loader"])
+        t.recipe.load_state_dict(host.get("recipe", {}))
+        torch.set_rng_state(host["torch_rng"])
+        random.setstate(host["py_rng"])
 
     def wait(self) -> None:
         """Wait for the async save in flight, if any, and raise its error (sync saves: no-op)."""
@@ -328,11 +397,7 @@ class RunCheckpoint:
                 return None
             host = restored[1]
             path = t.checkpointer.step_dir(restored[0])
-        t.lr_scheduler.load_state_dict(host["scheduler"])
-        t.recipe.loader.load_state_dict(host["loader"])
-        t.recipe.load_state_dict(host.get("recipe", {}))
-        torch.set_rng_state(host["torch_rng"])
-        random.setstate(host["py_rng"])
+        self.load_host_state(host)
         if t.rank == 0:
             log.info(f"resumed from {path} (step {host['step']})")
         return host

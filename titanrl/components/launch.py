@@ -148,7 +148,9 @@ def start(config: JobConfig) -> tuple[int, ParallelDims, torch.device]:
     if rank == 0 and config.job.print_config:
         log.info(to_toml(config))
     p = config.parallelism
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep, p.cp)
+    ft = config.fault_tolerance
+    replica, replicas = (ft.replica_id, ft.group_size) if ft.enable else (0, 1)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.tp, world_size, p.ep, p.cp, replica, replicas)
     return rank, dims, local_device()
 
 

@@ -14,6 +14,7 @@ from titanrl.config.agent import Agent
 from titanrl.config.algorithm import Algorithm, Critic, Distillation
 from titanrl.config.data import Data
 from titanrl.config.evaluation import EvalSuite, validate_suites
+from titanrl.config.fault_tolerance import FaultTolerance
 from titanrl.config.generation import Generator, Rollout
 from titanrl.config.model import LoRA, Model, MoE
 from titanrl.config.offline import DPO, SFTWarmup
@@ -54,6 +55,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     distillation: Distillation = field(default_factory=Distillation)
     moe: MoE = field(default_factory=MoE)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     eval: list[EvalSuite] = field(default_factory=list)
     """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/evaluation.py`."""
 
@@ -104,6 +106,11 @@ class JobConfig:
             self._validate_partial_rollouts()
         if self.rollout.mode in ("one_step", "async"):
             self._validate_one_step()
+        if self.fault_tolerance.enable and (self.rollout.mode != "colocated" or self.job.recipe != "rl"):
+            raise ValueError(
+                "[fault_tolerance] replica groups are colocated RL jobs: set rollout.mode = 'colocated' and "
+                "job.recipe = 'rl', or fault_tolerance.enable = false"
+            )
         if self.model.max_seq_len and 0 < self.training.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError(
                 f"[training] micro_batch_tokens ({self.training.micro_batch_tokens}) is below one sequence "

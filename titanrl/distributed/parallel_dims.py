@@ -32,6 +32,10 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     cp: int = 1
+    replica: int = 0
+    """This replica group's index ([fault_tolerance]); its mesh is its own ranks'."""
+    replicas: int = 1
+    """Replica groups of the job: the data-parallel dimension across groups ([fault_tolerance])."""
 
     def __post_init__(self) -> None:
         # Each degree's own range is the [parallelism] section's rule (one place); here only how
@@ -69,6 +73,16 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of every global batch this rank trains, over all replica groups."""
+        return self.replica * self.dp_size + self.dp_rank
+
+    @property
+    def data_size(self) -> int:
+        """Slices of every global batch: the data-parallel ranks of all replica groups."""
+        return self.replicas * self.dp_size
 
     @property
     def fsdp_enabled(self) -> bool:

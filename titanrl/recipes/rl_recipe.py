@@ -174,8 +174,8 @@ class RLRecipe(Recipe):
         self.loader = build_prompt_loader(
             prompt_stream(self.train_samples, self.task, cfg.job.seed),
             cfg.training.batch_size,
-            trainer.dims.dp_rank,
-            trainer.dims.dp_size,
+            trainer.dims.data_rank,  # replica groups ([fault_tolerance]) take their slices too
+            trainer.dims.data_size,
         )
 
     def checkpoint_parts(self) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer]]:
@@ -306,8 +306,7 @@ class RLRecipe(Recipe):
         algo, trainer = self.config.algorithm, self.trainer
         # Per mini-batch, not per micro-batch: the loss divides by a python float (what the
         # seeded runs were computed with) and `optimizer_step` reads the grad norm anyway.
-        num_tokens = global_token_count(minibatch["loss_mask"], trainer.dp_group).item()
-        (num_seqs,) = trainer.dp_sum([float(minibatch.batch_size[0])])
+        num_tokens, num_seqs = trainer.loss_counts(minibatch["loss_mask"], float(minibatch.batch_size[0]))
         trainer.optimizer.zero_grad()
         for mb in micro_batches(minibatch, trainer):
             logprobs, entropy = forward_logprobs(

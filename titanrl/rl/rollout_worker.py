@@ -34,6 +34,14 @@ class _Shard:
     dp_rank: int
     dp_size: int
 
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank
+
+    @property
+    def data_size(self) -> int:
+        return self.dp_size
+
 
 @dataclass
 class RolloutRankHost:

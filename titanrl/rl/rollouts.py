@@ -145,7 +145,7 @@ class RolloutCollector:
         dims, scorer = self.host.dims, self.scorer
         params = self.sampling_params(step, round_idx)
         # Global prompt ids (the loader shards strided) seed each sample: same samples on any layout.
-        prompt_ids = [i * dims.dp_size + dims.dp_rank for i in range(len(samples))]
+        prompt_ids = [i * dims.data_size + dims.data_rank for i in range(len(samples))]
         cp = cp_split(dims)
         if cp is not None:
             samples, prompt_ids = cp.take(samples), cp.take(prompt_ids)
