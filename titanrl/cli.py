@@ -5,6 +5,7 @@
     titanrl serve-env NAME [--host H] [--port P] [--token-file F]
     titanrl cp {rl,sft,dpo,reward_model} DEST.py
     titanrl show OUTPUT_DIR [--step N] [--out FILE]
+    titanrl plan CONFIG.toml --world N [--gpu h100-80gb|h200-141gb|b200-192gb|GiB] [--suggest] [--section.key=value ...]
 
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
@@ -288,7 +289,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     cp.add_argument("dest", metavar="DEST.py", help="the copy's file; its config is DEST.toml beside it")
     show = sub.add_parser("show", help="write an HTML page of a run's sampled episodes", description=viewer.SHOW_HELP)
     viewer.add_show_arguments(show)
-    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp, "show": show}
+    plan = sub.add_parser("plan", help="plan a job's memory per rank on N devices, on this CPU", add_help=False)
+    plan.add_argument("args", nargs=argparse.REMAINDER)
+    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp, "show": show, "plan": plan}
 
 
 RECIPE_CONFIGS = {
@@ -363,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser()
     if argv and argv[0] in IN_ORDER:
-        if argv[0] != "serve-env" and ("-h" in argv[1:] or "--help" in argv[1:]):
+        if argv[0] not in ("serve-env", "plan") and ("-h" in argv[1:] or "--help" in argv[1:]):
             commands[argv[0]].print_help()
             return 0
         return IN_ORDER[argv[0]](argv[1:])
@@ -430,7 +433,14 @@ def serve_env_main(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-IN_ORDER = {"run": run_main, "eval": eval_main, "serve-env": serve_env_main}
+def plan_main(argv: list[str]) -> int:
+    """`titanrl plan CONFIG --world N ...`: memory per rank, whether it fits (`titanrl/plan/report.py`)."""
+    from titanrl.plan.report import plan_main as main_of_plan
+
+    return main_of_plan(argv)
+
+
+IN_ORDER = {"run": run_main, "eval": eval_main, "serve-env": serve_env_main, "plan": plan_main}
 """The commands whose arguments are read in order, after argparse has read the command."""
 
 
