@@ -110,6 +110,21 @@ def activation_bytes(config: JobConfig, model: Transformer, dims: ParallelDims, 
     return tokens * (kept * b + 2 * args.dim * b) + head
 
 
+def recompute_kept_bytes(config: JobConfig, model: Transformer, dims: ParallelDims, tokens: int) -> int:
+    """Under activation checkpointing, each recomputed MoE block's `aux_loss` (set again by the
+    recompute, `models/moe.py`) holds the recomputed graph before its experts (norms, attention,
+    router) until the next forward: through the rest of the backward and the optimizer step."""
+    if config.activation_checkpoint.mode == "none":
+        return 0
+    args, ac = model.args, config.activation_checkpoint
+    b = torch.empty(0, dtype=getattr(torch, config.training.mixed_precision_param)).element_size()
+    every = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option != "op" else 1
+    attn, _ = _attention_elems(args, dims.tp)
+    kept = 2 * args.dim // dims.tp + 2 * args.dim + attn + 2 * args.dim + 2 * args.moe_num_experts
+    blocks = [i for i, block in enumerate(model.blocks()) if block.moe_enabled and (i + 1) % every == 0]
+    return len(blocks) * tokens * kept * b
+
+
 def _fsdp_unsharded_numel(p: nn.Parameter) -> int:
     """Elements of `p` on this rank once FSDP2 all-gathers it (its tp / ep shard)."""
     if not isinstance(p, DTensor):
@@ -123,9 +138,9 @@ def _fsdp_unsharded_numel(p: nn.Parameter) -> int:
 
 
 def fsdp_transient_bytes(config: JobConfig, model: Transformer, dims: ParallelDims) -> int:
-    """FSDP2's all-gathered parameters and unsharded gradients in flight: two blocks (the one
-    computing and the one prefetched) in the compute dtype and their gradients in the reduce
-    dtype, and the root's embeddings / head (kept gathered through the step: `apply_fsdp`)."""
+    """FSDP2's unsharded tensors at the turn from forward to backward: the last block stays
+    gathered (`apply_fsdp` does not reshard it), the next one is prefetched, one block's unsharded
+    gradients wait for their reduce-scatter, and the root's embeddings / head stay gathered."""
     if not any(
         isinstance(p, DTensor) and set(p.device_mesh.mesh_dim_names or ()) & set(FSDP_DIMS) for p in model.parameters()
     ):
@@ -136,4 +151,4 @@ def fsdp_transient_bytes(config: JobConfig, model: Transformer, dims: ParallelDi
     block = max(sum(_fsdp_unsharded_numel(p) for p in blk.parameters()) for blk in model.blocks())
     root_params = {id(p) for blk in model.blocks() for p in blk.parameters()}
     root = sum(_fsdp_unsharded_numel(p) for p in model.parameters() if id(p) not in root_params)
-    return 2 * block * (compute + reduce) + root * compute
+    return block * (2 * compute + reduce) + root * compute

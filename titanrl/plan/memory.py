@@ -15,17 +15,24 @@ from titanrl.components.launch import model_args as config_model_args
 from titanrl.config.job_config import JobConfig
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.flavors import get_model_args
-from titanrl.plan.activations import Workload, activation_bytes, fsdp_transient_bytes, update_tokens
+from titanrl.plan.activations import (
+    Workload,
+    activation_bytes,
+    fsdp_transient_bytes,
+    recompute_kept_bytes,
+    update_tokens,
+)
 from titanrl.plan.ranks import (
     KVPool,
     ModelBytes,
-    build_rank_models,
     buffer_bytes,
+    build_rank_models,
     fake_world,
     kv_pool,
     mesh_dims,
     model_bytes,
     param_bytes,
+    step_temp_bytes,
 )
 
 GIB = 1 << 30
@@ -66,6 +73,12 @@ class RankPlan:
     fsdp_buffers: int
     """FSDP2's gathered parameters and unsharded gradients in flight during the update."""
 
+    recompute_kept: int
+    """Recomputed MoE activations the backward leaves alive (`activations.recompute_kept_bytes`)."""
+
+    step_temp: int
+    """The optimizer step's temporaries (`ranks.step_temp_bytes`)."""
+
     update_tokens: int
 
     def resident(self) -> int:
@@ -78,9 +91,14 @@ class RankPlan:
         return self.resident() + self.kv.bytes
 
     def update_peak(self) -> int:
-        """The update step's peak: what stays, the gradients (policy and critic), activations and FSDP2's buffers."""
+        """The update step's peak: what stays, and the larger of the activations with FSDP2's
+        buffers (the end of the forward, no gradient yet: `zero_grad` sets them to None) and the
+        gradients (the end of the backward, activations freed) with those buffers or the
+        optimizer step's temporaries."""
         grads = self.policy.grads + (self.critic.grads if self.critic is not None else 0)
-        return self.resident() + grads + self.activations + self.fsdp_buffers
+        late = grads + self.recompute_kept + max(self.fsdp_buffers, self.step_temp)
+        transient = max(self.activations + self.fsdp_buffers, late)
+        return self.resident() + transient
 
     def peak(self) -> int:
         return max(self.generation_peak(), self.update_peak())
@@ -120,6 +138,8 @@ def plan_rank(
             kv=kv,
             activations=activation_bytes(config, models.policy, dims, tokens),
             fsdp_buffers=fsdp_transient_bytes(config, models.policy, dims),
+            recompute_kept=recompute_kept_bytes(config, models.policy, dims, tokens),
+            step_temp=step_temp_bytes(models.policy, config.optimizer),
             update_tokens=tokens,
         )
 
@@ -142,14 +162,17 @@ class JobPlan:
         return self.worst().peak() <= self.usable_bytes
 
 
-def plan_job(config: JobConfig, world: int, device: int, workload: Workload) -> JobPlan:
-    """The plan of rank 0 and rank `world` - 1 (module docstring); ValueError with the fix where
-    the mesh or the parallel plan cannot be built."""
+def plan_job(
+    config: JobConfig, world: int, device: int, workload: Workload, ranks: tuple[int, ...] | None = None
+) -> JobPlan:
+    """The plan of `ranks`, by default rank 0 and rank `world` - 1 (module docstring); ValueError
+    with the fix where the mesh or the parallel plan cannot be built."""
     args = plan_model_args(config)
     check_degrees(config, args, world)
-    ranks = [plan_rank(config, args, world, r, device, workload) for r in sorted({0, world - 1})]
+    chosen = sorted({0, world - 1} if ranks is None else set(ranks))
+    plans = [plan_rank(config, args, world, r, device, workload) for r in chosen]
     dims = ranks_degrees(config, world)
-    return JobPlan(world, device, dims, ranks)
+    return JobPlan(world, device, dims, plans)
 
 
 def ranks_degrees(config: JobConfig, world: int) -> dict[str, int]:

@@ -22,6 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from titanrl.algorithms import get_algorithm
 from titanrl.components.model_builder import build_meta_model
 from titanrl.config.job_config import JobConfig
+from titanrl.config.training import Optimizer as OptimizerConfig
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.generator.generator import kv_cache_dims
@@ -96,6 +97,15 @@ def optimizer_bytes(model: nn.Module, name: str) -> int:
     trainable = [_local(p) for p in model.parameters() if p.requires_grad]
     states = sum(p.numel() * p.element_size() for p in trainable) * STATE_TENSORS[name]
     return states + (STEP_BYTES * len(trainable) if STATE_TENSORS[name] else 0)
+
+
+def step_temp_bytes(model: nn.Module, config: OptimizerConfig) -> int:
+    """Temporaries of Adam(W)'s step: 'foreach' computes sqrt(exp_avg_sq) for every parameter at
+    once (one state's worth), 'for-loop' for one parameter at a time, 'fused' in its kernel."""
+    if not STATE_TENSORS[config.name] or config.implementation == "fused":
+        return 0
+    sizes = [_local(p).numel() * _local(p).element_size() for p in model.parameters() if p.requires_grad]
+    return sum(sizes) if config.implementation == "foreach" else max(sizes, default=0)
 
 
 def buffer_bytes(model: nn.Module) -> int:

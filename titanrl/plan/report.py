@@ -54,6 +54,7 @@ def component_rows(r: RankPlan) -> list[tuple[str, str]]:
     generator = "shared" if r.generator_weights is None else gib(r.generator_weights)
     rows += [("generator weights", generator), ("KV pool", gib(r.kv.bytes))]
     rows += [("update activations", gib(r.activations)), ("FSDP2 buffers (update)", gib(r.fsdp_buffers))]
+    rows += [("MoE recompute kept", gib(r.recompute_kept)), ("optimizer step temps", gib(r.step_temp))]
     rows += [("generation peak", gib(r.generation_peak())), ("update peak", gib(r.update_peak()))]
     return rows
 
@@ -119,7 +120,7 @@ def plan_main(argv: list[str]) -> int:
         if args.suggest:
             from titanrl.plan.suggest import format_suggestions
 
-            print(format_suggestions(config, args.world, device, workload), flush=True)
+            print(format_suggestions(config, args.world, device, args.gpu, workload), flush=True)
     except ValueError as e:
         log.error(f"titanrl plan: error: {e}")
         return 2
