@@ -119,3 +119,28 @@ def test_help(capsys):
     out = cli_in_process(["plan", "--help"], capsys)
     assert out.returncode == 0 and out.stdout.startswith("usage: titanrl plan CONFIG.toml --world N")
     assert "fake process group" in out.stdout
+
+
+DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
+
+
+def test_run_preflight_refuses_a_job_that_cannot_fit(capsys, tmp_path):
+    dump = f"--job.dump_folder={tmp_path}"
+    argv = ["run", "--nproc", "16", DEBUG, dump, "--preflight.device_memory_gb=0.01"]
+    out = cli_in_process(argv, capsys)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("titanrl: error: [preflight] the job does not fit 16 devices")
+    assert "--preflight.plan=off skips this check" in lines[0]
+
+
+def test_run_preflight_plans_only_large_launches_unless_asked(tmp_path):
+    from titanrl import cli
+
+    tiny = ["--preflight.device_memory_gb=0.01", f"--job.dump_folder={tmp_path}"]
+    cli.preflight([f"--job.config_file={DEBUG}", *tiny], 8)  # 'auto': 8 ranks are not planned
+    cli.preflight([f"--job.config_file={DEBUG}", *tiny, "--preflight.plan=off"], 16)
+    with pytest.raises(ValueError, match=r"\[preflight\] the job does not fit 2 devices"):
+        cli.preflight([f"--job.config_file={DEBUG}", *tiny, "--preflight.plan=on"], 2)
+    roomy = ["--preflight.device_memory_gb=80", f"--job.dump_folder={tmp_path}"]
+    assert cli.preflight([f"--job.config_file={DEBUG}", *roomy], 16).preflight.plan == "auto"

@@ -106,6 +106,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.envs.pool import resolve_env
     from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer
+    from titanrl.plan.preflight import check_plan
     from titanrl.recipes import get_recipe
     from titanrl.rl.evaluation import suite_reward
 
@@ -114,6 +115,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     p = config.parallelism
     if ranks is not None:
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks, p.ep, p.cp)
+        check_plan(config, ranks)  # [preflight] plan: the memory per rank, before any rank allocates
     data = get_recipe(config.job.recipe, config.job.config_file).load_data(config)  # a forked recipe imports
     args = launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
     if config.distillation.teacher_hf_checkpoint:

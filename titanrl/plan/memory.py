@@ -8,6 +8,7 @@ rank from above and rank N - 1 from below, and the plan is made for both (one wh
 coincide). Where every degree divides every sharded dim, all ranks are alike.
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -102,6 +103,17 @@ class RankPlan:
 
     def peak(self) -> int:
         return max(self.generation_peak(), self.update_peak())
+
+
+def on_device(plan: "JobPlan", config: JobConfig, device: int) -> "JobPlan":
+    """`plan` on devices of `device` bytes: only the KV pool sized from free memory changes."""
+    args = plan_model_args(config)
+    tp = plan.degrees["tp"]
+    ranks = []
+    for r in plan.ranks:
+        free = device - RESERVED_BYTES - r.policy.params - r.policy.buffers - (r.generator_weights or 0)
+        ranks.append(dataclasses.replace(r, kv=kv_pool(config, args, tp, free)))
+    return JobPlan(plan.world, device, plan.degrees, ranks)
 
 
 def plan_model_args(config: JobConfig) -> TransformerModelArgs:

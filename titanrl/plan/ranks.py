@@ -12,6 +12,7 @@ import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from titanrl.algorithms import get_algorithm
 from titanrl.components.model_builder import build_meta_model
 from titanrl.config.job_config import JobConfig
 from titanrl.config.training import Optimizer as OptimizerConfig
+from titanrl.distributed import parallel_dims
 from titanrl.distributed.parallel_dims import ParallelDims
 from titanrl.distributed.parallelize import apply_ep, apply_tp
 from titanrl.generator.generator import kv_cache_dims
@@ -48,7 +50,9 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     assert not dist.is_initialized(), "a plan is made before (or without) the job's own process group"
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        with warnings.catch_warnings():
+        # A CPU mesh even on a GPU node (the launcher's pre-flight): a CUDA mesh would set this
+        # process's device from the fake rank and create a context before any rank starts.
+        with warnings.catch_warnings(), mock.patch.object(parallel_dims, "device_type", return_value="cpu"):
             warnings.simplefilter("ignore", UserWarning)  # torch's notes on slicing flattened mesh dims
             yield
     finally:

@@ -25,7 +25,7 @@ from titanrl.config.job_config import JobConfig
 from titanrl.models.args import TransformerModelArgs
 from titanrl.models.model import Transformer
 from titanrl.plan.activations import Workload
-from titanrl.plan.memory import GIB, JobPlan, RankPlan, plan_job, plan_model_args
+from titanrl.plan.memory import GIB, JobPlan, RankPlan, on_device, plan_job, plan_model_args
 
 GPUS_PER_NODE = 8
 
@@ -133,28 +133,40 @@ def candidate_meshes(config: JobConfig, args: TransformerModelArgs, world: int) 
     return meshes
 
 
-def suggest(config: JobConfig, world: int, device: int, gpu: str, workload: Workload) -> list[Suggestion]:
-    """The candidate meshes that build and fit, fastest first."""
+def mesh_plans(config: JobConfig, world: int, device: int, workload: Workload) -> list[tuple[JobConfig, JobPlan]]:
+    """Rank 0's plan of every candidate mesh that builds, with the config that has that mesh."""
     args = plan_model_args(config)
-    hw = HARDWARE.get(gpu, HARDWARE["h100-80gb"])
-    seq = min(workload.seq_tokens, args.max_seq_len)
     found = []
-    for degrees in candidate_meshes(config, args, world):
-        d = degrees
+    for d in candidate_meshes(config, args, world):
         mesh = replace(config.parallelism, dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"])
         trial = replace(config, parallelism=replace(mesh, ep=d["ep"], cp=d["cp"]))
         try:
-            plan = plan_job(trial, world, device, workload, ranks=(0,))
+            found.append((trial, plan_job(trial, world, device, workload, ranks=(0,))))
         except ValueError:
             continue  # a mesh the model or the parallel plan cannot take
+    return found
+
+
+def rank_plans(plans: list[tuple[JobConfig, JobPlan]], device: int, gpu: str, workload: Workload) -> list[Suggestion]:
+    """The plans that fit on devices of `device` bytes, fastest first (module docstring)."""
+    hw = HARDWARE.get(gpu, HARDWARE["h100-80gb"])
+    found = []
+    for trial, built in plans:
+        plan = on_device(built, trial, device)
         if not plan.fits():
             continue
-        seconds = update_seconds(trial, args, degrees, hw, seq)
-        seconds += generation_seconds(trial, plan.ranks[0], degrees, hw, seq)
+        args, d = plan_model_args(trial), plan.degrees
+        seq = min(workload.seq_tokens, args.max_seq_len)
+        seconds = update_seconds(trial, args, d, hw, seq) + generation_seconds(trial, plan.ranks[0], d, hw, seq)
         weights = plan.ranks[0].generator_weights or 0
-        seconds += _collective(weights * degrees["dp_shard"], degrees["dp_shard"], _link(hw, world))
-        found.append(Suggestion(degrees, seconds, plan))
+        seconds += _collective(weights * d["dp_shard"], d["dp_shard"], _link(hw, plan.world))
+        found.append(Suggestion(d, seconds, plan))
     return sorted(found, key=lambda s: s.seconds)
+
+
+def suggest(config: JobConfig, world: int, device: int, gpu: str, workload: Workload) -> list[Suggestion]:
+    """The candidate meshes that build and fit, fastest first."""
+    return rank_plans(mesh_plans(config, world, device, workload), device, gpu, workload)
 
 
 def format_suggestions(config: JobConfig, world: int, device: int, gpu: str, workload: Workload) -> str:
