@@ -7,7 +7,8 @@ import sys
 import time
 
 import pytest
-from helpers.launch import REPO_ROOT, cli_in_process, run_torchrun
+from helpers import background
+from helpers.launch import REPO_ROOT, cli_in_process
 
 from titanrl.plan import device_bytes, plan_rank
 from titanrl.plan.activations import Workload
@@ -18,6 +19,7 @@ from plan_worker import ROWS, SEQ, case_config, cases_for  # noqa: E402  (the wo
 
 RECIPE = os.path.join(REPO_ROOT, "train_configs", "grpo_qwen3_30b_a3b_256gpu.toml")
 WORKER = os.path.join(REPO_ROOT, "tests", "multirank", "plan_worker.py")
+WORLDS = (1, 2, 4)
 PEAK_TOLERANCE = 0.15
 """Planned update-step peak against the one `MemTracker` measures on the CPU ranks."""
 
@@ -74,15 +76,25 @@ def test_uneven_shards_make_the_last_rank_smaller():
     assert first.policy.optimizer > last.policy.optimizer
 
 
+# The launches run in the background from collection on (helpers/background.py).
+for _world in WORLDS:
+    background.register_torchrun(
+        f"plan{_world}",
+        (f"tests/test_plan.py::test_planned_bytes_equal_measured[{_world}]",),
+        WORKER,
+        _world,
+        lambda folder: ["--out", folder],
+    )
+
+
 def _measured(world: int) -> dict[int, dict]:
-    out = run_torchrun(WORKER, world, [])
-    rows = [json.loads(line.split("PLANCHECK ", 1)[1]) for line in out.splitlines() if "PLANCHECK " in line]
-    assert sorted(r["rank"] for r in rows) == list(range(world))
-    return {r["rank"]: {c["case"]: c for c in r["results"]} for r in rows}
+    folder = background.torchrun_result(f"plan{world}")
+    by_rank = {r: json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)}
+    return {r: {c["case"]: c for c in results} for r, results in by_rank.items()}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", WORLDS)
 def test_planned_bytes_equal_measured(world):
     measured = _measured(world)
     for rank, cases in measured.items():
@@ -144,3 +156,16 @@ def test_run_preflight_plans_only_large_launches_unless_asked(tmp_path):
         cli.preflight([f"--job.config_file={DEBUG}", *tiny, "--preflight.plan=on"], 2)
     roomy = ["--preflight.device_memory_gb=80", f"--job.dump_folder={tmp_path}"]
     assert cli.preflight([f"--job.config_file={DEBUG}", *roomy], 16).preflight.plan == "auto"
+
+
+def test_scaling_page_is_generated_from_the_plan():
+    """docs/scaling.md: its header and, for a subset (the whole page takes minutes on 2 cores),
+    the rows `scripts/gen_scaling_docs.py` renders now; every flavor has its section."""
+    from scripts.gen_scaling_docs import FLAVORS, HEADER, PAGE, page_rows, render
+
+    text = PAGE.read_text()
+    assert text.startswith(HEADER)
+    assert all(f"## {flavor}\n" in text for flavor in FLAVORS)
+    for flavor, world in (("qwen3-8b", 8),):
+        rows = page_rows(text, flavor, world)
+        assert rows and rows == page_rows(render((flavor, world)), flavor, world)

@@ -3,10 +3,12 @@
 size, and prints its measured parameter, gradient and optimizer bytes and the step's peak.
 
 Launched by tests/test_plan.py on 1, 2 and 4 gloo ranks (one launch per world size, every case
-in it); `case_config` is also the test's, so plan and measurement read one config.
+in it, in the background: helpers/background.py); `case_config` is also the test's, so plan and measurement read one config.
 """
 
+import argparse
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -90,10 +92,14 @@ def measure(name: str, world: int) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="folder for rank<r>.json")
+    out = parser.parse_args().out
     rank, world = init_distributed()
     torch.manual_seed(0)
     results = [measure(name, world) for name in cases_for(world)]
-    print("PLANCHECK " + json.dumps({"rank": rank, "results": results}), flush=True)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
 

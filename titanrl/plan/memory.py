@@ -134,7 +134,10 @@ def plan_rank(
     """Rank `rank`'s plan, its models built under a fake process group of `world` ranks."""
     with fake_world(world, rank):
         dims = mesh_dims(config, world)
-        models = build_rank_models(config, args, dims)
+        try:
+            models = build_rank_models(config, args, dims)
+        except NotImplementedError as e:  # FSDP2's own limits, e.g. uneven shards of a dim > 0
+            raise ValueError(f"FSDP2 cannot shard this mesh: {e}; change dp_shard, ep or tp") from None
         policy = model_bytes(models.policy, config.optimizer.name)
         gen = None if models.generator is None else param_bytes(models.generator) + buffer_bytes(models.generator)
         # The generator sizes its pool when built: after the policy and its own weights, before the rest.

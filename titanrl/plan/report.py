@@ -90,11 +90,19 @@ def overflow_fix(plan: JobPlan, config: JobConfig) -> str:
         if config.generator.num_blocks:
             return f"generation needs {over} more: lower generator.num_blocks ({config.generator.num_blocks})"
         return f"the weights and optimizer state alone need {over} more: raise dp_shard or ep, or add ranks"
-    if config.activation_checkpoint.mode != "full" and r.activations > r.policy.optimizer:
-        return f"the update needs {over} more, activations first: set activation_checkpoint.mode = 'full'"
-    if r.activations > r.policy.optimizer:
-        return f"the update needs {over} more, activations first: lower training.micro_batch_tokens or raise tp / cp"
-    return f"the update needs {over} more, optimizer state first: raise dp_shard or ep, or add ranks"
+    parts = {
+        "activations": r.activations,
+        "recomputed MoE activations kept to the next forward": r.recompute_kept,
+        "optimizer state": r.policy.optimizer,
+    }
+    largest = max(parts, key=lambda k: parts[k])
+    if largest == "optimizer state":
+        fix = "raise dp_shard or ep, or add ranks"
+    elif config.activation_checkpoint.mode != "full" and largest == "activations":
+        fix = "set activation_checkpoint.mode = 'full'"
+    else:
+        fix = "lower training.micro_batch_tokens or raise tp / cp"
+    return f"the update needs {over} more, {largest} first: {fix}"
 
 
 def plan_main(argv: list[str]) -> int:

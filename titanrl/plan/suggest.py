@@ -126,9 +126,9 @@ def candidate_meshes(config: JobConfig, args: TransformerModelArgs, world: int) 
             if dp_shard * tp * cp != world:
                 continue
             experts = args.moe_num_experts
-            for ep in [e for e in (1, 2, 4, 8, 16, 32, 64) if experts and experts % e == 0 and dp_shard % e == 0] or [
-                1
-            ]:
+            for ep in [
+                e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if experts and experts % e == 0 and dp_shard % e == 0
+            ] or [1]:
                 meshes.append({"dp_replicate": 1, "dp_shard": dp_shard, "tp": tp, "ep": ep, "cp": cp})
     return meshes
 
