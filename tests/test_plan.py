@@ -103,7 +103,7 @@ def test_planned_bytes_equal_measured(world):
             config = case_config(name)
             plan = plan_rank(config, plan_model_args(config), world, rank, 80 * GIB, Workload(SEQ, 0))
             where = f"{name} on rank {rank} of {world}"
-            assert plan.update_tokens == ROWS * SEQ
+            assert plan.update_tokens == ROWS * SEQ // config.parallelism.cp  # cp ranks split the rows
             assert (plan.policy.params, plan.policy.grads, plan.policy.optimizer) == (
                 m["params"],
                 m["grads"],

@@ -12,12 +12,14 @@ import os
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 from titanrl.components.model_builder import build_model
 from titanrl.components.optimizer import build_optimizer
 from titanrl.config.job_config import JobConfig
+from titanrl.data.batch_forward import forward_logprobs
 from titanrl.distributed import ParallelDims, init_distributed
 from titanrl.models.flavors import get_model_args
 
@@ -27,8 +29,9 @@ CASES = {
     "dense_tp": ("debug", {"parallelism": {"tp": 2}, "training": {"mixed_precision_param": "bfloat16"}}),
     "moe_ep": ("debug-moe", {"parallelism": {"ep": 2}}),
     "moe_ac": ("debug-moe", {"activation_checkpoint": {"mode": "full"}}),
+    "dense_cp": ("debug", {"parallelism": {"cp": 2}}),
 }
-"""The layouts measured: plain FSDP2, TP (with bf16 compute), EP, and a checkpointed MoE."""
+"""The layouts measured: plain FSDP2, TP (with bf16 compute), EP, a checkpointed MoE, CP."""
 
 ROWS, SEQ = 8, 64
 """The micro-batch each rank trains: ROWS sequences of SEQ tokens (the plan's Workload)."""
@@ -48,7 +51,7 @@ def case_config(name: str) -> JobConfig:
 
 
 def cases_for(world: int) -> list[str]:
-    return [n for n in CASES if world >= max(CASES[n][1].get("parallelism", {}).get(k, 1) for k in ("tp", "ep"))]
+    return [n for n in CASES if world >= max(CASES[n][1].get("parallelism", {}).get(k, 1) for k in ("tp", "ep", "cp"))]
 
 
 def _storages(tensors) -> int:
@@ -62,7 +65,9 @@ def _storages(tensors) -> int:
 
 def update(model, optimizer, tokens_BT: torch.Tensor, config: JobConfig) -> int:
     """One forward, backward and optimizer step; the gradients' bytes before the step."""
-    logprobs_BT, _ = model.logprobs(tokens_BT[:, :-1], tokens_BT[:, 1:], config.training.logprob_chunk_tokens)
+    mask_BT, length_B = torch.ones_like(tokens_BT[:, 1:]), torch.full((ROWS,), SEQ + 1)
+    batch = TensorDict({"tokens": tokens_BT, "loss_mask": mask_BT, "length": length_B}, batch_size=[ROWS])
+    logprobs_BT, _ = forward_logprobs(model, batch, False, config.training.logprob_chunk_tokens)
     logprobs_BT.mean().backward()
     grads = _storages(q.grad for q in model.parameters() if q.grad is not None)
     optimizer.step()
