@@ -169,3 +169,22 @@ def test_scaling_page_is_generated_from_the_plan():
     for flavor, world in (("qwen3-8b", 8),):
         rows = page_rows(text, flavor, world)
         assert rows and rows == page_rows(render((flavor, world)), flavor, world)
+
+
+@pytest.mark.parametrize(
+    "overrides, reference, critic",
+    [({}, False, False), ({"kl_coef": 0.1}, True, False), ({"name": "ppo"}, False, True)],
+)
+def test_the_models_a_config_adds_beside_the_policy(overrides, reference, critic):
+    config = case_config("dense")
+    for key, value in overrides.items():
+        setattr(config.algorithm, key, value)
+    config.critic.enable = critic
+    plan = plan_rank(config, plan_model_args(config), 2, 0, 80 * GIB, Workload(SEQ, 0))
+    assert (plan.reference is not None, plan.critic is not None) == (reference, critic)
+    if reference:  # a frozen float32 copy of the policy's shards: no gradients, no optimizer state
+        assert (plan.reference.params, plan.reference.grads, plan.reference.optimizer) == (plan.policy.params, 0, 0)
+    if critic:  # the policy's body with its own one-label head (the debug policy ties its LM head)
+        assert plan.critic.params == plan.policy.params + 1 * 256 * 4  # rank 0's row of the [1, 256] head
+        assert plan.critic.grads == plan.critic.params and plan.critic.optimizer > plan.critic.params
+    assert plan.generator_weights is not None  # two ranks: FSDP2 shards, so the generator has its own copy

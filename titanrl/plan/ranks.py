@@ -141,14 +141,16 @@ class RankModels:
 
 
 def build_rank_models(config: JobConfig, args: TransformerModelArgs, dims: ParallelDims) -> RankModels:
-    """The models `RLRecipe.__init__` builds, in its order, on the meta device (`fake_world`)."""
+    """The models the recipe builds (`RLRecipe.__init__`, in its order; DPO: its reference), on
+    the meta device (`fake_world`)."""
     lora = config.lora if config.lora.enable else None
     policy = build_meta_model(args, dims, config, lora=lora)
     reference = critic = reward = None
+    kl = config.job.recipe == "rl" and config.algorithm.kl_coef > 0
+    if (kl or config.job.recipe == "dpo") and lora is None:  # a LoRA policy's reference is its base
+        reference = build_meta_model(args, dims, config).requires_grad_(False)
     if config.job.recipe == "rl":
         algorithm = get_algorithm(config.algorithm.name)
-        if config.algorithm.kl_coef > 0 and lora is None:  # a LoRA policy's reference is its base
-            reference = build_meta_model(args, dims, config).requires_grad_(False)
         if algorithm.needs_critic:
             critic_args = read_hf_config(config.critic.hf_checkpoint) if config.critic.hf_checkpoint else args
             critic = build_meta_model(dataclasses.replace(critic_args, num_labels=1), dims, config)
