@@ -5,6 +5,7 @@
     titanrl serve-env NAME [--host H] [--port P] [--token-file F]
     titanrl cp {rl,sft,dpo,reward_model} DEST.py
     titanrl show OUTPUT_DIR [--step N] [--out FILE]
+    titanrl plan CONFIG.toml --world N [--gpu h100-80gb|h200-141gb|b200-192gb|GiB] [--suggest] [--section.key=value ...]
 
 Everything before the .toml file goes to torchrun (`--nproc N` is `--nproc_per_node=N`; without
 rendezvous options the job is `--standalone`), everything after it overrides the config. A user
@@ -107,6 +108,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     from titanrl.envs.pool import resolve_env
     from titanrl.models.hf import read_hf_config
     from titanrl.models.tokenizer import build_tokenizer
+    from titanrl.plan.preflight import check_plan
     from titanrl.recipes import get_recipe
     from titanrl.rl.evaluation import suite_reward
 
@@ -115,6 +117,7 @@ def preflight(config_args: list[str], ranks: int | None) -> "JobConfig":
     p = config.parallelism
     if ranks is not None:
         ParallelDims(p.dp_replicate, p.dp_shard, p.tp, ranks, p.ep, p.cp)
+        check_plan(config, ranks)  # [preflight] plan: the memory per rank, before any rank allocates
     data = get_recipe(config.job.recipe, config.job.config_file).load_data(config)  # a forked recipe imports
     args = launch.model_args(config, build_tokenizer(config.model.tokenizer).vocab_size)
     if config.distillation.teacher_hf_checkpoint:
@@ -308,7 +311,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     cp.add_argument("dest", metavar="DEST.py", help="the copy's file; its config is DEST.toml beside it")
     show = sub.add_parser("show", help="write an HTML page of a run's sampled episodes", description=viewer.SHOW_HELP)
     viewer.add_show_arguments(show)
-    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp, "show": show}
+    plan = sub.add_parser("plan", help="plan a job's memory per rank on N devices, on this CPU", add_help=False)
+    plan.add_argument("args", nargs=argparse.REMAINDER)
+    return parser, {"run": run, "eval": ev, "serve-env": serve, "cp": cp, "show": show, "plan": plan}
 
 
 RECIPE_CONFIGS = {
@@ -383,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser, commands = build_parser()
     if argv and argv[0] in IN_ORDER:
-        if argv[0] != "serve-env" and ("-h" in argv[1:] or "--help" in argv[1:]):
+        if argv[0] not in ("serve-env", "plan") and ("-h" in argv[1:] or "--help" in argv[1:]):
             commands[argv[0]].print_help()
             return 0
         return IN_ORDER[argv[0]](argv[1:])
@@ -470,7 +475,14 @@ def serve_env_main(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-IN_ORDER = {"run": run_main, "eval": eval_main, "serve-env": serve_env_main}
+def plan_main(argv: list[str]) -> int:
+    """`titanrl plan CONFIG --world N ...`: memory per rank, whether it fits (`titanrl/plan/report.py`)."""
+    from titanrl.plan.report import plan_main as main_of_plan
+
+    return main_of_plan(argv)
+
+
+IN_ORDER = {"run": run_main, "eval": eval_main, "serve-env": serve_env_main, "plan": plan_main}
 """The commands whose arguments are read in order, after argparse has read the command."""
 
 

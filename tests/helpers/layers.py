@@ -15,6 +15,7 @@ LAYERS = [
     "rewards",
     "envs",
     "algorithms",
+    "plan",
     "rl",
     "trainer",
     "recipes",

@@ -51,6 +51,29 @@ def build_model(
     init; with `lora`, adapters on the frozen base (`titanrl.models.lora`); with [float8] on
     (and `float8`, which a model that must stay in high precision turns off), float8 block
     linears (`titanrl.components.float8`)."""
+    model = build_meta_model(model_args, parallel_dims, job_config, lora, float8)
+    model.to_empty(device=device)
+    model.init_weights(buffer_device=device)
+    if hf_checkpoint:
+        load_hf_weights(model, hf_checkpoint)
+    else:
+        if full_state_dict is None:
+            full_state_dict = init_full_state_dict(model_args, job_config.job.seed)
+        load_full_state_dict(model, full_state_dict)
+    if lora is not None:
+        init_lora(model, job_config.job.seed)
+    return model
+
+
+def build_meta_model(
+    model_args: TransformerModelArgs,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    lora: LoRAConfig | None = None,
+    float8: bool = True,
+) -> Transformer:
+    """`build_model`'s parallelized model on the meta device, before any memory is allocated
+    (`titanrl plan` reads its shards' shapes)."""
     with torch.device("meta"):
         model = Transformer(model_args)
         if lora is not None:
@@ -62,16 +85,6 @@ def build_model(
     parallelize_model(model, parallel_dims, job_config)
     if has_float8_all_gather(model):
         reshard_float8_blocks_after_forward(model)  # an unsharded float8 weight is unreadable
-    model.to_empty(device=device)
-    model.init_weights(buffer_device=device)
-    if hf_checkpoint:
-        load_hf_weights(model, hf_checkpoint)
-    else:
-        if full_state_dict is None:
-            full_state_dict = init_full_state_dict(model_args, job_config.job.seed)
-        load_full_state_dict(model, full_state_dict)
-    if lora is not None:
-        init_lora(model, job_config.job.seed)
     return model
 
 

@@ -19,6 +19,7 @@ from titanrl.config.generation import Generator, Rollout
 from titanrl.config.model import LoRA, Model, MoE
 from titanrl.config.offline import DPO, SFTWarmup
 from titanrl.config.parallelism import Parallelism
+from titanrl.config.preflight import Preflight
 from titanrl.config.rewards_envs import Env, Reward
 from titanrl.config.run import Checkpoint, Job, Metrics, Profiling
 from titanrl.config.training import ActivationCheckpoint, Compile, Float8, LRScheduler, Optimizer, Training
@@ -55,6 +56,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     distillation: Distillation = field(default_factory=Distillation)
     moe: MoE = field(default_factory=MoE)
+    preflight: Preflight = field(default_factory=Preflight)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     eval: list[EvalSuite] = field(default_factory=list)
     """The `[[eval]]` suites (an array of tables, not a section): `titanrl/config/evaluation.py`."""
