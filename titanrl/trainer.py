@@ -64,6 +64,11 @@ class Trainer:
         data = recipe_cls.load_data(config)  # bad data fails before anything is built
         self.config = config
         self.rank, self.dims, self.device = launch.start(config)
+        # [fault_tolerance]: heartbeating to the lighthouse from start-up, so that the first
+        # step's quorum waits for every replica group that is starting; used from step 1 on.
+        self.ft_step, self.ft_active = 0, False
+        self.evals: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        self.ft = self.fault_tolerance()
         # Rank 0 owns the dump folder before anything is written there (metrics, checkpoints).
         self.folder_lock = launch.lock_dump_folder(config.job.dump_folder) if self.rank == 0 else None
         self.stop_signals = launch.StopSignals()
@@ -80,17 +85,16 @@ class Trainer:
             error_log=os.path.join(config.job.dump_folder, "checkpoint_errors.log"),
         )
         self.resuming = ckpt.enable and (bool(ckpt.load_path) or bool(self.checkpointer.complete_steps()))
-        self.metrics = MetricsLogger(config, self.rank, append=self.resuming)
+        # A replica group started again ([fault_tolerance]) logs on after its earlier rows.
+        self.metrics = MetricsLogger(config, self.rank, append=self.resuming or config.fault_tolerance.enable)
         self.model = recipe_cls.build_model(self)
         self.configure_moe(self.model)
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.training.steps, config.lr_scheduler)
         self.recipe = recipe_cls(self, data)
         self.checkpoint = RunCheckpoint(self)
-        self.ft_step = 0
-        self.evals: tuple[dict[str, float], dict[str, float]] = ({}, {})
-        self.ft = self.fault_tolerance()  # [fault_tolerance]; used from the first RL step on
-        self.ft_active = False
+        if self.ft is not None and (getattr(self.recipe, "critic", None) is not None):
+            raise ValueError("[fault_tolerance] does not support a critic (PPO) yet: use a critic-free algorithm")
 
     # ---- the loop ----
 
@@ -134,7 +138,7 @@ class Trainer:
             began = time.perf_counter()
             if self.ft is not None:
                 self.ft_step, self.ft_active = step - 1, True
-                self.ft.start_step()  # a restarted replica group heals here: it goes on at its peers' step
+                self.ft.start_step(fresh=step == 1)  # a restarted group heals here: it goes on at its peers' step
                 if self.ft.healed:
                     step, batches = self.ft_step + 1, iter(self.recipe.loader)
             metrics = self.recipe.step(batches, step)
@@ -172,17 +176,18 @@ class Trainer:
         cfg = self.config
         if not cfg.fault_tolerance.enable:
             return None
-        if cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches > 1 or getattr(self.recipe, "critic", None):
+        if cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches > 1:
             raise ValueError(
                 "[fault_tolerance] commits one optimizer step per RL step for now: set algorithm.ppo_epochs = 1 "
-                "and algorithm.num_minibatches = 1, without a critic"
+                "and algorithm.num_minibatches = 1"
             )
-        run = self.checkpoint
 
-        def state() -> dict:
+        def state() -> dict:  # asked by a peer that heals, while this group waits for the quorum
+            run = self.checkpoint
             return {**local_state(*run.parts()), "host": run.host_state(self.ft_step, *self.evals)}
 
         def load(state: dict) -> None:
+            run = self.checkpoint
             load_local_state(state, *run.parts())
             run.load_host_state(state["host"])
             self.ft_step = state["host"]["step"]

@@ -49,6 +49,7 @@ class FaultTolerance:
         timeout = timedelta(seconds=config.timeout_s)
         pg_class = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
         pg = pg_class(timeout=timeout)
+        self.config = config
         self.healed_s = 0.0
         self.healed = False
         self._load = load_state_dict
@@ -67,15 +68,24 @@ class FaultTolerance:
         self.quorum_size = 0
 
     def _healed(self, state: Any) -> None:
-        began = time.perf_counter()
         self._load(state)
-        self.healed, self.healed_s = True, time.perf_counter() - began
+        self.healed = True
 
-    def start_step(self) -> None:
-        """The step's quorum (a restarted group heals here, before it generates)."""
+    def start_step(self, fresh: bool) -> None:
+        """The step's quorum (a restarted group heals here, before it generates). `fresh`: the
+        job's first step, nobody has trained yet: wait (up to fault_tolerance.start_wait_s) for
+        every replica group to join, so that none starts the run alone."""
         self.healed, self.healed_s = False, 0.0
-        self.manager.start_quorum()
-        self.quorum_size = self.manager.num_participants()
+        deadline = time.monotonic() + (self.config.start_wait_s if fresh else 0.0)
+        while True:
+            began = time.perf_counter()
+            self.manager.start_quorum()  # a new quorum without a commit: the step count stays
+            self.quorum_size = self.manager.num_participants()
+            if self.healed:  # the quorum, the peer's state over the transport, and loading it
+                self.healed_s = time.perf_counter() - began
+            if self.healed or self.quorum_size >= self.config.group_size or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """Sum every gradient over the replica groups of the quorum."""
@@ -97,7 +107,14 @@ class FaultTolerance:
         return self.manager.should_commit()
 
     def metrics(self) -> dict[str, float]:
-        return {"ft_quorum": float(self.quorum_size), "ft_heal_s": self.healed_s}
+        """The step's quorum size, the seconds its heal took (0: none), and the share of the
+        global batch the step lost with the groups missing from the quorum."""
+        missing = self.config.group_size - self.quorum_size
+        return {
+            "ft_quorum": float(self.quorum_size),
+            "ft_heal_s": self.healed_s,
+            "ft_lost_frac": missing / self.config.group_size,
+        }
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,10 @@ class FaultTolerance:
     lighthouse: str = ""
     """The TorchFT lighthouse's address (http://host:port); empty: the TORCHFT_LIGHTHOUSE variable."""
 
+    start_wait_s: float = 60.0
+    """At the job's first step, how long a replica group waits for the others to join its quorum
+    (started at about the same time, they begin in lockstep instead of one healing later)."""
+
     timeout_s: float = 30.0
     """Collectives across replica groups (gradients, commits, healing transfers) fail after this."""
 
