@@ -70,8 +70,8 @@ class ReplicaGroups:
     """A lighthouse and replica groups of one rank each, started and restarted by the test (as
     a cluster's scheduler would), each in `folder/replica_<i>`; killed at the end."""
 
-    def __init__(self, folder, replicas, steps, *extra):
-        self.folder, self.replicas, self.steps, self.extra = folder, replicas, steps, extra
+    def __init__(self, folder, replicas, steps, *extra, nproc=1):
+        self.folder, self.replicas, self.steps, self.extra, self.nproc = folder, replicas, steps, extra, nproc
         self.port = free_port()
         self.lighthouse = subprocess.Popen(
             lighthouse_cmd(self.port, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -84,7 +84,7 @@ class ReplicaGroups:
         env = {**ENV, **({"TITANRL_FAULT": fault} if fault else {})}
         log = open(self.folder / f"replica_{r}.log", "a")
         self.procs[r] = subprocess.Popen(
-            [*torchrun_cmd(1), "-m", "titanrl.train", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+            [*torchrun_cmd(self.nproc), "-m", "titanrl.train", *args], env=env, stdout=log, stderr=subprocess.STDOUT
         )
 
     def rows(self, r):
@@ -118,10 +118,10 @@ def groups(tmp_path):
 
 @pytest.mark.multirank
 def test_kill_9_of_a_replica_group_the_other_trains_on_and_the_restarted_one_heals(groups):
-    """[fault_tolerance], 2 replica groups: kill -9 of group 1 after step 3 -> group 0 logs every step without a restart, with quorum 1 while group 1 is down; group 1 started again heals from group 0's live state (no checkpoint read) in a measured time, trains in lockstep, and both end with bitwise identical weights"""
-    g = groups(2, 60)
+    """[fault_tolerance], 2 replica groups of 2 FSDP2 ranks: kill -9 of group 1's rank 1 after step 3 -> group 0 logs every step without a restart, with quorum 1 while group 1 is down; group 1 started again heals from group 0's live state (each rank its shards; no checkpoint read) in a measured time, trains in lockstep, and both end with bitwise identical weights"""
+    g = groups(2, 60, "--parallelism.dp_shard=2", nproc=2)
     g.start(0)
-    g.start(1, fault="step:3:0")
+    g.start(1, fault="step:3:1")
     assert g.procs[1].wait(timeout=300) != 0  # killed
     died = time.monotonic()
     g.wait_for(lambda: any(r["ft_quorum"] == 1 for r in g.rows(0)))

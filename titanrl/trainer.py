@@ -68,7 +68,7 @@ class Trainer:
         # step's quorum waits for every replica group that is starting; used from step 1 on.
         self.ft_step, self.ft_active = 0, False
         self.evals: tuple[dict[str, float], dict[str, float]] = ({}, {})
-        self.ft = self.fault_tolerance()
+        self.ft = start_fault_tolerance(self)
         # Rank 0 owns the dump folder before anything is written there (metrics, checkpoints).
         self.folder_lock = launch.lock_dump_folder(config.job.dump_folder) if self.rank == 0 else None
         self.stop_signals = launch.StopSignals()
@@ -168,31 +168,6 @@ class Trainer:
                 return True, last_eval
             step += 1
         return False, last_eval
-
-    def fault_tolerance(self) -> FaultTolerance | None:
-        """This replica group's TorchFT manager ([fault_tolerance]), heartbeating from start-up
-        so that the lighthouse waits for every group at the first step; a peer that heals from
-        it gets the state of the step before the one it starts (`self.ft_step`)."""
-        cfg = self.config
-        if not cfg.fault_tolerance.enable:
-            return None
-        if cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches > 1:
-            raise ValueError(
-                "[fault_tolerance] commits one optimizer step per RL step for now: set algorithm.ppo_epochs = 1 "
-                "and algorithm.num_minibatches = 1"
-            )
-
-        def state() -> dict:  # asked by a peer that heals, while this group waits for the quorum
-            run = self.checkpoint
-            return {**local_state(*run.parts()), "host": run.host_state(self.ft_step, *self.evals)}
-
-        def load(state: dict) -> None:
-            run = self.checkpoint
-            load_local_state(state, *run.parts())
-            run.load_host_state(state["host"])
-            self.ft_step = state["host"]["step"]
-
-        return FaultTolerance(self.config.fault_tolerance, self.device, state, load)
 
     def begin(self) -> tuple[dict[str, float], dict[str, float]]:
         """A fresh run: the recipe's preparation (e.g. RL's SFT warm-up), then the step-0 eval."""
@@ -321,18 +296,45 @@ class Trainer:
         """Host numbers summed over data-parallel ranks (TP peers hold equal copies, not counted)."""
         return dp_sum(values, self.dp_group)
 
-    def loss_counts(self, mask_BT: torch.Tensor, num_seqs: float) -> tuple[float, float]:
-        """A mini-batch's loss tokens and sequences summed over every data-parallel rank of the
-        step, those of the other replica groups in the quorum included ([fault_tolerance])."""
-        tokens = global_token_count(mask_BT, self.dp_group).item()
-        (seqs,) = self.dp_sum([num_seqs])
-        if self.ft is not None and self.ft_active:
-            tokens, seqs = self.ft.sum(torch.tensor([tokens, seqs], dtype=torch.float64)).tolist()
-        return max(tokens, 1.0), seqs
-
     def plan_micro_batches(self, lengths: list[int], sort_single: bool = False) -> list[torch.Tensor]:
         """This rank's micro-batches of training.micro_batch_tokens (`data.batch.plan_micro_batches`)."""
         return plan_micro_batches(lengths, self.config.training.micro_batch_tokens, self.dp_group, sort_single)
+
+
+def start_fault_tolerance(trainer: "Trainer") -> FaultTolerance | None:
+    """This replica group's TorchFT manager ([fault_tolerance]), heartbeating from start-up
+    so that the lighthouse waits for every group at the first step; a peer that heals from
+    it gets the state of the step before the one it starts (`trainer.ft_step`)."""
+    cfg = trainer.config
+    if not cfg.fault_tolerance.enable:
+        return None
+    if cfg.algorithm.ppo_epochs * cfg.algorithm.num_minibatches > 1:
+        raise ValueError(
+            "[fault_tolerance] commits one optimizer step per RL step for now: set algorithm.ppo_epochs = 1 "
+            "and algorithm.num_minibatches = 1"
+        )
+
+    def state() -> dict:  # asked by a peer that heals, while this group waits for the quorum
+        run = trainer.checkpoint
+        return {**local_state(*run.parts()), "host": run.host_state(trainer.ft_step, *trainer.evals)}
+
+    def load(state: dict) -> None:
+        run = trainer.checkpoint
+        load_local_state(state, *run.parts())
+        run.load_host_state(state["host"])
+        trainer.ft_step = state["host"]["step"]
+
+    return FaultTolerance(trainer.config.fault_tolerance, trainer.device, state, load)
+
+
+def loss_counts(trainer: "Trainer", mask_BT: torch.Tensor, num_seqs: float) -> tuple[float, float]:
+    """A mini-batch's loss tokens and sequences summed over every data-parallel rank of the
+    step, those of the other replica groups in the quorum included ([fault_tolerance])."""
+    tokens = global_token_count(mask_BT, trainer.dp_group).item()
+    (seqs,) = trainer.dp_sum([num_seqs])
+    if trainer.ft is not None and trainer.ft_active:
+        tokens, seqs = trainer.ft.sum(torch.tensor([tokens, seqs], dtype=torch.float64)).tolist()
+    return max(tokens, 1.0), seqs
 
 
 class RunCheckpoint:

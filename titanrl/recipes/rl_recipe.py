@@ -67,6 +67,7 @@ from titanrl.rl.remote_collector import RemoteRolloutCollector
 from titanrl.rl.rollouts import RolloutCollector
 from titanrl.rl.scoring import reward_item
 from titanrl.rl.stats import RLStats
+from titanrl.trainer import loss_counts
 
 if TYPE_CHECKING:
     from titanrl.trainer import Trainer
@@ -306,7 +307,7 @@ class RLRecipe(Recipe):
         algo, trainer = self.config.algorithm, self.trainer
         # Per mini-batch, not per micro-batch: the loss divides by a python float (what the
         # seeded runs were computed with) and `optimizer_step` reads the grad norm anyway.
-        num_tokens, num_seqs = trainer.loss_counts(minibatch["loss_mask"], float(minibatch.batch_size[0]))
+        num_tokens, num_seqs = loss_counts(trainer, minibatch["loss_mask"], float(minibatch.batch_size[0]))
         trainer.optimizer.zero_grad()
         for mb in micro_batches(minibatch, trainer):
             logprobs, entropy = forward_logprobs(
