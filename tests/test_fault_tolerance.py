@@ -9,7 +9,8 @@ import sys
 import time
 
 import pytest
-from helpers.launch import REPO_ROOT, run_cmd, torchrun_cmd
+from helpers import background
+from helpers.launch import REPO_ROOT, torchrun_cmd
 from helpers.tiny import smoke_run_args
 from safetensors.torch import load_file
 
@@ -41,19 +42,37 @@ def _max_diff(a, b) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.multirank
-def test_two_replica_groups_equal_a_dp_replicate_2_run(tmp_path):
-    """`titanrl run --ft-replicas 2` (lighthouse + 2 replica groups of 1 rank), no failure -> every step's grad norm and rewards equal a 2-rank dp_replicate = 2 run's to float rounding, the final weights within 1e-5, and both replica groups hold bitwise the same weights"""
-    ft = tmp_path / "ft"
-    # min_replicas = 2: no step without both groups (with 1, a group that starts late heals into the run)
-    args = _args(f"--job.dump_folder={ft}", "--fault_tolerance.min_replicas=2")
-    cmd = [sys.executable, "-m", "titanrl.cli", "run", "--ft-replicas", "2", CONFIG, *args]
-    proc = run_cmd(cmd, ENV, timeout_s=600)
+EQUAL = "tests/test_fault_tolerance.py::test_two_replica_groups_equal_a_dp_replicate_2_run"
+# Both runs in the background from collection on (helpers/background.py). min_replicas = 2: no step
+# without both groups (with 1, a group that starts late would heal into the run instead).
+background.register(
+    "ft_two_groups",
+    (EQUAL,),
+    lambda folder: [
+        *[sys.executable, "-m", "titanrl.cli", "run", "--ft-replicas", "2", CONFIG],
+        *_args(f"--job.dump_folder={folder}", "--fault_tolerance.min_replicas=2"),
+    ],
+)
+background.register(
+    "ft_dp_replicate",
+    (EQUAL,),
+    lambda folder: [
+        *[*torchrun_cmd(2), "-m", "titanrl.train", f"--job.config_file={CONFIG}"],
+        *_args(f"--job.dump_folder={folder}", "--parallelism.dp_replicate=2"),
+    ],
+)
+
+
+def _launched(name):
+    proc, folder = background.result(name)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ref = tmp_path / "ref"
-    args = [f"--job.config_file={CONFIG}", *_args(f"--job.dump_folder={ref}", "--parallelism.dp_replicate=2")]
-    proc = run_cmd([*torchrun_cmd(2), "-m", "titanrl.train", *args], ENV, timeout_s=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    return folder
+
+
+@pytest.mark.multirank
+def test_two_replica_groups_equal_a_dp_replicate_2_run():
+    """`titanrl run --ft-replicas 2` (lighthouse + 2 replica groups of 1 rank), no failure -> every step's grad norm and rewards equal a 2-rank dp_replicate = 2 run's to float rounding, the final weights within 1e-5, and both replica groups hold bitwise the same weights"""
+    ft, ref = _launched("ft_two_groups"), _launched("ft_dp_replicate")
     r0, r1, dp = _rows(ft / "replica_0"), _rows(ft / "replica_1"), _rows(ref)
     assert [r["step"] for r in r0] == [r["step"] for r in r1] == [r["step"] for r in dp] == [1, 2, 3, 4]
     assert all(r["ft_quorum"] == 2 for r in r0 + r1)
