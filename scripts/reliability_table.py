@@ -75,8 +75,8 @@ def documented_results() -> dict[str, str]:
     """{test name: result} of the table in docs/reliability.md now."""
     text = open(os.path.join(ROOT, "docs", "reliability.md")).read()
     table = text.partition(START)[2].partition(END)[0]
-    cells = [line.split("|") for line in table.splitlines() if line.count("`") == 2]
-    return {row[-3].strip().strip("`"): row[-2].strip() for row in cells}
+    rows = [line.split("|") for line in table.splitlines() if line.startswith("|") and line.endswith("|")]
+    return {row[-3].strip().strip("`"): row[-2].strip() for row in rows[2:]}  # past the header rows
 
 
 def main() -> None:
