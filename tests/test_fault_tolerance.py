@@ -10,7 +10,7 @@ import time
 
 import pytest
 from helpers import background
-from helpers.launch import REPO_ROOT, torchrun_cmd
+from helpers.launch import REPO_ROOT, alive, descendants, torchrun_cmd
 from helpers.tiny import smoke_run_args
 from safetensors.torch import load_file
 
@@ -158,32 +158,6 @@ def test_kill_9_of_a_replica_group_the_other_trains_on_and_the_restarted_one_hea
     print(f"detected in {detected_s:.1f} s, healed in {healed[0]['ft_heal_s']:.3f} s at step {healed[0]['step']}")
 
 
-def _children(pid: int) -> list[int]:
-    """`pid`'s descendants, from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.multirank
 def test_a_stopped_replica_group_is_dropped_and_readmitted_after_sigcont(groups):
     """[fault_tolerance], 2 replica groups: SIGSTOP of group 1's rank (hung, not dead) -> after the heartbeat timeout group 0 goes on with quorum 1; after SIGCONT group 1 finds its step failed, rejoins the quorum, heals from group 0 and both end with bitwise identical weights"""
@@ -191,7 +165,7 @@ def test_a_stopped_replica_group_is_dropped_and_readmitted_after_sigcont(groups)
     g.start(0)
     g.start(1)
     g.wait_for(lambda: len(g.rows(1)) >= 3)
-    (rank,) = _children(g.procs[1].pid)[:1]
+    (rank,) = [p for p in descendants(g.procs[1].pid) if b"titanrl.train" in open(f"/proc/{p}/cmdline", "rb").read()]
     os.kill(rank, signal.SIGSTOP)
     try:
         g.wait_for(lambda: [r["ft_quorum"] for r in g.rows(0)][-3:] == [1.0, 1.0, 1.0])
@@ -215,15 +189,15 @@ def test_killed_ft_launcher_leaves_no_process(tmp_path):
         while not (_rows(tmp_path / "replica_0") and _rows(tmp_path / "replica_1")):
             assert run.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        started = _children(run.pid)
+        started = descendants(run.pid)
         assert len(started) >= 5  # the lighthouse, 2 torchruns, 2 ranks (and reward workers)
         os.kill(run.pid, signal.SIGKILL)
         run.wait()
         deadline = time.monotonic() + 15
-        while any(_alive(p) for p in started) and time.monotonic() < deadline:
+        while any(alive(p) for p in started) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert [p for p in started if _alive(p)] == []
+        assert [p for p in started if alive(p)] == []
     finally:
-        for pid in [run.pid, *_children(run.pid)]:
-            if _alive(pid):
+        for pid in [run.pid, *descendants(run.pid)]:
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)

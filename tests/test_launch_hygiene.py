@@ -12,6 +12,8 @@ import time
 import pytest
 from helpers.checkpoint_runs import BASE, assert_same_weights, ok, same, steps
 from helpers.launch import REPO_ROOT, cli_in_process, run_cmd
+from helpers.launch import alive as _alive
+from helpers.launch import descendants as _descendants
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 
@@ -43,33 +45,6 @@ def _wait_for(predicate, timeout_s, proc=None):
             pytest.fail(f"exited {proc.returncode} early:\n{out[-3000:]}\n{err[-3000:]}")
         time.sleep(0.1)
     pytest.fail("timed out waiting")
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc), whatever session torchrun put it in."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize(

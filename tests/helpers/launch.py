@@ -162,3 +162,31 @@ def train_metrics(args: list[str], dump_folder) -> list[dict]:
         trainer.close()
     with open(os.path.join(str(dump_folder), "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc), whatever session torchrun put it in."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
