@@ -92,8 +92,11 @@ class ReplicaGroups:
     def __init__(self, folder, replicas, steps, *extra, nproc=1):
         self.folder, self.replicas, self.steps, self.extra, self.nproc = folder, replicas, steps, extra, nproc
         self.port = free_port()
+        # A 2 s heartbeat timeout (5 s by default): the tests wait less for a group to be dropped.
         self.lighthouse = subprocess.Popen(
-            lighthouse_cmd(self.port, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            lighthouse_cmd(self.port, 1, heartbeat_timeout_ms=2000),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         self.procs: dict[int, subprocess.Popen] = {}
 
@@ -138,30 +141,31 @@ def groups(tmp_path):
 @pytest.mark.multirank
 def test_kill_9_of_a_replica_group_the_other_trains_on_and_the_restarted_one_heals(groups):
     """[fault_tolerance], 2 replica groups of 2 FSDP2 ranks: kill -9 of group 1's rank 1 after step 3 -> group 0 logs every step without a restart, with quorum 1 while group 1 is down; group 1 started again heals from group 0's live state (each rank its shards; no checkpoint read) in a measured time, trains in lockstep, and both end with bitwise identical weights"""
-    g = groups(2, 60, "--parallelism.dp_shard=2", nproc=2)
+    g = groups(2, 45, "--parallelism.dp_shard=2", nproc=2)
     g.start(0)
     g.start(1, fault="step:3:1")
     assert g.procs[1].wait(timeout=300) != 0  # killed
-    died = time.monotonic()
-    g.wait_for(lambda: any(r["ft_quorum"] == 1 for r in g.rows(0)))
-    detected_s = time.monotonic() - died
+    # Started again at once, as a scheduler would; it takes longer to start than group 0 to go on alone.
     g.start(1)
     assert g.procs[0].wait(timeout=300) == 0 and g.procs[1].wait(timeout=300) == 0
     r0, r1 = g.rows(0), g.rows(1)
-    assert [r["step"] for r in r0] == list(range(1, 61))  # every step once: group 0 never restarted
+    assert [r["step"] for r in r0] == list(range(1, 46))  # every step once: group 0 never restarted
     quorum = [r["ft_quorum"] for r in r0]
     assert 1 in quorum and quorum[:3] == [2, 2, 2] and quorum[-1] == 2
     healed = [r for r in r1 if r["ft_heal_s"] > 0]
     assert len(healed) == 1 and healed[0]["step"] > 4  # joined the run where it was, not at step 4
-    assert [r["step"] for r in r1][-1] == 60
+    assert [r["step"] for r in r1][-1] == 45
     assert _max_diff(_weights(g.folder / "replica_0"), _weights(g.folder / "replica_1")) == 0.0
-    print(f"detected in {detected_s:.1f} s, healed in {healed[0]['ft_heal_s']:.3f} s at step {healed[0]['step']}")
+    alone = [r for r in r0 if r["ft_quorum"] == 1]
+    print(
+        f"group 0 alone for steps {alone[0]['step']}-{alone[-1]['step']}; group 1 healed in {healed[0]['ft_heal_s']:.3f} s"
+    )
 
 
 @pytest.mark.multirank
 def test_a_stopped_replica_group_is_dropped_and_readmitted_after_sigcont(groups):
     """[fault_tolerance], 2 replica groups: SIGSTOP of group 1's rank (hung, not dead) -> after the heartbeat timeout group 0 goes on with quorum 1; after SIGCONT group 1 finds its step failed, rejoins the quorum, heals from group 0 and both end with bitwise identical weights"""
-    g = groups(2, 60, "--fault_tolerance.timeout_s=5")
+    g = groups(2, 40, "--fault_tolerance.timeout_s=3")
     g.start(0)
     g.start(1)
     g.wait_for(lambda: len(g.rows(1)) >= 3)
@@ -173,8 +177,8 @@ def test_a_stopped_replica_group_is_dropped_and_readmitted_after_sigcont(groups)
         os.kill(rank, signal.SIGCONT)
     assert g.procs[0].wait(timeout=300) == 0 and g.procs[1].wait(timeout=300) == 0
     r0, r1 = g.rows(0), g.rows(1)
-    assert [r["step"] for r in r0] == list(range(1, 61)) and r0[-1]["ft_quorum"] == 2
-    assert any(r["ft_heal_s"] > 0 for r in r1) and r1[-1]["step"] == 60
+    assert [r["step"] for r in r0] == list(range(1, 41)) and r0[-1]["ft_quorum"] == 2
+    assert any(r["ft_heal_s"] > 0 for r in r1) and r1[-1]["step"] == 40
     assert _max_diff(_weights(g.folder / "replica_0"), _weights(g.folder / "replica_1")) == 0.0
 
 

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     config = launch.parse_args(argv)
     if config is None:  # --help
         return {}
+    # First thing: a rank whose launcher dies while it starts up (in a rendezvous of the
+    # disaggregated modes, say) must not live on as an orphan.
+    launch.die_with_launcher()
     validate_algorithm(config)
     if config.rollout.mode == "one_step" and split_world(config).rollout:  # this rank only generates
         RolloutWorker(config).run()

@@ -74,6 +74,7 @@ class Host:
         self.device = torch.device("cpu")
         self.local_loss = 0.0
         self.watchdog = Watchdog(0, dist.get_rank() if dist.is_initialized() else 0)
+        self.ft, self.ft_active = None, False  # no [fault_tolerance] replica groups
 
     def backward(self, loss: torch.Tensor, step: int) -> None:
         self.local_loss += loss.item()

@@ -24,7 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from titanrl.components.console import get_logger
 from titanrl.config.fault_tolerance import FaultTolerance as FTConfig
+
+log = get_logger(__name__)
 
 
 def _torchft():
@@ -66,6 +69,7 @@ class FaultTolerance:
             use_async_quorum=False,  # heal before the step generates: its rollouts use the healed weights
         )
         self.quorum_size = 0
+        self.last_quorum_size = config.group_size
 
     def _healed(self, state: Any) -> None:
         self._load(state)
@@ -84,8 +88,15 @@ class FaultTolerance:
             if self.healed:  # the quorum, the peer's state over the transport, and loading it
                 self.healed_s = time.perf_counter() - began
             if self.healed or self.quorum_size >= self.config.group_size or time.monotonic() > deadline:
-                return
+                break
             time.sleep(0.2)
+        if self.quorum_size != self.last_quorum_size:  # a group dropped (dead, hung) or back
+            log.warning(
+                f"fault tolerance: replica group {self.config.replica_id} is in a quorum of {self.quorum_size} "
+                f"of {self.config.group_size} groups (the others are dead, hung or starting; the lighthouse's "
+                "status page lists them)"
+            )
+            self.last_quorum_size = self.quorum_size
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """Sum every gradient over the replica groups of the quorum."""

@@ -39,7 +39,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lighthouse_cmd(port: int, min_replicas: int) -> list[str]:
+def lighthouse_cmd(port: int, min_replicas: int, heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS) -> list[str]:
     exe = shutil.which("torchft_lighthouse")
     if exe is None:
         raise ValueError("--ft-replicas needs TorchFT's lighthouse (torchft_lighthouse): pip install torchft")
@@ -47,7 +47,7 @@ def lighthouse_cmd(port: int, min_replicas: int) -> list[str]:
         exe,
         f"--min_replicas={min_replicas}",
         f"--bind=[::]:{port}",
-        f"--heartbeat_timeout_ms={HEARTBEAT_TIMEOUT_MS}",
+        f"--heartbeat_timeout_ms={heartbeat_timeout_ms}",
         f"--join_timeout_ms={JOIN_TIMEOUT_MS}",
     ]
 

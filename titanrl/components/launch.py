@@ -56,6 +56,8 @@ def die_with_launcher() -> None:
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
+    if parent == 1:  # the launcher died before this rank got here: nobody is left to follow
+        os._exit(1)
     pr_set_pdeathsig = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != parent:  # the launcher died before the line above took effect
