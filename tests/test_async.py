@@ -138,17 +138,26 @@ def test_async_kill_9_and_resume_trains_every_group_once(tmp_path):
     assert all(0 <= (r["step"] - 1) - r["min_version"] <= 2 for r in rows)
 
 
-@pytest.mark.multirank
-def test_a_dead_rollout_rank_stops_the_run_with_one_line_naming_it(tmp_path):
-    """rollout.mode = 'async': kill -9 of the rollout rank mid-run (as it takes version 2) -> `titanrl run` stops every rank and names it in one line (rollout rank 0, SIGKILL); no hang"""
-    args = _args(tmp_path, "--rollout.mode=async", "--rollout.max_staleness=1", "--algorithm.off_policy_correction=tis")
+DEAD = "tests/test_async.py::test_a_dead_rollout_rank_stops_the_run_with_one_line_naming_it"
+
+
+def _dead_rollout_cmd(folder):
+    args = _args(folder, "--rollout.mode=async", "--rollout.max_staleness=1", "--algorithm.off_policy_correction=tis")
     config, rest = args[0].split("=", 1)[1], args[1:]
-    cmd = [sys.executable, "-m", "titanrl.cli", "run", "--nproc", "2", config, *rest]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TITANRL_FAULT": "rollout_swap:2:0"}
-    proc = run_cmd(cmd, env, timeout_s=300)
-    assert proc.returncode == 1
+    return [sys.executable, "-m", "titanrl.cli", "run", "--nproc", "2", config, *rest]
+
+
+# In the background lane too: one `titanrl run` whose rollout rank kills itself as it takes version 2.
+background.register("async_dead_rollout", (DEAD,), _dead_rollout_cmd, env={"TITANRL_FAULT": "rollout_swap:2:0"})
+
+
+@pytest.mark.multirank
+def test_a_dead_rollout_rank_stops_the_run_with_one_line_naming_it():
+    """rollout.mode = 'async': kill -9 of the rollout rank mid-run (as it takes version 2) -> `titanrl run` stops every rank and names it in one line (rollout rank 0, SIGKILL); no hang"""
+    proc, folder = background.result("async_dead_rollout", timeout_s=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
     assert "titanrl: rank 0 (rollout rank 0) was killed by SIGKILL; the other ranks were stopped" in proc.stderr
-    assert len(_rl_steps(tmp_path)) < 4
+    assert len(_rl_steps(folder)) < 4
 
 
 def test_the_hub_takes_the_oldest_groups_and_drops_those_past_the_bound():
