@@ -10,10 +10,11 @@ import time
 
 import pytest
 from helpers import background
-from helpers.launch import REPO_ROOT, alive, descendants, torchrun_cmd
+from helpers.launch import REPO_ROOT, alive, torchrun_cmd
 from helpers.tiny import smoke_run_args
 from safetensors.torch import load_file
 
+from titanrl.components.containment import descendants
 from titanrl.components.ft_launch import free_port, lighthouse_cmd, replica_args
 
 pytest.importorskip("torchft")

@@ -13,7 +13,8 @@ import pytest
 from helpers.checkpoint_runs import BASE, assert_same_weights, ok, same, steps
 from helpers.launch import REPO_ROOT, cli_in_process, run_cmd
 from helpers.launch import alive as _alive
-from helpers.launch import descendants as _descendants
+
+from titanrl.components.containment import descendants as _descendants
 
 DEBUG = os.path.join(REPO_ROOT, "train_configs", "grpo_reverse_debug.toml")
 

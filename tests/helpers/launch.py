@@ -164,25 +164,6 @@ def train_metrics(args: list[str], dump_folder) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc), whatever session torchrun put it in."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
 def alive(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie."""
     try:

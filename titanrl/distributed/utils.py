@@ -1,8 +1,10 @@
 import ctypes
 import os
+import pickle
 import random
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,3 +90,20 @@ def return_freed_host_memory() -> None:
     except OSError:  # not glibc (e.g. musl): nothing to trim
         return
     libc.malloc_trim(0)
+
+
+def send_pickled(obj: Any, group: dist.ProcessGroup, peer: int, tag: int) -> None:
+    """A plain object (token ids, floats, dicts) to `peer` of `group`: its size under `tag`,
+    its pickled bytes under `tag` + 1 (`recv_pickled` takes it)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    group.send([torch.tensor([data.numel()], dtype=torch.int64)], peer, tag).wait()
+    group.send([data], peer, tag + 1).wait()
+
+
+def recv_pickled(group: dist.ProcessGroup, peer: int, tag: int) -> Any:
+    """What `send_pickled` sent from `peer` under `tag`."""
+    size = torch.empty(1, dtype=torch.int64)
+    group.recv([size], peer, tag).wait()
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.recv([data], peer, tag + 1).wait()
+    return pickle.loads(data.numpy().tobytes())

@@ -22,9 +22,6 @@ from titanrl.generator.sequence import Completion, PauseWhen, Seq, TurnHandler
 from titanrl.generator.window_pages import WindowPages
 from titanrl.models.tokenizer import Tokenizer
 
-StreamFeed = Callable[[Scheduler], bool]
-"""A stream's driver (`stream.py`), called before every scheduler pass; False ends the stream."""
-
 
 class StepLoop:
     """Runs `sched` to the end over `runner` and `pool`. A sample stops at a token of `eos_ids`
@@ -131,13 +128,13 @@ class StepLoop:
             sched.stats.steps += bool(prefill)
             self._decode(turns)
 
-    def run_stream(self, feed: StreamFeed) -> None:
-        """Passes for as long as `feed` (asked before each) keeps the stream going; then every
-        sample still in flight is dropped and its blocks freed."""
+    def run_stream(self, feed: Callable[[], bool]) -> None:
+        """Passes for as long as `feed` (asked before each, `stream.py`) keeps the stream going;
+        then every sample still in flight is dropped and its blocks freed."""
         if self.runner.lockstep is not None:
             raise ValueError("a generator stream cannot run under expert parallelism (ep lockstep) yet")
         try:
-            while feed(self.sched):
+            while feed():
                 if self.sched.has_work:
                     self._pass(None)
                     self._release_state_slots()

@@ -11,13 +11,12 @@ It blocks while neither it nor the scheduler has work, and returns False to end 
 samples still in flight are dropped and their blocks freed.
 """
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from titanrl.generator.generator import Generator
-from titanrl.generator.sampling import SamplingParams, validate_prompts
+from titanrl.generator.sampling import SamplingParams
 from titanrl.generator.scheduler import Scheduler
 from titanrl.generator.sequence import GenerationStats, Seq
 from titanrl.generator.step_loop import StepLoop
@@ -26,21 +25,15 @@ from titanrl.generator.step_loop import StepLoop
 class StreamScheduler(Scheduler):
     """A `Scheduler` that groups join while it runs, whose tokens carry weight versions."""
 
-    def __init__(self, *args, vocab_size: int, **kwargs) -> None:
-        super().__init__(*args, vocab_size=vocab_size, **kwargs)
-        self.vocab_size = vocab_size
+    def __init__(self, *args, check: Callable[[list[list[int]]], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.check = check
+        """What the generator checks of a `generate` call's prompts (ids, lengths, pool size)."""
 
     def add_prompts(self, prompts: list[list[int]], prompt_ids: list[int], seeds: list[int]) -> list[int]:
         """Queue groups behind the waiting ones (sample j of prompt i draws from the stream of
         (seeds[i], prompt_ids[i], j)); their indices, the results' `prompt_index`."""
-        validate_prompts(prompts, self.max_seq_len, self.vocab_size)
-        for prompt in prompts:
-            needed = math.ceil(min(len(prompt) + self.params.max_new_tokens, self.max_seq_len) / self.block_size)
-            if needed > self.blocks.allocator.num_blocks:
-                raise ValueError(
-                    f"the KV pool has {self.blocks.allocator.num_blocks} blocks of {self.block_size} tokens, but a "
-                    f"prompt of {len(prompt)} tokens needs {needed}; raise generator.num_blocks or the memory fraction"
-                )
+        self.check(prompts)
         first = len(self.prompt_ids)
         self.prompt_ids.extend(prompt_ids)
         self.seeds.extend(seeds)
@@ -88,8 +81,9 @@ def stream(gen: Generator, feed: StreamFeed, params: SamplingParams) -> Generati
         max_seq_len=gen.args.max_seq_len,
         vocab_size=gen.args.vocab_size,
         window=gen.window_pages,
+        check=lambda prompts: gen._validate(prompts, params, (), partial_turns=False),
     )
-    StepLoop.of(gen, sched).run_stream(lambda _: feed(sched))
+    StepLoop.of(gen, sched).run_stream(lambda: feed(sched))
     return sched.stats
 
 

@@ -19,7 +19,6 @@ Three channels:
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -29,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from titanrl.config import JobConfig
+from titanrl.distributed.utils import recv_pickled, send_pickled
 
-TAG_SIZE, TAG_DATA, TAG_ANNOUNCE = 0, 1, 2
-"""Point-to-point tags; a kind of object has its own pair (size, data) offset: `Channel`."""
+TAG_SIZE, TAG_ANNOUNCE = 0, 2
+"""Point-to-point tags: an object of a kind takes tags kind + 0 (its size) and kind + 1 (its
+bytes, `send_pickled`); announcements take their own."""
 
 STREAM, SHARE, START = 10, 20, 30
 """Tag offsets of the object kinds: rollout -> hub groups, hub -> trainer shares, hub -> rollout start."""
@@ -158,17 +159,11 @@ def _sync_group(store: dist.Store, rank: int, size: int, timeout: timedelta) -> 
 
 def send_object(obj: Any, peer: int, kind: int, r: AsyncRoles) -> None:
     """Pickled plain objects (token ids, floats, dicts): never tensors' storage."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    r.world.send([torch.tensor([data.numel()], dtype=torch.int64)], peer, kind + TAG_SIZE).wait()
-    r.world.send([data], peer, kind + TAG_DATA).wait()
+    send_pickled(obj, r.world, peer, kind + TAG_SIZE)
 
 
 def recv_object(peer: int, kind: int, r: AsyncRoles) -> Any:
-    size = torch.empty(1, dtype=torch.int64)
-    r.world.recv([size], peer, kind + TAG_SIZE).wait()
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    r.world.recv([data], peer, kind + TAG_DATA).wait()
-    return pickle.loads(data.numpy().tobytes())
+    return recv_pickled(r.world, peer, kind + TAG_SIZE)
 
 
 # ---- announcements: hub -> rollout ranks ----

@@ -40,7 +40,6 @@ from titanrl.data.prompts import build_prompt_loader, prompt_stream
 from titanrl.data.tasks import Sample
 from titanrl.distributed import set_determinism
 from titanrl.envs.builtin import ALL_TASKS
-from titanrl.generator import SamplingParams
 from titanrl.generator.sequence import Seq
 from titanrl.generator.stream import StreamScheduler, forget_prefixes, stream
 from titanrl.models.tokenizer import build_tokenizer
@@ -56,6 +55,7 @@ from titanrl.rl.async_roles import (
 )
 from titanrl.rl.builders import build_generator, build_reward_runner
 from titanrl.rl.rollout_worker import RolloutRankHost, _Shard
+from titanrl.rl.rollouts import group_sampling_params, step_seed
 from titanrl.rl.scoring import Scorer
 from titanrl.rl.weight_broadcast import bucket_layout, layout_digest, receive_weights
 
@@ -175,14 +175,8 @@ class StreamDriver:
         self.listener = AnnouncementListener(self.roles) if self.roles.is_leader else None
         self.tp_group = worker.tp_group
         self.stats_sent = dict.fromkeys(STAT_FIELDS, 0)
-        self.idle_s, self.swaps_mid_decode, self.stopped = 0.0, 0, False
-        self.params = SamplingParams(
-            max_new_tokens=cfg.generator.max_new_tokens,
-            temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p,
-            top_k=cfg.generator.top_k,
-            n=cfg.algorithm.group_size,
-        )
+        self.idle_s, self.swaps_mid_decode = 0.0, 0
+        self.params = group_sampling_params(cfg, 0)  # each group brings its own seed (`_add`)
 
     def run(self) -> None:
         stream(self.gen, self, self.params)
@@ -345,7 +339,7 @@ class StreamDriver:
     def _add(self, sched: StreamScheduler, new: list[tuple[int, Sample]]) -> None:
         prompts = [self.worker.encode(s.prompt, s.metadata) for _, s in new]
         # The synchronous run's keys: seeded by (job seed, step) and the prompt's place in its batch.
-        seeds = [hash((self.config.job.seed, gid // self.B + 1, 0)) & 0x7FFF_FFFF for gid, _ in new]
+        seeds = [step_seed(self.config.job.seed, gid // self.B + 1) for gid, _ in new]
         indices = sched.add_prompts(prompts, [gid % self.B for gid, _ in new], seeds)
         for index, (gid, s), prompt in zip(indices, new, prompts):
             self.in_flight[index] = StreamGroup(gid, s, prompt)

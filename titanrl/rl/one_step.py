@@ -22,7 +22,6 @@ loop is `rl/rollout_worker.py`, the trainer rank's collector `rl/remote_collecto
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from titanrl.config import JobConfig
+from titanrl.distributed.utils import recv_pickled, send_pickled
 
 
 @dataclass
@@ -90,17 +90,11 @@ def split_world(config: JobConfig, timeout_s: float = _PAIR_TIMEOUT_S) -> Roles:
 
 
 def send_object(obj: Any, r: Roles) -> None:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    r.group.send([torch.tensor([data.numel()], dtype=torch.int64)], r.partner, 0).wait()
-    r.group.send([data], r.partner, 1).wait()
+    send_pickled(obj, r.group, r.partner, 0)
 
 
 def recv_object(r: Roles) -> Any:
-    size = torch.empty(1, dtype=torch.int64)
-    r.group.recv([size], r.partner, 0).wait()
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    r.group.recv([data], r.partner, 1).wait()
-    return pickle.loads(data.numpy().tobytes())
+    return recv_pickled(r.group, r.partner, 0)
 
 
 @torch.no_grad()

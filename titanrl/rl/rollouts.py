@@ -20,6 +20,7 @@ import torch
 from titanrl.algorithms.dapo import informative_groups
 from titanrl.components.faults import fault_active
 from titanrl.components.timer import PhaseTimer
+from titanrl.config import JobConfig
 from titanrl.data.tasks import Sample
 from titanrl.distributed import dp_max
 from titanrl.envs.agent_pool import AgentPool
@@ -36,6 +37,24 @@ from titanrl.rl.scoring import Pending, Scorer
 
 if TYPE_CHECKING:
     from titanrl.rl.host import RolloutHost
+
+
+def step_seed(job_seed: int, step: int, round_idx: int = 0) -> int:
+    """The sampling seed of a step's generation round: every sample's random stream derives from
+    it and the prompt's place in its batch (`generator.scheduler.sample_key`)."""
+    return hash((job_seed, step, round_idx)) & 0x7FFF_FFFF
+
+
+def group_sampling_params(config: JobConfig, seed: int) -> SamplingParams:
+    """G samples per prompt with the [generator] section's settings."""
+    return SamplingParams(
+        max_new_tokens=config.generator.max_new_tokens,
+        temperature=config.generator.temperature,
+        top_p=config.generator.top_p,
+        top_k=config.generator.top_k,
+        n=config.algorithm.group_size,
+        seed=seed,
+    )
 
 
 class RolloutCollector:
@@ -73,15 +92,7 @@ class RolloutCollector:
 
     def sampling_params(self, step: int, round_idx: int) -> SamplingParams:
         """G samples per prompt with the [generator] section's settings, seeded by (job, step, round)."""
-        cfg = self.config
-        return SamplingParams(
-            max_new_tokens=cfg.generator.max_new_tokens,
-            temperature=cfg.generator.temperature,
-            top_p=cfg.generator.top_p,
-            top_k=cfg.generator.top_k,
-            n=cfg.algorithm.group_size,
-            seed=hash((cfg.job.seed, step, round_idx)) & 0x7FFF_FFFF,
-        )
+        return group_sampling_params(self.config, step_seed(self.config.job.seed, step, round_idx))
 
     def generate(
         self, samples: list[Sample], params: SamplingParams, prompt_ids: list[int], stream: bool = False
